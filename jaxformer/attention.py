@@ -1,0 +1,120 @@
+"""Scaled dot-product attention (a pure function) and multi-head attention.
+
+Layout: queries (B, T, H, K), keys and values (B, S, H, K) -- the layout of
+`jax.nn.dot_product_attention`, so either implementation can run the same call,
+and the decode cache can store keys/values exactly as they are projected (no
+transposes per step). Attention weights are (B, H, T, S).
+
+One module serves self- and cross-attention: `MultiHeadAttention.kv(x)` projects
+keys/values, `MultiHeadAttention(x_q, kv, mask)` attends. Self-attention passes
+`kv(x)` of its own input; cross-attention passes `kv(memory)`, which a decode
+loop computes once and reuses; a KV cache is just a bigger `KV`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxformer.config import TransformerConfig
+
+
+class KV(NamedTuple):
+    """Projected keys and values, each (B, S, H, K)."""
+
+    key: jnp.ndarray
+    value: jnp.ndarray
+
+
+def dot_product_attention(
+    query_BTHK: jnp.ndarray,
+    key_BSHK: jnp.ndarray,
+    value_BSHK: jnp.ndarray,
+    mask: Optional[jnp.ndarray] = None,
+    *,
+    dropout_rate: float = 0.0,
+    dropout_rng: Optional[jax.Array] = None,
+) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """softmax(Q K^T / sqrt(K) masked) V, per head.
+
+    Args:
+      query_BTHK, key_BSHK, value_BSHK: queries, keys, values.
+      mask: boolean, broadcastable to (B, H, T, S); True = may attend.
+      dropout_rate, dropout_rng: dropout on the weights (off if rng is None).
+
+    Returns:
+      (out (B, T, H, K), weights (B, H, T, S) after dropout). Unused weights
+      cost nothing under jit: XLA drops them.
+
+    Masked logits are replaced (`jnp.where`), not offset by -inf, with the most
+    negative finite value of the dtype: a fully masked row then gets uniform
+    weights, so its output and gradients stay finite instead of NaN. The softmax
+    runs in float32 whatever the compute dtype.
+    """
+    depth = query_BTHK.shape[-1]
+    logits_BHTS = jnp.einsum("bthk,bshk->bhts", query_BTHK, key_BSHK) / math.sqrt(depth)
+    logits_BHTS = logits_BHTS.astype(jnp.float32)
+    if mask is not None:
+        logits_BHTS = jnp.where(mask, logits_BHTS, jnp.finfo(jnp.float32).min)
+    weights_BHTS = jax.nn.softmax(logits_BHTS, axis=-1)
+    if dropout_rng is not None and dropout_rate > 0.0:
+        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights_BHTS.shape)
+        weights_BHTS = jnp.where(keep, weights_BHTS / (1.0 - dropout_rate), 0.0)
+    weights_BHTS = weights_BHTS.astype(value_BSHK.dtype)
+    out_BTHK = jnp.einsum("bhts,bshk->bthk", weights_BHTS, value_BSHK)
+    return out_BTHK, weights_BHTS
+
+
+def dense_init() -> nn.initializers.Initializer:
+    """Xavier-uniform, as torch.nn.MultiheadAttention and Flax's wmt example."""
+    return nn.initializers.xavier_uniform()
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention with separate query/key/value/output projections.
+
+    Parameters: `query`, `key`, `value` kernels (D, H, K) and `out` kernel
+    (H, K, D), plus biases if `config.attention_bias`.
+    """
+
+    config: TransformerConfig
+
+    def setup(self):
+        c = self.config
+        common = dict(dtype=c.compute_dtype, param_dtype=c.params_dtype,
+                      use_bias=c.attention_bias, kernel_init=dense_init())
+        heads = (c.num_heads, c.head_dim)
+        self.query = nn.DenseGeneral(features=heads, **common)
+        self.key = nn.DenseGeneral(features=heads, **common)
+        self.value = nn.DenseGeneral(features=heads, **common)
+        self.out = nn.DenseGeneral(features=c.d_model, axis=(-2, -1), **common)
+
+    def kv(self, inputs_BSD: jnp.ndarray) -> KV:
+        """Project keys and values: (B, S, D) -> KV of (B, S, H, K)."""
+        return KV(self.key(inputs_BSD), self.value(inputs_BSD))
+
+    def __call__(
+        self,
+        inputs_q_BTD: jnp.ndarray,
+        kv: KV,
+        mask: Optional[jnp.ndarray] = None,
+        *,
+        deterministic: bool = True,
+    ) -> jnp.ndarray:
+        """Attend from `inputs_q_BTD` to `kv`: (B, T, D) -> (B, T, D).
+
+        The (B, H, T, S) attention weights are sown into the `intermediates`
+        collection as `attention_weights`: pass `mutable="intermediates"` to
+        `apply` to get them (see `model.attention_weights`).
+        """
+        rate = self.config.attention_dropout
+        dropout_rng = None if deterministic or rate == 0.0 else self.make_rng("dropout")
+        out_BTHK, weights_BHTS = dot_product_attention(
+            self.query(inputs_q_BTD), kv.key, kv.value, mask,
+            dropout_rate=rate, dropout_rng=dropout_rng)
+        self.sow("intermediates", "attention_weights", weights_BHTS)
+        return self.out(out_BTHK)

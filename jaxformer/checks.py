@@ -1,0 +1,71 @@
+"""Boundary checks: shapes and dtypes by chex, token ranges by value.
+
+Shapes are static under `jax.jit`, so the chex checks fire at trace time,
+before any compilation, with a message naming the argument. Token *values* are
+only known outside `jit`: `check_tokens` raises eagerly on concrete arrays and
+is a no-op on tracers. Inside a jitted function an out-of-range id embeds as
+NaN (see `layers.TokenEmbedding`), so it cannot pass silently; the library's
+own jitted entry points (decoding, training) check on the host first.
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def is_concrete(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def check_tokens(name: str, tokens, vocab_size: int, max_len: int | None = None) -> None:
+    """(B, T) integer ids in [0, vocab_size), T <= max_len; raise ValueError otherwise."""
+    chex.assert_rank(tokens, 2, custom_message=f"argument {name} must be (batch, length)")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise TypeError(f"{name} must hold integer token ids, got dtype {tokens.dtype}")
+    check_length(name, tokens.shape[1], max_len)
+    if is_concrete(tokens):
+        values = np.asarray(tokens)
+        if values.size and (values.min() < 0 or values.max() >= vocab_size):
+            bad = values[(values < 0) | (values >= vocab_size)]
+            raise ValueError(f"{name} holds token ids outside [0, {vocab_size}): "
+                             f"{sorted(set(bad.tolist()))[:10]}")
+
+
+def check_length(name: str, length: int, max_len: int | None) -> None:
+    if max_len is not None and length > max_len:
+        raise ValueError(f"{name} has length {length}, longer than the model's "
+                         f"max_len={max_len}")
+
+
+def check_embedded(name: str, x, d_model: int, max_len: int) -> None:
+    """(B, S, D) float inputs (already-embedded sources)."""
+    chex.assert_rank(x, 3, custom_message=f"argument {name} must be (batch, length, d_model)")
+    if x.shape[-1] != d_model:
+        raise ValueError(f"{name} has feature size {x.shape[-1]}, expected d_model={d_model}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{name} must be floating point, got dtype {x.dtype}")
+    check_length(name, x.shape[1], max_len)
+
+
+def check_same_batch(**arrays) -> None:
+    """All arrays share their leading (batch) dimension."""
+    sizes = {name: a.shape[0] for name, a in arrays.items() if a is not None}
+    if len(set(sizes.values())) > 1:
+        raise ValueError(f"batch sizes disagree: {sizes}")
+
+
+def check_mask(name: str, mask, batch: int, queries: int, keys: int) -> None:
+    """A boolean mask broadcastable to (B, 1 or H, T, S)."""
+    if mask is None:
+        return
+    chex.assert_rank(mask, 4, custom_message=f"argument {name} must be (B, 1, T, S)")
+    if mask.dtype != jnp.bool_:
+        raise TypeError(f"{name} must be boolean (True = may attend), got {mask.dtype}")
+    for got, want, axis in zip(mask.shape[::2], (batch, queries), ("batch", "query")):
+        if got not in (1, want):
+            raise ValueError(f"{name} has {axis} size {got}, expected 1 or {want}")
+    if mask.shape[3] not in (1, keys):
+        raise ValueError(f"{name} has key size {mask.shape[3]}, expected 1 or {keys}")

@@ -1,0 +1,174 @@
+"""The one configuration object: every architecture choice, validated once.
+
+A `TransformerConfig` is a frozen dataclass, so it is hashable and can be a
+static argument to `jax.jit`. Strings (not dtype objects) keep it JSON-friendly
+for run directories and checkpoints: `TransformerConfig(**json.load(f))`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Optional
+
+import jax.numpy as jnp
+
+Norm = Literal["post", "pre"]
+Activation = Literal["relu", "gelu", "gelu_tanh"]
+Positions = Literal["sinusoidal", "learned"]
+
+_CHOICES = {
+    "norm": ("post", "pre"),
+    "activation": ("relu", "gelu", "gelu_tanh"),
+    "encoder_positions": ("sinusoidal", "learned"),
+    "decoder_positions": ("sinusoidal", "learned"),
+    "dtype": ("float32", "bfloat16", "float16"),
+    "param_dtype": ("float32", "bfloat16", "float16"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """Architecture of an encoder-decoder Transformer or a decoder-only LM.
+
+    The decoder-only LM (`DecoderOnlyLM`) reads only the `tgt_*`/decoder fields;
+    build one with `num_encoder_layers=0`.
+    """
+
+    src_vocab_size: int = 16
+    tgt_vocab_size: int = 16
+    d_model: int = 64
+    num_heads: int = 4
+    d_ff: int = 128
+    num_encoder_layers: int = 2
+    num_decoder_layers: int = 2
+    max_len: int = 64
+    # Dropout on the attention weights, on each sublayer output before the
+    # residual add, on (token + position) embeddings, and after the FFN
+    # activation. torch.nn.Transformer uses one `dropout` for all four.
+    attention_dropout: float = 0.0
+    residual_dropout: float = 0.0
+    embedding_dropout: float = 0.0
+    ffn_dropout: float = 0.0
+    # "post": x = LN(x + f(x)) (the original paper, seed 001);
+    # "pre":  x = x + f(LN(x)), followed by a final LN per stack (seed 002).
+    norm: Norm = "post"
+    # A final LayerNorm after each stack. None: only for "pre". torch.nn.Transformer
+    # always has one, so weights imported from it set this to True.
+    final_norm: Optional[bool] = None
+    # "gelu" is the exact erf form (torch.nn.GELU()); "gelu_tanh" the approximation.
+    activation: Activation = "relu"
+    encoder_positions: Positions = "sinusoidal"
+    decoder_positions: Positions = "sinusoidal"
+    layer_norm_epsilon: float = 1e-5
+    attention_bias: bool = True
+    # Multiply token embeddings by sqrt(d_model) (paper, seeds 000/002).
+    scale_embeddings: bool = True
+    # Output projection = target embedding transposed (no separate matrix).
+    tie_output_embedding: bool = False
+    # One embedding table for source and target (needs equal vocab sizes).
+    share_embeddings: bool = False
+    pad_id: int = 0
+    bos_id: int = 1
+    eos_id: int = 2
+    dtype: str = "float32"  # compute dtype
+    param_dtype: str = "float32"
+
+    def __post_init__(self):
+        for name in ("src_vocab_size", "tgt_vocab_size", "d_model", "num_heads",
+                     "d_ff", "max_len"):
+            _require(isinstance(getattr(self, name), int) and getattr(self, name) > 0,
+                     name, f"must be a positive int, got {getattr(self, name)!r}")
+        for name in ("num_encoder_layers", "num_decoder_layers"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value >= 0, name,
+                     f"must be a non-negative int, got {value!r}")
+        _require(self.num_decoder_layers > 0, "num_decoder_layers",
+                 "must be positive: every model here ends in a decoder")
+        _require(self.d_model % self.num_heads == 0, "d_model",
+                 f"{self.d_model} is not divisible by num_heads={self.num_heads}")
+        for name in ("attention_dropout", "residual_dropout", "embedding_dropout",
+                     "ffn_dropout"):
+            value = getattr(self, name)
+            _require(0.0 <= value < 1.0, name, f"must be in [0, 1), got {value!r}")
+        for name, choices in _CHOICES.items():
+            _require(getattr(self, name) in choices, name,
+                     f"must be one of {choices}, got {getattr(self, name)!r}")
+        _require(self.layer_norm_epsilon > 0, "layer_norm_epsilon",
+                 f"must be positive, got {self.layer_norm_epsilon!r}")
+        for name in ("pad_id", "bos_id", "eos_id"):
+            value = getattr(self, name)
+            _require(0 <= value < min(self.src_vocab_size, self.tgt_vocab_size), name,
+                     f"{value} is outside the vocabularies "
+                     f"(src {self.src_vocab_size}, tgt {self.tgt_vocab_size})")
+        _require(len({self.pad_id, self.bos_id, self.eos_id}) == 3, "pad_id",
+                 f"pad/bos/eos ids must differ, got {self.pad_id}/{self.bos_id}/{self.eos_id}")
+        _require(not self.share_embeddings or self.src_vocab_size == self.tgt_vocab_size,
+                 "share_embeddings",
+                 f"needs src_vocab_size == tgt_vocab_size, got "
+                 f"{self.src_vocab_size} and {self.tgt_vocab_size}")
+
+    # Derived values: properties, so there is one source of truth.
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    @property
+    def use_final_norm(self) -> bool:
+        return self.norm == "pre" if self.final_norm is None else self.final_norm
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.dtype)
+
+    @property
+    def params_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.param_dtype)
+
+    def replace(self, **changes) -> "TransformerConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "TransformerConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"TransformerConfig: unknown field(s) {unknown}")
+        return cls(**values)
+
+
+def _require(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"TransformerConfig.{field} {message}")
+
+
+# Presets. `tiny` is what tests share; `copy_task` is the default of
+# `jaxformer train`; `bench` is the "bench" workload of shared/DESIGN.md.
+def tiny(**overrides) -> TransformerConfig:
+    """A 2+2-layer, d_model 32 model: initialises and runs in milliseconds."""
+    return TransformerConfig(src_vocab_size=16, tgt_vocab_size=16, d_model=32,
+                             num_heads=4, d_ff=64, num_encoder_layers=2,
+                             num_decoder_layers=2, max_len=32).replace(**overrides)
+
+
+def copy_task(**overrides) -> TransformerConfig:
+    """The default model of `jaxformer train`: learns the copy task in minutes on CPU."""
+    return TransformerConfig(src_vocab_size=32, tgt_vocab_size=32, d_model=128,
+                             num_heads=4, d_ff=256, num_encoder_layers=2,
+                             num_decoder_layers=2, max_len=64, attention_dropout=0.0,
+                             residual_dropout=0.1, embedding_dropout=0.1,
+                             ffn_dropout=0.0).replace(**overrides)
+
+
+def bench(**overrides) -> TransformerConfig:
+    """The shared "bench" workload: vocab 100, d 256, 8 heads, d_ff 1024, 4+4 layers."""
+    return TransformerConfig(src_vocab_size=100, tgt_vocab_size=100, d_model=256,
+                             num_heads=8, d_ff=1024, num_encoder_layers=4,
+                             num_decoder_layers=4, max_len=256, attention_dropout=0.1,
+                             residual_dropout=0.1, embedding_dropout=0.1,
+                             ffn_dropout=0.1).replace(**overrides)
+
+
+PRESETS = {"tiny": tiny, "copy_task": copy_task, "bench": bench}

@@ -1,0 +1,58 @@
+"""Attention masks: pure functions returning booleans, **True = may attend**.
+
+This is the convention of `jax.nn.dot_product_attention` and Flax. (The seeds
+disagree: 000/002 use 1 = blocked, 001 uses 1 = visible.) Masks broadcast
+against attention logits of shape (B, H, T, S): B batch, H heads, T queries,
+S keys. Combine them with `&` (or `combine_masks`).
+
+Worked example: a source of length 4 whose last token is PAD (pad_id 0), and a
+target of length 3::
+
+    src = [[5, 6, 7, 0]]
+    padding_mask(src)            # (1,1,1,4): [[[[T, T, T, F]]]]
+    causal_mask(3)               # (1,1,3,3): [[[[T, F, F],
+                                 #              [T, T, F],
+                                 #              [T, T, T]]]]
+    cross_mask(tgt, src)         # (1,1,3,4): every target row sees keys [T, T, T, F]
+
+A query row whose keys are all masked (an all-PAD source) is allowed: attention
+gives it finite outputs and gradients (see `attention.dot_product_attention`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax.numpy as jnp
+
+
+def padding_mask(tokens_BS: jnp.ndarray, pad_id: int = 0) -> jnp.ndarray:
+    """(B, S) token ids -> (B, 1, 1, S): True where the key is not PAD."""
+    return (tokens_BS != pad_id)[:, None, None, :]
+
+
+def causal_mask(length: int) -> jnp.ndarray:
+    """(1, 1, T, T): query t may attend to keys 0..t."""
+    return jnp.tril(jnp.ones((length, length), dtype=bool))[None, None]
+
+
+def cross_mask(tgt_BT: jnp.ndarray, src_BS: jnp.ndarray, pad_id: int = 0) -> jnp.ndarray:
+    """(B, 1, T, S): every target query may attend to every non-PAD source key."""
+    return jnp.broadcast_to(padding_mask(src_BS, pad_id),
+                            (src_BS.shape[0], 1, tgt_BT.shape[1], src_BS.shape[1]))
+
+
+def decoder_self_mask(tgt_BT: jnp.ndarray, pad_id: int = 0) -> jnp.ndarray:
+    """(B, 1, T, T): causal and not PAD, the decoder self-attention mask."""
+    return causal_mask(tgt_BT.shape[1]) & padding_mask(tgt_BT, pad_id)
+
+
+def combine_masks(*masks: Optional[jnp.ndarray]) -> Optional[jnp.ndarray]:
+    """Logical AND of the masks that are not None (None if all are None)."""
+    present = [m for m in masks if m is not None]
+    if not present:
+        return None
+    combined = present[0]
+    for mask in present[1:]:
+        combined = combined & mask
+    return combined
