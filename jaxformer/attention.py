@@ -111,10 +111,13 @@ class MultiHeadAttention(nn.Module):
         collection as `attention_weights`: pass `mutable="intermediates"` to
         `apply` to get them (see `model.attention_weights`).
         """
+        query_BTHK = self.query(inputs_q_BTD)
+        if self.config.attention_impl == "jax":
+            out_BTHK = jax.nn.dot_product_attention(query_BTHK, kv.key, kv.value, mask=mask)
+            return self.out(out_BTHK)
         rate = self.config.attention_dropout
         dropout_rng = None if deterministic or rate == 0.0 else self.make_rng("dropout")
         out_BTHK, weights_BHTS = dot_product_attention(
-            self.query(inputs_q_BTD), kv.key, kv.value, mask,
-            dropout_rate=rate, dropout_rng=dropout_rng)
+            query_BTHK, kv.key, kv.value, mask, dropout_rate=rate, dropout_rng=dropout_rng)
         self.sow("intermediates", "attention_weights", weights_BHTS)
         return self.out(out_BTHK)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 Norm = Literal["post", "pre"]
 Activation = Literal["relu", "gelu", "gelu_tanh"]
 Positions = Literal["sinusoidal", "learned"]
+AttentionImpl = Literal["einsum", "jax"]
 
 _CHOICES = {
     "norm": ("post", "pre"),
@@ -23,6 +24,7 @@ _CHOICES = {
     "decoder_positions": ("sinusoidal", "learned"),
     "dtype": ("float32", "bfloat16", "float16"),
     "param_dtype": ("float32", "bfloat16", "float16"),
+    "attention_impl": ("einsum", "jax"),
 }
 
 
@@ -72,6 +74,11 @@ class TransformerConfig:
     eos_id: int = 2
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"
+    # "einsum": jaxformer's own attention (dropout on weights, weights sown for
+    # inspection). "jax": jax.nn.dot_product_attention, which picks a fused
+    # kernel (cuDNN flash attention on GPU) where one exists; no attention
+    # dropout and no sown weights.
+    attention_impl: AttentionImpl = "einsum"
 
     def __post_init__(self):
         for name in ("src_vocab_size", "tgt_vocab_size", "d_model", "num_heads",
@@ -93,6 +100,8 @@ class TransformerConfig:
         for name, choices in _CHOICES.items():
             _require(getattr(self, name) in choices, name,
                      f"must be one of {choices}, got {getattr(self, name)!r}")
+        _require(self.attention_impl == "einsum" or self.attention_dropout == 0.0,
+                 "attention_impl", '"jax" has no attention dropout: set attention_dropout=0')
         _require(self.layer_norm_epsilon > 0, "layer_norm_epsilon",
                  f"must be positive, got {self.layer_norm_epsilon!r}")
         for name in ("pad_id", "bos_id", "eos_id"):
