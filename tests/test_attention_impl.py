@@ -15,7 +15,9 @@ def test_jax_attention_matches_einsum(norm):
     tgt = jnp.array([[1, 5, 6], [1, 3, 4]])
     params = jf.Transformer(config).init(jax.random.key(0), src, tgt)
     einsum = jf.Transformer(config).apply(params, src, tgt)
-    fused = jf.Transformer(config.replace(attention_impl="jax")).apply(params, src, tgt)
+    fused, state = jf.Transformer(config.replace(attention_impl="jax")).apply(
+        params, src, tgt, mutable="intermediates")
+    assert jf.attention_weights(state.get("intermediates", {})) == {}  # the fused path ran
     assert np.isfinite(np.asarray(fused)).all()
     np.testing.assert_allclose(fused, einsum, atol=1e-5)
 
