@@ -1,0 +1,11 @@
+"""Weight import from other frameworks into (TransformerConfig, params).
+
+`from_torch_transformer` reads a `torch.nn.Transformer` plus its embeddings and
+output projection; `from_torch_decoder_only` reads a `torch.nn.TransformerEncoder`
+run with a causal mask (a decoder-only LM: self-attention + FFN per layer).
+PyTorch is imported only when one of them is called: `pip install 'jaxformer[torch]'`.
+"""
+
+from jaxformer.interop.pytorch import from_torch_decoder_only, from_torch_transformer
+
+__all__ = ["from_torch_transformer", "from_torch_decoder_only"]
