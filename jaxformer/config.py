@@ -163,11 +163,16 @@ def tiny(**overrides) -> TransformerConfig:
 
 
 def copy_task(**overrides) -> TransformerConfig:
-    """The default model of `jaxformer train`: learns the copy task in minutes on CPU."""
+    """The default model of `jaxformer train`: learns the copy task in minutes on CPU.
+
+    No dropout: the task streams fresh examples, so there is nothing to
+    overfit, and on CPU dropout costs time (random bits) and converges slower
+    (exact match 0.986 after 1000 steps with 0.1, 0.999 after 800 without).
+    """
     return TransformerConfig(src_vocab_size=32, tgt_vocab_size=32, d_model=128,
                              num_heads=4, d_ff=256, num_encoder_layers=2,
                              num_decoder_layers=2, max_len=64, attention_dropout=0.0,
-                             residual_dropout=0.1, embedding_dropout=0.1,
+                             residual_dropout=0.0, embedding_dropout=0.0,
                              ffn_dropout=0.0).replace(**overrides)
 
 

@@ -1,0 +1,95 @@
+"""Save / restore / resume a `TrainState` with Orbax.
+
+`Checkpoints(directory)` wraps an `orbax.checkpoint.CheckpointManager` whose
+steps are subdirectories `<directory>/<step>/`. Saves are synchronous and
+atomic (Orbax writes to a temporary directory and renames it), so an
+interrupted save never leaves a half-written step behind, and they only add:
+nothing is overwritten, only the oldest steps beyond `max_to_keep` are pruned.
+
+Restoring needs a target: a state of the right structure (e.g. a freshly
+initialised one). Its shapes, dtypes and shardings decide how the arrays come
+back, so a checkpoint restores onto the current mesh. Every failure -- no
+checkpoint, unreadable or corrupt files, a structure that does not match --
+raises `CheckpointError` naming the directory, and writes nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import jax
+import orbax.checkpoint as ocp
+
+
+class CheckpointError(Exception):
+    """A checkpoint is missing, unreadable or does not fit the model."""
+
+
+class Checkpoints:
+    """Periodic checkpoints of one run, in `directory`."""
+
+    def __init__(self, directory: str | os.PathLike, *, max_to_keep: Optional[int] = 3):
+        if max_to_keep is not None and max_to_keep < 1:
+            raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep!r}")
+        self.directory = os.path.abspath(os.fspath(directory))
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep, create=True,
+            # Synchronous: the train step donates the state's buffers right
+            # after a save, and small states save in milliseconds anyway.
+            enable_async_checkpointing=False)
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def steps(self) -> list[int]:
+        """Steps with a complete checkpoint, ascending."""
+        return sorted(self._manager.all_steps(read=True))
+
+    def latest_step(self) -> Optional[int]:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def save(self, step: int, state: Any) -> None:
+        """Write `state` as checkpoint `step` (a no-op if that step already exists)."""
+        if step in self.steps():
+            return
+        self._manager.save(int(step), args=ocp.args.StandardSave(state), force=True)
+        self._manager.wait_until_finished()
+
+    def restore(self, target: Any, step: Optional[int] = None) -> Any:
+        """Return the state saved at `step` (default: the latest), shaped like `target`."""
+        steps = self.steps()
+        if not steps:
+            raise CheckpointError(f"no checkpoint found in {self.directory}")
+        step = steps[-1] if step is None else step
+        if step not in steps:
+            raise CheckpointError(f"no checkpoint for step {step} in {self.directory} "
+                                  f"(available: {steps})")
+        abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, target)
+        path = os.path.join(self.directory, str(step))
+        try:
+            restored = self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
+        except Exception as error:  # orbax/tensorstore raise many types; one message
+            raise CheckpointError(f"checkpoint {path} is unreadable or corrupt, or does not "
+                                  f"match this model/optimizer: {type(error).__name__}: "
+                                  f"{error}") from error
+        got = jax.tree_util.tree_structure(restored)
+        want = jax.tree_util.tree_structure(target)
+        if got != want:
+            raise CheckpointError(f"checkpoint {path} has a different structure than the "
+                                  f"train state: {got} vs {want}")
+        for saved, expected in zip(jax.tree_util.tree_leaves(restored),
+                                   jax.tree_util.tree_leaves(target)):
+            if saved.shape != expected.shape or saved.dtype != expected.dtype:
+                raise CheckpointError(f"checkpoint {path} holds an array {saved.shape} "
+                                      f"{saved.dtype} where the train state has "
+                                      f"{expected.shape} {expected.dtype}")
+        return restored
+
+    def close(self) -> None:
+        self._manager.close()
+
+    def __enter__(self) -> "Checkpoints":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
