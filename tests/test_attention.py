@@ -1,0 +1,208 @@
+"""Attention: equal to a numpy reference and to jax.nn.dot_product_attention;
+dropout only when asked, reproducibly; fully masked rows stay finite."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxformer as jf
+
+B, T, S, H, K = 2, 3, 5, 2, 4
+
+
+def qkv(seed=0, dtype=jnp.float32, t=T, s=S):
+    r = np.random.default_rng(seed)
+    q = r.normal(size=(B, t, H, K))
+    k = r.normal(size=(B, s, H, K))
+    v = r.normal(size=(B, s, H, K))
+    return tuple(jnp.asarray(a, dtype) for a in (q, k, v))
+
+
+def numpy_attention(q, k, v, mask):
+    """The textbook formula in float64 numpy: softmax(q k^T / sqrt(K), masked) v."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    logits = np.einsum("bthk,bshk->bhts", q, k) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        logits = np.where(np.asarray(mask), logits, -np.inf)
+    logits = logits - logits.max(axis=-1, keepdims=True)
+    weights = np.exp(logits) / np.exp(logits).sum(axis=-1, keepdims=True)
+    return np.einsum("bhts,bshk->bthk", weights, v), weights
+
+
+def random_mask(shape, seed=3):
+    mask = np.random.default_rng(seed).random(shape) < 0.6
+    mask[..., 0] = True  # every query row sees at least one key (no fully masked row here)
+    return jnp.asarray(mask)
+
+
+MASKS = {
+    "none": lambda: None,
+    "padding_B11S": lambda: jf.padding_mask(jnp.array([[4, 4, 4, 0, 0], [4, 0, 4, 4, 4]])),
+    "causal_11TT": lambda: jf.causal_mask(S),
+    "full_BHTS": lambda: random_mask((B, H, T, S)),
+    "per_query_B1TS": lambda: random_mask((B, 1, T, S), seed=4),
+}
+
+
+def shapes_for(case):
+    return (S, S) if case == "causal_11TT" else (T, S)
+
+
+@pytest.mark.parametrize("case", list(MASKS))
+def test_equals_numpy_reference(case):
+    t, s = shapes_for(case)
+    q, k, v = qkv(t=t, s=s)
+    mask = MASKS[case]()
+    out, weights = jf.dot_product_attention(q, k, v, mask)
+    want_out, want_weights = numpy_attention(q, k, v, mask)
+    assert out.shape == (B, t, H, K) and weights.shape == (B, H, t, s)
+    np.testing.assert_allclose(np.asarray(out), want_out, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(weights), want_weights, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", list(MASKS))
+def test_equals_jax_nn_dot_product_attention(case):
+    t, s = shapes_for(case)
+    q, k, v = qkv(seed=1, t=t, s=s)
+    mask = MASKS[case]()
+    if mask is not None:
+        mask = jnp.broadcast_to(mask, (B, H, t, s))
+    out, _ = jf.dot_product_attention(q, k, v, mask)
+    np.testing.assert_allclose(out, jax.nn.dot_product_attention(q, k, v, mask=mask), atol=1e-6)
+
+
+def test_weights_are_distributions_that_ignore_masked_keys():
+    q, k, v = qkv(seed=2)
+    mask = random_mask((B, H, T, S))
+    _, weights = jf.dot_product_attention(q, k, v, mask)
+    weights = np.asarray(weights)
+    np.testing.assert_allclose(weights.sum(-1), 1.0, atol=1e-6)
+    assert (weights >= 0).all()
+    assert (weights[~np.asarray(mask)] == 0).all()
+
+
+def test_masked_key_values_do_not_matter():
+    q, k, v = qkv(seed=5)
+    mask = jf.padding_mask(jnp.array([[4, 4, 4, 0, 0], [4, 4, 4, 4, 0]]))
+    out, _ = jf.dot_product_attention(q, k, v, mask)
+    v2 = v.at[:, 4].set(1e4)  # a masked key position in both rows
+    k2 = k.at[:, 4].set(-1e4)
+    out2, _ = jf.dot_product_attention(q, k2, v2, mask)
+    np.testing.assert_array_equal(out, out2)
+
+
+def test_fully_masked_row_is_finite_with_finite_gradients():
+    q, k, v = qkv(seed=6)
+    mask = np.ones((B, 1, T, S), bool)
+    mask[0, :, 1, :] = False  # query 1 of batch 0 sees nothing
+    mask = jnp.asarray(mask)
+    out, weights = jf.dot_product_attention(q, k, v, mask)
+    assert np.isfinite(np.asarray(out)).all()
+    np.testing.assert_allclose(weights[0, :, 1], 1.0 / S, atol=1e-6)  # uniform, not NaN
+
+    def loss(q, k, v):
+        return jnp.sum(jf.dot_product_attention(q, k, v, mask)[0] ** 2)
+
+    grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    assert all(np.isfinite(np.asarray(g)).all() for g in grads)
+    # The other rows are exactly what they are without the dead row.
+    ok, _ = jf.dot_product_attention(q, k, v, None)
+    np.testing.assert_allclose(out[1], ok[1], atol=1e-6)
+    np.testing.assert_allclose(out[0, [0, 2]], ok[0, [0, 2]], atol=1e-6)
+
+
+def test_dropout_on_weights_is_scaled_reproducible_and_off_without_rng():
+    q, k, v = qkv(seed=7)
+    plain_out, plain_w = jf.dot_product_attention(q, k, v)
+    no_rng, _ = jf.dot_product_attention(q, k, v, dropout_rate=0.5, dropout_rng=None)
+    np.testing.assert_array_equal(no_rng, plain_out)
+
+    key = jax.random.PRNGKey(0)
+    out_a, w_a = jf.dot_product_attention(q, k, v, dropout_rate=0.5, dropout_rng=key)
+    out_b, w_b = jf.dot_product_attention(q, k, v, dropout_rate=0.5, dropout_rng=key)
+    out_c, _ = jf.dot_product_attention(q, k, v, dropout_rate=0.5,
+                                        dropout_rng=jax.random.PRNGKey(1))
+    np.testing.assert_array_equal(out_a, out_b)
+    assert not np.allclose(out_a, plain_out) and not np.allclose(out_a, out_c)
+    w_a, plain_w = np.asarray(w_a), np.asarray(plain_w)
+    kept = w_a != 0
+    assert 0.2 < kept.mean() < 0.8
+    np.testing.assert_allclose(w_a[kept], plain_w[kept] / 0.5, rtol=1e-6)  # inverted dropout
+    # The output is the dropped weights applied to the values.
+    np.testing.assert_allclose(out_a, np.einsum("bhts,bshk->bthk", w_a, v), atol=1e-5)
+
+
+def test_bfloat16_inputs_keep_their_dtype_and_stay_close():
+    q, k, v = qkv(seed=8)
+    out32, _ = jf.dot_product_attention(q, k, v)
+    out16, w16 = jf.dot_product_attention(*(a.astype(jnp.bfloat16) for a in (q, k, v)))
+    assert out16.dtype == jnp.bfloat16 and w16.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(out16, np.float32), out32, atol=5e-2)
+
+
+# ----------------------------------------------------------------------------
+# MultiHeadAttention module
+# ----------------------------------------------------------------------------
+
+
+def mha_setup(config, t=T, s=S, seed=0):
+    r = np.random.default_rng(seed)
+    x_BTD = jnp.asarray(r.normal(size=(B, t, config.d_model)), jnp.float32)
+    m_BSD = jnp.asarray(r.normal(size=(B, s, config.d_model)), jnp.float32)
+    mha = jf.MultiHeadAttention(config)
+
+    def call(module, x, m, mask, deterministic=True):
+        return module(x, module.kv(m), mask, deterministic=deterministic)
+
+    params = mha.init(jax.random.PRNGKey(seed), x_BTD, m_BSD, None, method=call)["params"]
+    return mha, call, params, x_BTD, m_BSD
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+def test_multi_head_attention_equals_projections_by_hand(bias):
+    config = jf.tiny(attention_bias=bias)
+    mha, call, params, x, m = mha_setup(config)
+    mask = jf.padding_mask(jnp.array([[4, 4, 0, 0, 0], [4, 4, 4, 4, 4]]))
+    got = mha.apply({"params": params}, x, m, mask, method=call)
+
+    def proj(name, inputs):  # (B, L, D) @ (D, H, K) + (H, K)
+        p = {k_: np.asarray(v_, np.float64) for k_, v_ in params[name].items()}
+        return np.einsum("bld,dhk->blhk", inputs, p["kernel"]) + p.get("bias", 0.0)
+
+    assert ("bias" in params["query"]) == bias and params["out"]["kernel"].shape == (4, 8, 32)
+    heads, _ = numpy_attention(proj("query", x), proj("key", m), proj("value", m), mask)
+    out = params["out"]
+    want = np.einsum("bthk,hkd->btd", heads, np.asarray(out["kernel"], np.float64))
+    want = want + (np.asarray(out["bias"]) if bias else 0.0)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
+
+
+def test_multi_head_attention_sows_weights_of_cross_attention_shape():
+    mha, call, params, x, m = mha_setup(jf.tiny())
+    mask = jf.padding_mask(jnp.array([[4, 4, 4, 0, 0], [4, 4, 4, 4, 0]]))
+    out, state = mha.apply({"params": params}, x, m, mask, method=call,
+                           mutable="intermediates")
+    (weights,) = state["intermediates"]["attention_weights"]
+    assert out.shape == (B, T, 32) and weights.shape == (B, 4, T, S)
+    np.testing.assert_allclose(weights.sum(-1), 1.0, atol=1e-6)
+    assert float(jnp.abs(weights[0, :, :, 3:]).max()) == 0.0
+
+
+def test_multi_head_attention_dropout_only_when_not_deterministic():
+    config = jf.tiny(attention_dropout=0.5)
+    mha, call, params, x, m = mha_setup(config)
+    plain = jf.MultiHeadAttention(config.replace(attention_dropout=0.0))
+    reference = plain.apply({"params": params}, x, m, None, method=call)
+    det = mha.apply({"params": params}, x, m, None, method=call)
+    np.testing.assert_array_equal(det, reference)
+
+    def noisy(seed):
+        return mha.apply({"params": params}, x, m, None, False, method=call,
+                         rngs={"dropout": jax.random.PRNGKey(seed)})
+
+    np.testing.assert_array_equal(noisy(0), noisy(0))
+    assert not np.allclose(noisy(0), reference)
+    assert not np.allclose(noisy(0), noisy(1))
