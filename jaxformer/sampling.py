@@ -1,0 +1,85 @@
+"""Token selection rules: logits (B, V) -> token ids (B,). Pure functions.
+
+A selector has the signature `select(logits_BV, rng) -> tokens_B` and knows
+nothing about models or caches, so the decode loop takes any of them:
+
+  greedy                   argmax (ties: the lowest id, as `jnp.argmax`)
+  make_sampler(...)        temperature, then top-k, then top-p (nucleus), then
+                           a categorical draw with the explicit key `rng`
+
+Filters replace removed logits by the most negative finite float32, never by
+-inf, so a row stays finite whatever is filtered.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+
+Selector = Callable[[jnp.ndarray, jax.Array], jnp.ndarray]
+
+NEG = jnp.finfo(jnp.float32).min
+
+
+def greedy(logits_BV: jnp.ndarray, rng: Optional[jax.Array] = None) -> jnp.ndarray:
+    """argmax over the vocabulary, (B, V) -> (B,) int32. `rng` is ignored."""
+    del rng
+    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+
+
+def top_k_filter(logits_BV: jnp.ndarray, k: int) -> jnp.ndarray:
+    """Keep the k largest logits of each row (ties at the k-th value are all kept)."""
+    kth_B1 = jax.lax.top_k(logits_BV, k)[0][:, -1:]
+    return jnp.where(logits_BV >= kth_B1, logits_BV, NEG)
+
+
+def top_p_filter(logits_BV: jnp.ndarray, p: float) -> jnp.ndarray:
+    """Nucleus: keep the smallest set of most likely tokens whose probability reaches p.
+
+    A token is kept if the probability mass of the tokens strictly more likely
+    than it is below p, so the most likely token is always kept.
+    """
+    sorted_BV = jnp.sort(logits_BV, axis=-1)[:, ::-1]
+    probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+    mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
+    kept_BV = mass_before_BV < p
+    # The smallest kept logit is the threshold (kept tokens are a prefix of the sort).
+    threshold_B1 = jnp.min(jnp.where(kept_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(logits_BV >= threshold_B1, logits_BV, NEG)
+
+
+@functools.lru_cache(maxsize=None)
+def make_sampler(temperature: float = 1.0, top_k: Optional[int] = None,
+                 top_p: Optional[float] = None) -> Selector:
+    """A selector that samples from softmax(logits / temperature), optionally filtered.
+
+    Args:
+      temperature: > 0 scales the logits; 0 means greedy (argmax).
+      top_k: keep only the k most likely tokens (k >= 1); None = all.
+      top_p: keep the nucleus of mass p, 0 < p <= 1; None = all.
+    Raises:
+      ValueError naming the argument if a value is out of range.
+
+    Cached: equal settings return the same function object, so a jitted loop
+    that takes the selector as a static argument compiles once per setting.
+    """
+    if not isinstance(temperature, (int, float)) or temperature < 0:
+        raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
+    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
+    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+    if temperature == 0:
+        return greedy
+
+    def select(logits_BV: jnp.ndarray, rng: jax.Array) -> jnp.ndarray:
+        logits_BV = logits_BV.astype(jnp.float32) / temperature
+        if top_k is not None and top_k < logits_BV.shape[-1]:
+            logits_BV = top_k_filter(logits_BV, top_k)
+        if top_p is not None and top_p < 1:
+            logits_BV = top_p_filter(logits_BV, top_p)
+        return jax.random.categorical(rng, logits_BV, axis=-1).astype(jnp.int32)
+    return select

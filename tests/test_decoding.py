@@ -1,0 +1,216 @@
+"""Decoding: the cached, compiled loops against full recomputation, and their contracts."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxformer as jf
+from jaxformer import decoding, sampling
+from jaxformer.masks import causal_mask
+
+N_NEW = 10
+
+
+def _with_eos_bias(config, params, delta):
+    params = jax.tree_util.tree_map(lambda x: x, params)  # a copy we may edit
+    bias = params["decoder"]["out_proj"]["bias"]
+    params["decoder"]["out_proj"]["bias"] = bias.at[config.eos_id].add(delta)
+    return params
+
+
+def _mixed_eos_params(config, model, params, src):
+    """Raise the EOS bias until some rows stop mid-way and some do not (so EOS logic runs)."""
+    for delta in np.linspace(0.0, 3.0, 31):
+        edited = _with_eos_bias(config, params, float(delta))
+        lengths = np.asarray(decoding.greedy_decode(model, edited, src,
+                                                    max_new_tokens=N_NEW).lengths)
+        if (lengths < N_NEW).any() and (lengths == N_NEW).any() and (lengths > 1).any():
+            return edited
+    pytest.fail("no EOS bias gives a mix of finished and unfinished rows")
+
+
+def reference_greedy(model, params, src, n_new):
+    """Independent reference: a Python loop, a full forward pass of the model each step.
+
+    The prefix lives in a fixed (B, N) buffer (one compile); the causal mask
+    makes the not-yet-filled slots invisible to the position read out.
+    Returns (tokens (B, N) with PAD after EOS, lengths (B,), logits (B, N, V)).
+    """
+    c = model.config
+    batch = src.shape[0]
+    forward = jax.jit(lambda p, s, t: model.apply({"params": p}, s, t, None,
+                                                  causal_mask(t.shape[1])))
+    prefix = np.full((batch, n_new), c.pad_id, np.int32)
+    prefix[:, 0] = c.bos_id
+    finished = np.zeros(batch, bool)
+    tokens = np.full((batch, n_new), c.pad_id, np.int32)
+    lengths = np.zeros(batch, np.int32)
+    all_logits = []
+    for step in range(n_new):
+        logits = np.asarray(forward(params, src, jnp.asarray(prefix))[:, step])
+        all_logits.append(logits)
+        pick = np.where(finished, c.pad_id, logits.argmax(axis=-1)).astype(np.int32)
+        tokens[:, step] = pick
+        lengths = np.where(finished, lengths, step + 1)
+        finished |= pick == c.eos_id
+        if step + 1 < n_new:
+            prefix[:, step + 1] = pick
+    return tokens, lengths, np.stack(all_logits, axis=1)
+
+
+@functools.lru_cache(maxsize=None)
+def _build_encdec(norm):
+    config = jf.tiny(norm=norm)
+    model = jf.Transformer(config)
+    rng = np.random.default_rng(1)
+    src = rng.integers(3, config.src_vocab_size, (5, 9)).astype(np.int32)
+    src[1, 5:] = config.pad_id  # padded sources
+    src[3, 2:] = config.pad_id
+    src = jnp.asarray(src)
+    params = model.init(jax.random.PRNGKey(0), src, src[:, :4])["params"]
+    return config, model, _mixed_eos_params(config, model, params, src), src
+
+
+@pytest.fixture(scope="module", params=["post", "pre"])
+def encdec(request):
+    """(config, model, params with a mixed-EOS bias, padded src), for both norms."""
+    return _build_encdec(request.param)
+
+
+@pytest.fixture(scope="module")
+def encdec_post():
+    """The "post" case only, for tests of the loop machinery rather than the model."""
+    return _build_encdec("post")
+
+
+def test_cached_greedy_equals_full_recomputation(encdec):
+    config, model, params, src = encdec
+    result = decoding.greedy_decode(model, params, src, max_new_tokens=N_NEW,
+                                    return_logits=True)
+    tokens, lengths, logits = reference_greedy(model, params, src, N_NEW)
+    np.testing.assert_array_equal(result.tokens, tokens)
+    np.testing.assert_array_equal(result.lengths, lengths)
+    for row, length in enumerate(lengths):  # logits after EOS are not part of the contract
+        np.testing.assert_allclose(result.logits[row, :length], logits[row, :length],
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_output_convention(encdec):
+    """Tokens exclude BOS, include EOS, PAD after it; lengths count up to EOS."""
+    config, model, params, src = encdec
+    result = decoding.greedy_decode(model, params, src, max_new_tokens=N_NEW)
+    assert result.tokens.shape == (src.shape[0], N_NEW) and result.tokens.dtype == jnp.int32
+    assert result.lengths.shape == (src.shape[0],) and result.lengths.dtype == jnp.int32
+    for row, length in zip(np.asarray(result.tokens), np.asarray(result.lengths)):
+        eos = np.flatnonzero(row == config.eos_id)
+        if length < N_NEW:
+            assert eos[0] == length - 1
+            assert (row[length:] == config.pad_id).all()
+        else:
+            assert len(eos) == 0 or eos[0] == N_NEW - 1
+
+
+def test_naive_recompute_loop_agrees(encdec):
+    config, model, params, src = encdec
+    cached = decoding.greedy_decode(model, params, src, max_new_tokens=N_NEW)
+    naive = decoding.greedy_decode_recompute(model, params, src, max_new_tokens=N_NEW)
+    np.testing.assert_array_equal(cached.tokens, naive.tokens)
+    np.testing.assert_array_equal(cached.lengths, naive.lengths)
+
+
+def test_while_loop_equals_scan(encdec):
+    config, model, params, src = encdec
+    scan = decoding.greedy_decode(model, params, src, max_new_tokens=N_NEW)
+    early = decoding.greedy_decode(model, params, src, max_new_tokens=N_NEW, loop="while")
+    np.testing.assert_array_equal(scan.tokens, early.tokens)
+    np.testing.assert_array_equal(scan.lengths, early.lengths)
+
+
+def test_explicit_src_mask_equals_default(encdec_post):
+    config, model, params, src = encdec_post
+    default = decoding.greedy_decode(model, params, src, max_new_tokens=N_NEW)
+    explicit = decoding.greedy_decode(model, params, src, max_new_tokens=N_NEW,
+                                      src_mask=jf.padding_mask(src, config.pad_id))
+    np.testing.assert_array_equal(default.tokens, explicit.tokens)
+    seen_all = decoding.greedy_decode(model, params, src, max_new_tokens=N_NEW,
+                                      src_mask=jnp.ones((src.shape[0], 1, 1, src.shape[1]), bool))
+    # Letting the decoder see PAD changes the padded rows' outputs (the mask matters).
+    assert not np.array_equal(default.tokens, seen_all.tokens)
+
+
+def test_padding_a_source_does_not_change_its_decode(encdec_post):
+    config, model, params, src = encdec_post
+    row = src[1:2, :5]  # row 1 is 5 real tokens then PAD
+    alone = decoding.greedy_decode(model, params, row, max_new_tokens=N_NEW)
+    batched = decoding.greedy_decode(model, params, src, max_new_tokens=N_NEW)
+    np.testing.assert_array_equal(alone.tokens[0], batched.tokens[1])
+
+
+def test_compiled_once_per_shape(encdec_post):
+    config, model, params, src = encdec_post
+    decoding.greedy_decode(model, params, src, max_new_tokens=N_NEW)  # warm: compile
+    before = decoding.TRACE_COUNTS["encdec"]
+    other_src = jnp.flip(src, axis=0)  # same shape, new values
+    for inputs in (src, other_src, src):
+        decoding.greedy_decode(model, params, inputs, max_new_tokens=N_NEW)
+    assert decoding.TRACE_COUNTS["encdec"] == before
+    decoding.greedy_decode(model, params, src[:, :8], max_new_tokens=N_NEW)  # a new shape
+    assert decoding.TRACE_COUNTS["encdec"] == before + 1
+
+
+def test_init_wrapper_params_are_accepted(encdec_post):
+    config, model, params, src = encdec_post
+    bare = decoding.greedy_decode(model, params, src, max_new_tokens=N_NEW)
+    wrapped = decoding.greedy_decode(model, {"params": params}, src, max_new_tokens=N_NEW)
+    np.testing.assert_array_equal(bare.tokens, wrapped.tokens)
+
+
+# -- input checks: clear errors before compiling -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small():
+    config = jf.tiny()
+    model = jf.Transformer(config)
+    src = jnp.full((2, 4), 5, jnp.int32)
+    return config, model, model.init(jax.random.PRNGKey(0), src, src)["params"], src
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    pytest.param(dict(max_new_tokens=0), ValueError, "max_new_tokens", id="zero_new_tokens"),
+    pytest.param(dict(max_new_tokens=2.0), TypeError, "max_new_tokens", id="float_new_tokens"),
+    pytest.param(dict(max_new_tokens=33), ValueError, "max_len", id="too_many_new_tokens"),
+    pytest.param(dict(src_BS=jnp.array([[5, 16]])), ValueError, "src_BS", id="id_out_of_range"),
+    pytest.param(dict(src_BS=jnp.array([[5, -1]])), ValueError, "src_BS", id="negative_id"),
+    pytest.param(dict(src_BS=jnp.full((1, 33), 5)), ValueError, "src_BS", id="source_too_long"),
+    pytest.param(dict(src_BS=jnp.ones((1, 3, 7))), ValueError, "d_model", id="float_ids"),
+    pytest.param(dict(src_mask=jnp.ones((3, 1, 1, 4), bool)), ValueError, "src_mask",
+                 id="mask_batch_mismatch"),
+    pytest.param(dict(src_mask=jnp.ones((2, 1, 1, 3), bool)), ValueError, "src_mask",
+                 id="mask_length_mismatch"),
+    pytest.param(dict(src_mask=jnp.ones((2, 1, 1, 4))), TypeError, "src_mask",
+                 id="mask_not_bool"),
+    pytest.param(dict(loop="for"), ValueError, "loop", id="bad_loop"),
+])
+def test_bad_inputs_raise_before_compiling(small, kwargs, error, match):
+    config, model, params, src = small
+    args = dict(src_BS=src, max_new_tokens=3) | kwargs
+    before = dict(decoding.TRACE_COUNTS)
+    with pytest.raises(error, match=match):
+        decoding.greedy_decode(model, params, args.pop("src_BS"), **args)
+    assert dict(decoding.TRACE_COUNTS) == before
+
+
+def test_decoder_only_model_is_refused_by_greedy_decode(small):
+    config, model, params, src = small
+    lm = jf.DecoderOnlyLM(config.replace(num_encoder_layers=0))
+    with pytest.raises(TypeError, match="Transformer"):
+        decoding.greedy_decode(lm, params, src, max_new_tokens=3)
+
+
+def test_greedy_selector_is_argmax():
+    logits = jnp.array([[0.1, 3.0, -1.0], [2.0, 2.0, 1.0]])
+    np.testing.assert_array_equal(sampling.greedy(logits), [1, 0])
