@@ -42,7 +42,8 @@ class Checkpoints:
 
     def steps(self) -> list[int]:
         """Steps with a complete checkpoint, ascending."""
-        return sorted(self._manager.all_steps(read=True))
+        self._manager.reload()  # another process (an earlier run) may have written steps
+        return sorted(self._manager.all_steps())
 
     def latest_step(self) -> Optional[int]:
         steps = self.steps()

@@ -40,6 +40,7 @@ import numpy as np
 import optax
 
 from jaxformer.config import TransformerConfig
+from jaxformer.decoding import greedy_decode
 from jaxformer.model import Transformer
 from jaxformer.sharding import (check_divisible, data_sharding, make_mesh, replicated,
                                 shard_batch)
@@ -252,25 +253,15 @@ def make_eval_step(model: Transformer) -> Callable:
     return jax.jit(eval_step)
 
 
-def _greedy_decode(model, params, src_BS, *, max_new_tokens):
-    """TEMPORARY private fallback until jaxformer.decoding lands: no cache, full recompute."""
-    c = model.config
-    batch = src_BS.shape[0]
-    tgt = jnp.full((batch, max_new_tokens + 1), c.pad_id, jnp.int32).at[:, 0].set(c.bos_id)
-
-    def body(t, carry):
-        tgt, done = carry
-        logits = model.apply({"params": params}, src_BS, tgt)
-        token = jnp.where(done, c.pad_id, logits[:, t].argmax(-1).astype(jnp.int32))
-        return tgt.at[:, t + 1].set(token), done | (token == c.eos_id)
-
-    tgt, _ = jax.lax.fori_loop(0, max_new_tokens, body, (tgt, jnp.zeros((batch,), bool)))
-    return tgt[:, 1:]
-
-
 def make_predict(model: Transformer, max_new_tokens: int) -> Callable:
-    """jit(predict)(params, src_BS) -> greedy tokens (B, max_new_tokens), PAD after EOS."""
-    return jax.jit(functools.partial(_greedy_decode, model, max_new_tokens=max_new_tokens))
+    """predict(params, src_BS) -> greedy tokens (B, max_new_tokens), PAD after EOS.
+
+    `jaxformer.decoding.greedy_decode` (cached, compiled once per shape).
+    """
+    def predict(params, src_BS):
+        return greedy_decode(model, params, src_BS, max_new_tokens=max_new_tokens).tokens
+
+    return predict
 
 
 def evaluate(model: Transformer, params, batch: Batch, *, mesh=None, chunk: int = 1000,
