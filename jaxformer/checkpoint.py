@@ -29,12 +29,16 @@ class CheckpointError(Exception):
 class Checkpoints:
     """Periodic checkpoints of one run, in `directory`."""
 
-    def __init__(self, directory: str | os.PathLike, *, max_to_keep: Optional[int] = 3):
+    def __init__(self, directory: str | os.PathLike, *, max_to_keep: Optional[int] = 3,
+                 create: bool = True):
+        """`create=False` (for resuming) refuses a missing directory instead of making it."""
         if max_to_keep is not None and max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep!r}")
         self.directory = os.path.abspath(os.fspath(directory))
+        if not create and not os.path.isdir(self.directory):
+            raise CheckpointError(f"no checkpoint directory {self.directory}")
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep, create=True,
+            max_to_keep=max_to_keep, create=create,
             # Synchronous: the train step donates the state's buffers right
             # after a save, and small states save in milliseconds anyway.
             enable_async_checkpointing=False)

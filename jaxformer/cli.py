@@ -181,7 +181,8 @@ def _train_command(args) -> int:
         if conflicts:
             raise UsageError("--resume continues the saved run; these flags differ from "
                              f"{config_path}: {', '.join(conflicts)}")
-        if not Checkpoints(os.path.join(out, "checkpoints")).steps():
+        checkpoint_dir = os.path.join(out, "checkpoints")
+        if not os.path.isdir(checkpoint_dir) or not Checkpoints(checkpoint_dir).steps():
             raise UsageError(f"cannot resume: no checkpoint in {out}/checkpoints")
     else:
         try:

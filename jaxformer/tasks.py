@@ -24,6 +24,7 @@ FNV-1a + murmur3 finaliser in uint32, identical under jit and eagerly.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -83,6 +84,7 @@ class Task:
         ordered_BS = jnp.sort(jnp.where(valid_BS, src_BS, big), axis=1)
         return jnp.where(valid_BS, ordered_BS, self.pad_id).astype(src_BS.dtype)
 
+    @functools.partial(jax.jit, static_argnums=(0, 2))  # a Task is frozen, so hashable
     def sample(self, key: jax.Array, batch_size: int) -> Batch:
         """Draw `batch_size` examples from the task distribution (held-out ones included).
 
@@ -108,6 +110,7 @@ class Task:
         labels_BT = jnp.where(eos_BT, self.eos_id, labels_BT).astype(jnp.int32)
         return Batch(src_BS, tgt_in_BT.astype(jnp.int32), labels_BT)
 
+    @functools.partial(jax.jit, static_argnums=(0, 2))
     def train_batch(self, key: jax.Array, batch_size: int) -> Batch:
         """A training batch: `sample` with every held-out source removed.
 
@@ -140,11 +143,12 @@ class Task:
         if not isinstance(num_examples, int) or num_examples <= 0:
             raise ValueError(f"num_examples must be a positive int, got {num_examples!r}")
         key = jax.random.fold_in(jax.random.PRNGKey(seed), 0x48454C44)  # "HELD": own stream
-        sample = jax.jit(self.sample, static_argnums=1)
         chunk = 4096
         seen, rows = set(), []
-        for attempt in range(1000):
-            cand = jax.device_get(sample(jax.random.fold_in(key, attempt), chunk))
+        attempt = stale = 0
+        while stale < 10:  # ten draws of 4096 without a new sequence: the space is exhausted
+            cand = jax.device_get(self.sample(jax.random.fold_in(key, attempt), chunk))
+            attempt, before = attempt + 1, len(rows)
             held = np.asarray(is_heldout(jnp.asarray(cand.src), self.pad_id))
             for i in np.flatnonzero(held):
                 signature = cand.src[i].tobytes()
@@ -153,6 +157,7 @@ class Task:
                     rows.append((cand.src[i], cand.tgt_in[i], cand.labels[i]))
                     if len(rows) == num_examples:
                         return Batch(*(np.stack(column) for column in zip(*rows)))
+            stale = stale + 1 if len(rows) == before else 0
         raise ValueError(f"could not find {num_examples} distinct held-out sequences for "
                          f"{self}: the task has too few distinct sequences")
 
@@ -177,6 +182,7 @@ def make_task(name: str = "copy", *, vocab_size: int = 32, min_len: int = 1,
     return Task(name, vocab_size, min_len, max_len, pad_id, bos_id, eos_id)
 
 
+@jax.jit
 def sequence_hash(src_BS: jnp.ndarray) -> jnp.ndarray:
     """(B, S) int ids -> (B,) uint32: FNV-1a over the ids, then murmur3's finaliser."""
     tokens_BS = src_BS.astype(jnp.uint32)
@@ -190,6 +196,7 @@ def sequence_hash(src_BS: jnp.ndarray) -> jnp.ndarray:
     return h_B ^ (h_B >> 16)
 
 
+@functools.partial(jax.jit, static_argnames="pad_id")
 def is_heldout(src_BS: jnp.ndarray, pad_id: int = 0) -> jnp.ndarray:
     """(B, S) -> (B,) bool: the source is in the held-out partition.
 

@@ -367,7 +367,8 @@ def fit(model_config: TransformerConfig, train_config: TrainConfig, *,
     check_divisible(tc.batch_size, mesh)
     model = Transformer(model_config)
     tx = make_optimizer(tc)
-    checkpoints = Checkpoints(checkpoint_dir) if checkpoint_dir is not None else None
+    checkpoints = (Checkpoints(checkpoint_dir, create=not resume)
+                   if checkpoint_dir is not None else None)
     state = create_train_state(model, tx, tc.seed, task.src_len, task.tgt_len, mesh)
     if resume:
         state = checkpoints.restore(state)
