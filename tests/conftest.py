@@ -1,4 +1,4 @@
-"""Shared fixtures: a tiny config, initialised models, token batches.
+"""Shared fixtures: a tiny config, models with random parameters, token batches.
 
 Tokens drawn here avoid the special ids (pad 0, bos 1, eos 2) unless a test
 puts them in on purpose, so "PAD" in a test always means a deliberate PAD.
@@ -20,37 +20,62 @@ def random_tokens(seed: int, shape: tuple[int, ...], vocab: int) -> jnp.ndarray:
                        jnp.int32)
 
 
+def numpy_params(model, *init_args, seed: int = 0):
+    """Random parameters with `model.init`'s exact tree, drawn in numpy (no XLA compile).
+
+    Unlike the default init, biases are non-zero and LayerNorm scales are not 1,
+    so a bias or norm that is skipped or misplaced shows up in the outputs.
+    Kernels have std 1/sqrt(fan_in), embeddings std d^-1/2, as the default init.
+    """
+    abstract = jax.eval_shape(model.init, jax.random.PRNGKey(0), *init_args)["params"]
+    r = np.random.default_rng(seed)
+
+    def draw(path, leaf):
+        names = [getattr(k, "key", "") for k in path]
+        shape = leaf.shape
+        if names[-1] == "kernel":
+            fan_in = shape[0] * shape[1] if names[-2] == "out" and len(shape) == 3 else shape[0]
+            values = r.normal(0.0, fan_in ** -0.5, shape)
+        elif names[-1] == "embedding":
+            values = r.normal(0.0, shape[-1] ** -0.5, shape)
+        elif names[-1] == "scale":
+            values = 1.0 + 0.1 * r.normal(size=shape)
+        else:  # biases
+            values = 0.1 * r.normal(size=shape)
+        return jnp.asarray(values, leaf.dtype)
+
+    return jax.tree_util.tree_map_with_path(draw, abstract)
+
+
 @pytest.fixture
 def tiny():
     return jf.tiny()
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def tokens():
     """`tokens(seed, shape, vocab=16)`: non-special random ids."""
     return lambda seed, shape, vocab=16: random_tokens(seed, shape, vocab)
 
 
-@pytest.fixture
-def init_transformer():
-    """`init_transformer(config, B=2, S=5, T=4)` -> (model, params)."""
+@pytest.fixture(scope="session")
+def make_transformer():
+    """`make_transformer(config, seed=0)` -> (Transformer, numpy_params of it)."""
 
-    def make(config, B=2, S=5, T=4, seed=0):
+    def make(config, seed=0):
         model = jf.Transformer(config)
-        src = random_tokens(seed, (B, S), config.src_vocab_size)
-        tgt = random_tokens(seed + 1, (B, T), config.tgt_vocab_size)
-        return model, model.init(jax.random.PRNGKey(seed), src, tgt)["params"]
+        tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+        return model, numpy_params(model, tokens, tokens, seed=seed)
 
     return make
 
 
-@pytest.fixture
-def init_lm():
-    """`init_lm(config, B=2, T=6)` -> (DecoderOnlyLM, params)."""
+@pytest.fixture(scope="session")
+def make_lm():
+    """`make_lm(config, seed=0)` -> (DecoderOnlyLM, numpy_params of it)."""
 
-    def make(config, B=2, T=6, seed=0):
+    def make(config, seed=0):
         model = jf.DecoderOnlyLM(config)
-        tokens = random_tokens(seed, (B, T), config.tgt_vocab_size)
-        return model, model.init(jax.random.PRNGKey(seed), tokens)["params"]
+        return model, numpy_params(model, jax.ShapeDtypeStruct((1, 1), jnp.int32), seed=seed)
 
     return make

@@ -109,21 +109,17 @@ def test_parameter_tree_layout():
 
 
 @pytest.fixture(scope="module")
-def seq2seq():
+def seq2seq(make_transformer):
     """(model, params, apply) of a pre-norm tiny Transformer; apply is jitted once."""
-    config = jf.tiny(norm="pre", src_vocab_size=16, tgt_vocab_size=20)
-    model = jf.Transformer(config)
-    src = jnp.ones((1, 6), jnp.int32) * 3
-    params = jax.jit(model.init)(jax.random.PRNGKey(0), src, src)["params"]
+    model, params = make_transformer(jf.tiny(norm="pre", src_vocab_size=16, tgt_vocab_size=20))
     apply = jax.jit(lambda p, s, t: model.apply({"params": p}, s, t))
     return model, params, apply
 
 
 @pytest.fixture(scope="module")
-def lm():
-    config = jf.tiny(num_encoder_layers=0, tgt_vocab_size=20)
-    model = jf.DecoderOnlyLM(config)
-    params = jax.jit(model.init)(jax.random.PRNGKey(1), jnp.ones((1, 6), jnp.int32))["params"]
+def lm(make_lm):
+    """(model, params, apply) of a post-norm tiny DecoderOnlyLM."""
+    model, params = make_lm(jf.tiny(num_encoder_layers=0, tgt_vocab_size=20), seed=1)
     apply = jax.jit(lambda p, t: model.apply({"params": p}, t))
     return model, params, apply
 
@@ -236,22 +232,25 @@ def test_padded_row_in_a_batch_equals_the_row_alone(seq2seq):
 # ----------------------------------------------------------------------------
 
 
-def loss_fn(model, **kwargs):
-    def loss(params, *args):
-        logits = model.apply({"params": params}, *args, **kwargs)
-        return -jnp.mean(jax.nn.log_softmax(logits)[..., 3])
+def logits_and_grads(model, params, *args):
+    """(logits, d loss / d params) in one jitted forward+backward pass."""
 
-    return loss
+    def loss(p):
+        logits = model.apply({"params": p}, *args)
+        return -jnp.mean(jax.nn.log_softmax(logits)[..., 3]), logits
+
+    grads, logits = jax.jit(jax.grad(loss, has_aux=True))(params)
+    return logits, grads
 
 
 def all_finite(tree):
     return all(np.isfinite(np.asarray(x)).all() for x in jax.tree_util.tree_leaves(tree))
 
 
-def test_fully_masked_rows_are_finite_with_finite_gradients():
+def test_fully_masked_rows_are_finite_with_finite_gradients(make_transformer, make_lm):
     """All-PAD source and target rows (default masks) and explicit all-False mask rows."""
     config = jf.tiny(norm="pre", num_encoder_layers=1, num_decoder_layers=1)
-    model = jf.Transformer(config)
+    model, params = make_transformer(config)
     src = ids(12, (4, 5), 16)
     tgt = ids(13, (4, 4), 16)
     src[1] = PAD  # an all-PAD source: every cross-attention row is fully masked
@@ -259,18 +258,12 @@ def test_fully_masked_rows_are_finite_with_finite_gradients():
     src, tgt = jnp.asarray(src), jnp.asarray(tgt)
     src_mask = jf.padding_mask(src).at[3].set(False)  # row 3: an explicit all-False mask
     tgt_mask = jf.decoder_self_mask(tgt).at[0, :, 2].set(False)  # row 0, query 2 sees nothing
-    params = jax.jit(model.init)(jax.random.PRNGKey(0), src, tgt)["params"]
-    loss = loss_fn(model)
-    logits, grads = jax.jit(lambda p: (model.apply({"params": p}, src, tgt, src_mask, tgt_mask),
-                                       jax.grad(loss)(p, src, tgt, src_mask, tgt_mask)))(params)
+    logits, grads = logits_and_grads(model, params, src, tgt, src_mask, tgt_mask)
     assert all_finite(logits) and all_finite(grads)
     assert jf.count_params(grads) == jf.count_params(params)
 
-    lm_model = jf.DecoderOnlyLM(config.replace(num_encoder_layers=0))
-    lm_params = jax.jit(lm_model.init)(jax.random.PRNGKey(0), tgt)["params"]
-    lm_loss = loss_fn(lm_model)
-    logits, grads = jax.jit(lambda p: (lm_model.apply({"params": p}, tgt, tgt_mask),
-                                       jax.grad(lm_loss)(p, tgt, tgt_mask)))(lm_params)
+    lm_model, lm_params = make_lm(config.replace(num_encoder_layers=0))
+    logits, grads = logits_and_grads(lm_model, lm_params, tgt, tgt_mask)
     assert all_finite(logits) and all_finite(grads)
 
 
@@ -333,7 +326,8 @@ def test_bfloat16_compute_is_close_to_float32_and_params_stay_float32(seq2seq):
     params_bf16 = jax.eval_shape(bf16.init, jax.random.PRNGKey(0), src, tgt)["params"]
     assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(params_bf16))
     want = apply(params, src, tgt)
-    got, state = bf16.apply({"params": params}, src, tgt, mutable="intermediates")
+    got, state = jax.jit(lambda p: bf16.apply({"params": p}, src, tgt,
+                                              mutable="intermediates"))(params)
     assert got.dtype == jnp.float32  # logits are returned in float32
     weights = jf.attention_weights(state["intermediates"])
     assert all(w.dtype == jnp.bfloat16 for w in weights.values())  # really computed in bf16
@@ -344,8 +338,8 @@ def test_bfloat16_compute_is_close_to_float32_and_params_stay_float32(seq2seq):
 
 def test_dropout_only_when_not_deterministic_and_reproducible(seq2seq):
     plain, params, _ = seq2seq
-    model = jf.Transformer(plain.config.replace(
-        residual_dropout=0.3, embedding_dropout=0.3, attention_dropout=0.3, ffn_dropout=0.3))
+    # Attention dropout is tested in test_attention (its jitted compile is slow on CPU).
+    model = jf.Transformer(plain.config.replace(residual_dropout=0.3, embedding_dropout=0.3))
     src = jnp.asarray(ids(24, (2, 5), 16))
     tgt = jnp.asarray(ids(25, (2, 4), 20))
     clean = plain.apply({"params": params}, src, tgt)
