@@ -34,6 +34,11 @@ def check_tokens(name: str, tokens, vocab_size: int, max_len: int | None = None)
                              f"{sorted(set(bad.tolist()))[:10]}")
 
 
+def check_rank(name: str, x, rank, layout: str) -> None:
+    """`x` has rank `rank` (an int or a set of ints); `layout` names the axes for the message."""
+    chex.assert_rank(x, rank, custom_message=f"argument {name} must be {layout}")
+
+
 def check_length(name: str, length: int, max_len: int | None) -> None:
     if max_len is not None and length > max_len:
         raise ValueError(f"{name} has length {length}, longer than the model's "

@@ -183,6 +183,11 @@ class Transformer(nn.Module):
                  src_mask: Optional[jnp.ndarray] = None, tgt_mask: Optional[jnp.ndarray] = None,
                  *, deterministic: bool = True) -> jnp.ndarray:
         """Teacher-forced logits (B, T, V_tgt) of `tgt` (B, T) given `src` (B, S[, D])."""
+        # Ranks first: otherwise a wrong-rank src fails as a misleading batch
+        # mismatch, or as an IndexError inside the default mask.
+        checks.check_rank("src", src, {2, 3},
+                          "ids (batch, length) or embedded (batch, length, d_model)")
+        checks.check_rank("tgt", tgt, 2, "(batch, length)")
         checks.check_same_batch(src=src, tgt=tgt)
         if src_mask is None:
             src_mask = _default_src_mask(src, self.config.pad_id)
