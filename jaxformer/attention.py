@@ -56,7 +56,15 @@ def dot_product_attention(
     runs in float32 whatever the compute dtype.
     """
     depth = query_BTHK.shape[-1]
-    logits_BHTS = jnp.einsum("bthk,bshk->bhts", query_BTHK, key_BSHK) / math.sqrt(depth)
+    # One query (a cached decode step): multiply-and-reduce instead of a batched
+    # dot. XLA's CPU dot wants (B, H) leading, so with (B, S, H, K) keys it would
+    # transpose the whole cache every step; the reduction reads it once in place.
+    single_query = query_BTHK.shape[1] == 1
+    if single_query:
+        logits_BSH = jnp.sum(query_BTHK * key_BSHK, axis=-1, dtype=jnp.float32) / math.sqrt(depth)
+        logits_BHTS = jnp.transpose(logits_BSH, (0, 2, 1))[:, :, None, :]
+    else:
+        logits_BHTS = jnp.einsum("bthk,bshk->bhts", query_BTHK, key_BSHK) / math.sqrt(depth)
     logits_BHTS = logits_BHTS.astype(jnp.float32)
     if mask is not None:
         logits_BHTS = jnp.where(mask, logits_BHTS, jnp.finfo(jnp.float32).min)
@@ -65,7 +73,12 @@ def dot_product_attention(
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights_BHTS.shape)
         weights_BHTS = jnp.where(keep, weights_BHTS / (1.0 - dropout_rate), 0.0)
     weights_BHTS = weights_BHTS.astype(value_BSHK.dtype)
-    out_BTHK = jnp.einsum("bhts,bshk->bthk", weights_BHTS, value_BSHK)
+    if single_query:
+        weights_BSH1 = jnp.transpose(weights_BHTS[:, :, 0, :], (0, 2, 1))[..., None]
+        out_BTHK = jnp.sum(weights_BSH1 * value_BSHK, axis=1, dtype=jnp.float32)[:, None]
+        out_BTHK = out_BTHK.astype(value_BSHK.dtype)
+    else:
+        out_BTHK = jnp.einsum("bhts,bshk->bthk", weights_BHTS, value_BSHK)
     return out_BTHK, weights_BHTS
 
 
