@@ -214,3 +214,108 @@ def test_decoder_only_model_is_refused_by_greedy_decode(small):
 def test_greedy_selector_is_argmax():
     logits = jnp.array([[0.1, 3.0, -1.0], [2.0, 2.0, 1.0]])
     np.testing.assert_array_equal(sampling.greedy(logits), [1, 0])
+
+
+# -- vmap: one example's decode, batched by jax.vmap ------------------------------------
+
+
+@pytest.mark.parametrize("loop", ["scan", "while"])
+def test_vmapped_single_example_equals_batched(encdec_post, loop):
+    config, model, params, src = encdec_post
+    one = lambda s: decoding.greedy_decode_one(model, params, s, max_new_tokens=N_NEW,
+                                               loop=loop)
+    vmapped = jax.jit(jax.vmap(one))(src)
+    batched = decoding.greedy_decode(model, params, src, max_new_tokens=N_NEW, loop=loop)
+    np.testing.assert_array_equal(vmapped.tokens, batched.tokens)
+    np.testing.assert_array_equal(vmapped.lengths, batched.lengths)
+    assert vmapped.tokens.shape == (src.shape[0], N_NEW)
+    # And one example alone is the row of the batch.
+    single = jax.jit(one)(src[3])
+    np.testing.assert_array_equal(single.tokens, batched.tokens[3])
+
+
+# -- decoder-only LM with ragged prompts ------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _build_lm(norm):
+    config = jf.tiny(norm=norm, num_encoder_layers=0)
+    model = jf.DecoderOnlyLM(config)
+    rng = np.random.default_rng(2)
+    lengths = np.array([5, 2, 7, 1])
+    prompt = rng.integers(3, config.tgt_vocab_size, (4, 7)).astype(np.int32)
+    prompt[np.arange(7)[None, :] >= lengths[:, None]] = config.pad_id  # right padding
+    params = model.init(jax.random.PRNGKey(3), jnp.asarray(prompt))["params"]
+    return config, model, params, jnp.asarray(prompt), lengths
+
+
+def reference_lm_greedy(model, params, prompt, lengths, n_new):
+    """Each row alone, unpadded: full forward over prompt + generated tokens every step."""
+    c = model.config
+    width = prompt.shape[1] + n_new
+    forward = jax.jit(lambda p, t: model.apply({"params": p}, t, causal_mask(width)))
+    tokens = np.full((len(lengths), n_new), c.pad_id, np.int32)
+    logits_out = np.zeros((len(lengths), n_new, c.tgt_vocab_size), np.float32)
+    for row, length in enumerate(lengths):
+        sequence = np.full((1, width), c.pad_id, np.int32)
+        sequence[0, :length] = np.asarray(prompt[row, :length])
+        for step in range(n_new):
+            logits = np.asarray(forward(params, jnp.asarray(sequence))[0, length - 1 + step])
+            logits_out[row, step] = logits
+            tokens[row, step] = logits.argmax()
+            sequence[0, length + step] = tokens[row, step]
+            if tokens[row, step] == c.eos_id:
+                break
+    return tokens, logits_out
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_lm_ragged_prompt_generate_equals_recomputation(norm):
+    config, model, params, prompt, lengths = _build_lm(norm)
+    result = decoding.generate(model, params, prompt, max_new_tokens=6, return_logits=True)
+    tokens, logits = reference_lm_greedy(model, params, prompt, lengths, 6)
+    np.testing.assert_array_equal(result.tokens, tokens)
+    np.testing.assert_allclose(result.logits, logits, atol=1e-5, rtol=1e-5)
+    # Explicit lengths are the same as lengths inferred from the right padding.
+    explicit = decoding.generate(model, params, prompt, max_new_tokens=6,
+                                 prompt_lengths=lengths, return_logits=True)
+    np.testing.assert_array_equal(explicit.tokens, result.tokens)
+
+
+def test_lm_while_equals_scan_and_padding_width_does_not_matter():
+    config, model, params, prompt, lengths = _build_lm("post")
+    scan = decoding.generate(model, params, prompt, max_new_tokens=6)
+    early = decoding.generate(model, params, prompt, max_new_tokens=6, loop="while")
+    np.testing.assert_array_equal(scan.tokens, early.tokens)
+    wider = jnp.pad(prompt, ((0, 0), (0, 3)), constant_values=config.pad_id)
+    np.testing.assert_array_equal(
+        decoding.generate(model, params, wider, max_new_tokens=6).tokens, scan.tokens)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    pytest.param(dict(max_new_tokens=0), "max_new_tokens", id="zero_new_tokens"),
+    pytest.param(dict(max_new_tokens=27), "max_len", id="prompt_plus_new_too_long"),
+    pytest.param(dict(prompt_lengths=np.array([5, 2, 8, 1])), "prompt_lengths",
+                 id="length_beyond_width"),
+    pytest.param(dict(prompt_lengths=np.array([5, 2, 0, 1])), "prompt_lengths",
+                 id="empty_prompt"),
+    pytest.param(dict(prompt_lengths=np.array([5, 2, 7])), "prompt_lengths",
+                 id="lengths_batch_mismatch"),
+    pytest.param(dict(prompt_BP=jnp.array([[5, 0, 6]])), "PAD", id="pad_inside_prompt"),
+    pytest.param(dict(prompt_BP=jnp.array([[5, 16]])), "prompt_BP", id="id_out_of_range"),
+    pytest.param(dict(temperature=1.0), "rng", id="sampling_without_rng"),
+])
+def test_lm_bad_inputs_raise_before_compiling(kwargs, match):
+    config, model, params, prompt, lengths = _build_lm("post")
+    args = dict(prompt_BP=prompt, max_new_tokens=3) | kwargs
+    before = dict(decoding.TRACE_COUNTS)
+    with pytest.raises((ValueError, TypeError), match=match):
+        decoding.generate(model, params, args.pop("prompt_BP"), **args)
+    assert dict(decoding.TRACE_COUNTS) == before
+
+
+def test_left_align():
+    prompt = jnp.array([[5, 6, 7, 0], [8, 0, 0, 0], [3, 4, 5, 6]])
+    np.testing.assert_array_equal(
+        decoding.left_align(prompt, jnp.array([3, 1, 4]), pad_id=0),
+        [[0, 5, 6, 7], [0, 0, 0, 8], [3, 4, 5, 6]])

@@ -1,0 +1,164 @@
+"""Beam search with a length penalty, for the encoder-decoder model.
+
+Same cache and same step as greedy decoding: the B * W beams are rows of one
+`DecodeCache` (the memory's cross keys/values are projected once for B rows
+and repeated W times). After each step every batch element keeps the W best
+of its W * V candidates and the cache rows are gathered from their parent
+beams.
+
+Scoring. A beam's log-probability is the sum of its tokens' log-softmax. It is
+ranked by the GNMT length-normalised score (Wu et al. 2016)
+
+    score = log_prob / ((5 + length) / 6) ** length_penalty
+
+where length counts tokens up to and including EOS. `length_penalty=0` ranks by
+raw log-probability. A beam that emitted EOS stays in the pool, extended only
+by PAD at no cost, so its score is frozen and it competes with the live beams
+at every step (finished and live beams share the W slots). With W = 1 this is
+exactly greedy decoding.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jaxformer import cache as cache_lib
+from jaxformer import decoding
+from jaxformer.attention import KV
+from jaxformer.model import Transformer
+
+DEAD = -1e9  # log-probability of a beam that must never be chosen (finite: no NaN)
+
+
+@flax.struct.dataclass
+class BeamState:
+    """The beam loop carry; rows are batch-major, beam-minor (row = b * W + w).
+
+    Attributes:
+      step: () int32, tokens generated so far.
+      token_R: (B*W,) int32, the token each beam feeds next.
+      cache: the `DecodeCache` of all B*W beams.
+      tokens_BWN: (B, W, N) int32, each beam's tokens so far, PAD-initialised.
+      log_prob_BW: (B, W) float32, summed log-probabilities.
+      lengths_BW: (B, W) int32, tokens up to and including EOS (or generated so far).
+      finished_BW: (B, W) bool.
+    """
+
+    step: jax.Array
+    token_R: jax.Array
+    cache: Any
+    tokens_BWN: jax.Array
+    log_prob_BW: jax.Array
+    lengths_BW: jax.Array
+    finished_BW: jax.Array
+
+
+def length_normalised(log_prob, lengths, length_penalty: float):
+    """GNMT: log_prob / ((5 + length) / 6) ** length_penalty."""
+    return log_prob / ((5.0 + lengths.astype(jnp.float32)) / 6.0) ** length_penalty
+
+
+def beam_step(state: BeamState, logits_RV: jnp.ndarray, cache, *, beam_size: int,
+              length_penalty: float, eos_id: int, pad_id: int) -> BeamState:
+    """Extend every beam by every token, keep the W best candidates per batch element."""
+    batch, width, _ = state.tokens_BWN.shape
+    vocab = logits_RV.shape[-1]
+    log_probs_BWV = jax.nn.log_softmax(logits_RV.astype(jnp.float32)).reshape(
+        batch, width, vocab)
+    # Live beams: every continuation. Finished beams: only PAD, at no cost.
+    pad_only_V = jnp.where(jnp.arange(vocab) == pad_id, 0.0, DEAD)
+    step_BWV = jnp.where(state.finished_BW[..., None], pad_only_V, log_probs_BWV)
+    candidate_BWV = state.log_prob_BW[..., None] + step_BWV
+    lengths_BW = jnp.where(state.finished_BW, state.lengths_BW, state.step + 1)
+    ranking_BWV = length_normalised(candidate_BWV, lengths_BW[..., None], length_penalty)
+    _, best_BW = jax.lax.top_k(ranking_BWV.reshape(batch, width * vocab), beam_size)
+    parent_BW, token_BW = best_BW // vocab, (best_BW % vocab).astype(jnp.int32)
+
+    def from_parent(x_BW):
+        return jnp.take_along_axis(x_BW, parent_BW, axis=1)
+
+    was_finished_BW = from_parent(state.finished_BW)
+    token_BW = jnp.where(was_finished_BW, pad_id, token_BW)
+    tokens_BWN = jnp.take_along_axis(state.tokens_BWN, parent_BW[..., None], axis=1)
+    tokens_BWN = jax.lax.dynamic_update_slice(tokens_BWN, token_BW[..., None], (0, 0, state.step))
+    log_prob_BW = jnp.take_along_axis(candidate_BWV.reshape(batch, width * vocab), best_BW,
+                                      axis=1)
+    # The cache rows follow their parents (cross keys/values are equal within a batch
+    # element, so only the self-attention cache is gathered).
+    rows_R = (jnp.arange(batch)[:, None] * width + parent_BW).reshape(-1)
+    cache = cache.replace(self_kv=tuple(KV(kv.key[rows_R], kv.value[rows_R])
+                                        for kv in cache.self_kv))
+    return state.replace(
+        step=state.step + 1, token_R=token_BW.reshape(-1), cache=cache,
+        tokens_BWN=tokens_BWN, log_prob_BW=log_prob_BW,
+        lengths_BW=from_parent(lengths_BW),
+        finished_BW=was_finished_BW | (token_BW == eos_id))
+
+
+@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "beam_size",
+                                             "length_penalty"))
+def _beam_jit(model, params, src, src_mask, *, max_new_tokens, beam_size, length_penalty):
+    decoding.TRACE_COUNTS["beam"] += 1
+    c = model.config
+    batch, width = src.shape[0], beam_size
+    src_mask = decoding._src_mask(src, src_mask, c.pad_id)
+    memory_BSD = model.apply({"params": params}, src, src_mask, method=Transformer.encode)
+    # Row b * W + w is beam w of example b. Repeating the memory costs W times
+    # one cross projection, once; the loop never re-projects it.
+    repeat = functools.partial(jnp.repeat, repeats=width, axis=0)
+    cache = cache_lib.with_memory(model, params,
+                                  cache_lib.init_cache(c, batch * width, max_new_tokens),
+                                  repeat(memory_BSD), repeat(src_mask))
+    state = BeamState(
+        step=jnp.zeros((), jnp.int32),
+        token_R=jnp.full((batch * width,), c.bos_id, jnp.int32),
+        cache=cache,
+        tokens_BWN=jnp.full((batch, width, max_new_tokens), c.pad_id, jnp.int32),
+        # All beams start identical: only beam 0 may expand at the first step.
+        log_prob_BW=jnp.where(jnp.arange(width) == 0, 0.0, DEAD)[None].repeat(batch, 0),
+        lengths_BW=jnp.zeros((batch, width), jnp.int32),
+        finished_BW=jnp.zeros((batch, width), bool))
+    logits_fn = decoding.cached_logits_fn(model, params)
+
+    def body(state, _):
+        logits_RV, cache = logits_fn(state.token_R, state.cache, state.step)
+        return beam_step(state, logits_RV, cache, beam_size=width,
+                         length_penalty=length_penalty, eos_id=c.eos_id,
+                         pad_id=c.pad_id), None
+
+    state, _ = jax.lax.scan(body, state, None, length=max_new_tokens)
+    scores_BW = length_normalised(state.log_prob_BW, state.lengths_BW, length_penalty)
+    best_B1 = jnp.argmax(scores_BW, axis=1)[:, None]
+    return decoding.DecodeResult(
+        tokens=jnp.take_along_axis(state.tokens_BWN, best_B1[..., None], axis=1)[:, 0],
+        lengths=jnp.take_along_axis(state.lengths_BW, best_B1, axis=1)[:, 0],
+        scores=jnp.take_along_axis(scores_BW, best_B1, axis=1)[:, 0])
+
+
+def beam_search(model: Transformer, params, src_BS, *, max_new_tokens: int, beam_size: int,
+                length_penalty: float = 0.6, src_mask=None) -> decoding.DecodeResult:
+    """Beam search decoding of an encoder-decoder `Transformer`.
+
+    Args:
+      model, params, src_BS, max_new_tokens, src_mask: as `decoding.greedy_decode`.
+      beam_size: W >= 1 beams per example (W <= target vocabulary).
+      length_penalty: alpha >= 0 of the GNMT penalty (0 = raw log-probability).
+    Returns:
+      DecodeResult(tokens (B, N) of the best beam, lengths (B,), scores (B,) its
+      length-normalised log-probability).
+    """
+    decoding._check_encdec_inputs(model, src_BS, src_mask, max_new_tokens, "scan")
+    vocab = model.config.tgt_vocab_size
+    if isinstance(beam_size, bool) or not isinstance(beam_size, int) or not 1 <= beam_size <= vocab:
+        raise ValueError(f"beam_size must be an int in 1..{vocab} (the target vocabulary), "
+                         f"got {beam_size!r}")
+    if not isinstance(length_penalty, (int, float)) or length_penalty < 0:
+        raise ValueError(f"length_penalty must be a number >= 0, got {length_penalty!r}")
+    return _beam_jit(model, decoding._unwrap(params), jnp.asarray(src_BS), src_mask,
+                     max_new_tokens=int(max_new_tokens), beam_size=beam_size,
+                     length_penalty=float(length_penalty))
