@@ -42,8 +42,8 @@ import optax
 from jaxformer.config import TransformerConfig
 from jaxformer.decoding import greedy_decode
 from jaxformer.model import Transformer
-from jaxformer.sharding import (check_divisible, data_sharding, make_mesh, replicated,
-                                shard_batch)
+from jaxformer.sharding import (check_divisible, data_sharding, make_mesh, replicate,
+                                replicated, shard_batch)
 from jaxformer.tasks import Batch, Task, make_task
 
 
@@ -190,20 +190,24 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
 # --------------------------------------------------------------------------- state and steps
 
 
+def _init_state(model: Transformer, tx: optax.GradientTransformation, src_len: int,
+                tgt_len: int, seed) -> TrainState:
+    """Traceable init; `seed` may be traced, so one compilation serves every seed."""
+    root = jax.random.PRNGKey(seed)
+    src = jnp.zeros((1, src_len), jnp.int32)
+    tgt = jnp.zeros((1, tgt_len), jnp.int32)
+    params = model.init(jax.random.fold_in(root, 0), src, tgt)["params"]
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=tx.init(params), rng=jax.random.fold_in(root, 2))
+
+
 def create_train_state(model: Transformer, tx: optax.GradientTransformation, seed: int,
                        src_len: int, tgt_len: int, mesh=None) -> TrainState:
     """Initialise parameters and optimizer state, replicated over `mesh` (default: all devices)."""
     mesh = make_mesh() if mesh is None else mesh
-    root = jax.random.PRNGKey(seed)
-
-    def init():
-        src = jnp.zeros((1, src_len), jnp.int32)
-        tgt = jnp.zeros((1, tgt_len), jnp.int32)
-        params = model.init(jax.random.fold_in(root, 0), src, tgt)["params"]
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                          opt_state=tx.init(params), rng=jax.random.fold_in(root, 2))
-
-    return jax.jit(init, out_shardings=replicated(mesh))()
+    init = jax.jit(functools.partial(_init_state, model, tx, src_len, tgt_len),
+                   out_shardings=replicated(mesh))
+    return init(seed)
 
 
 def make_train_step(model: Transformer, tx: optax.GradientTransformation, *,
@@ -228,7 +232,7 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation, *,
         (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = dict(metrics, grad_norm=optax.global_norm(grads))
+        metrics = dict(metrics, grad_norm=optax.tree.norm(grads))
         if schedule is not None:
             metrics["learning_rate"] = schedule(state.step)
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
@@ -279,6 +283,7 @@ def evaluate(model: Transformer, params, batch: Batch, *, mesh=None, chunk: int 
     eval_step = make_eval_step(model) if eval_step is None else eval_step
     predict = make_predict(model, batch.labels.shape[1]) if predict is None else predict
     batch = Batch(*(np.asarray(x) for x in batch))
+    params = replicate(params, mesh)  # a no-op if already there
     total = batch.src.shape[0]
     devices = mesh.devices.size
     chunk = max(devices, chunk - chunk % devices)
@@ -306,6 +311,61 @@ def evaluate(model: Transformer, params, batch: Batch, *, mesh=None, chunk: int 
 
 
 # --------------------------------------------------------------------------- the loop
+
+
+class TrainFunctions:
+    """The jitted pieces of a run, built once per (model config, train config, mesh).
+
+    `train_functions` caches these bundles, so runs that differ only in their
+    seed (or a resumed run in the same process) reuse the compiled code.
+
+      init(seed) -> TrainState             replicated over the mesh
+      batch(seed, step) -> Batch           the training batch of `step`, split over "data"
+      step(state, batch) -> (state, metrics)   jitted, donates `state`
+      compiled_step(state, batch) -> (compiled step, seconds compiling)   compiled once
+    """
+
+    def __init__(self, model_config: TransformerConfig, train_config: TrainConfig, mesh):
+        tc = train_config
+        self.task = task_for(model_config, tc)
+        self.mesh = mesh
+        self.model = Transformer(model_config)
+        self.tx = make_optimizer(tc)
+        self.schedule = learning_rate_schedule(tc)
+        self.init = jax.jit(functools.partial(_init_state, self.model, self.tx,
+                                              self.task.src_len, self.task.tgt_len),
+                            out_shardings=replicated(mesh))
+        task, batch_size = self.task, tc.batch_size
+
+        def batch(seed, step):
+            data_key = jax.random.fold_in(jax.random.PRNGKey(seed), 1)
+            return task.train_batch(jax.random.fold_in(data_key, step), batch_size)
+
+        self.batch = jax.jit(batch, out_shardings=data_sharding(mesh))
+        self.step = make_train_step(self.model, self.tx, label_smoothing=tc.label_smoothing,
+                                    schedule=self.schedule)
+        self._compiled = None
+
+    def compiled_step(self, state: TrainState, batch: Batch):
+        """(the compiled train step, seconds spent compiling now: 0.0 when already compiled)."""
+        if self._compiled is not None:
+            return self._compiled, 0.0
+        start = time.perf_counter()
+        self._compiled = self.step.lower(state, batch).compile()
+        return self._compiled, time.perf_counter() - start
+
+
+@functools.lru_cache(maxsize=8)
+def _train_functions(model_config, train_config, mesh) -> TrainFunctions:
+    return TrainFunctions(model_config, train_config, mesh)
+
+
+def train_functions(model_config: TransformerConfig, train_config: TrainConfig,
+                    mesh=None) -> TrainFunctions:
+    """The (cached) `TrainFunctions` of a run; the seed is an argument, not part of the key."""
+    mesh = make_mesh() if mesh is None else mesh
+    check_divisible(train_config.batch_size, mesh)
+    return _train_functions(model_config, train_config.replace(seed=0), mesh)
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -364,27 +424,16 @@ def fit(model_config: TransformerConfig, train_config: TrainConfig, *,
         raise ValueError("resume=True needs checkpoint_dir")
     task = task_for(model_config, tc)
     mesh = make_mesh() if mesh is None else mesh
-    check_divisible(tc.batch_size, mesh)
-    model = Transformer(model_config)
-    tx = make_optimizer(tc)
+    fns = train_functions(model_config, tc, mesh)  # checks the batch against the mesh
     checkpoints = (Checkpoints(checkpoint_dir, create=not resume)
                    if checkpoint_dir is not None else None)
-    state = create_train_state(model, tx, tc.seed, task.src_len, task.tgt_len, mesh)
+    state = fns.init(tc.seed)
     if resume:
         state = checkpoints.restore(state)
     start_step = int(state.step)
     if start_step > tc.steps:
         raise ValueError(f"the checkpoint is at step {start_step}, beyond steps={tc.steps}")
-
-    data_key = jax.random.fold_in(jax.random.PRNGKey(tc.seed), 1)
-    make_batch = jax.jit(
-        lambda step: task.train_batch(jax.random.fold_in(data_key, step), tc.batch_size),
-        out_shardings=data_sharding(mesh))
-    train_step = make_train_step(model, tx, label_smoothing=tc.label_smoothing,
-                                 schedule=learning_rate_schedule(tc))
-    compile_start = time.perf_counter()
-    train_step = train_step.lower(state, make_batch(start_step)).compile()
-    compile_s = time.perf_counter() - compile_start
+    train_step, compile_s = fns.compiled_step(state, fns.batch(tc.seed, start_step))
 
     stop = _StopFlag()
     history, pending = [], []
@@ -419,7 +468,7 @@ def fit(model_config: TransformerConfig, train_config: TrainConfig, *,
     try:
         with stop.catch_sigint():
             while step < tc.steps and not stop.requested:
-                state, metrics = train_step(state, make_batch(step))
+                state, metrics = train_step(state, fns.batch(tc.seed, step))
                 step += 1
                 pending.append((step, metrics))
                 if on_step is not None:
