@@ -146,7 +146,7 @@ def _train_command(args) -> int:
     started = time.perf_counter()
     import jax  # noqa: PLC0415 (heavy imports after argument parsing)
 
-    from jaxformer.checkpoint import CheckpointError, Checkpoints  # noqa: PLC0415
+    from jaxformer.checkpoint import CheckpointError  # noqa: PLC0415
     from jaxformer.config import TransformerConfig  # noqa: PLC0415
     from jaxformer.model import Transformer, count_params  # noqa: PLC0415
     from jaxformer.training import (NonFiniteLossError, TrainConfig, evaluate,  # noqa: PLC0415
@@ -182,7 +182,7 @@ def _train_command(args) -> int:
             raise UsageError("--resume continues the saved run; these flags differ from "
                              f"{config_path}: {', '.join(conflicts)}")
         checkpoint_dir = os.path.join(out, "checkpoints")
-        if not os.path.isdir(checkpoint_dir) or not Checkpoints(checkpoint_dir).steps():
+        if not os.path.isdir(checkpoint_dir) or not _has_checkpoint(checkpoint_dir):
             raise UsageError(f"cannot resume: no checkpoint in {out}/checkpoints")
     else:
         try:
@@ -253,6 +253,13 @@ def _train_command(args) -> int:
         f.write(line + "\n")
     print(line, flush=True)
     return 0
+
+
+def _has_checkpoint(directory: str) -> bool:
+    from jaxformer.checkpoint import Checkpoints  # noqa: PLC0415
+
+    with Checkpoints(directory, create=False) as checkpoints:
+        return bool(checkpoints.steps())
 
 
 def _conflicts(args, model_config, train_config, model_overrides, train_overrides,

@@ -429,9 +429,14 @@ def fit(model_config: TransformerConfig, train_config: TrainConfig, *,
                    if checkpoint_dir is not None else None)
     state = fns.init(tc.seed)
     if resume:
-        state = checkpoints.restore(state)
+        try:
+            state = checkpoints.restore(state)
+        except Exception:
+            checkpoints.close()
+            raise
     start_step = int(state.step)
     if start_step > tc.steps:
+        checkpoints.close()
         raise ValueError(f"the checkpoint is at step {start_step}, beyond steps={tc.steps}")
     train_step, compile_s = fns.compiled_step(state, fns.batch(tc.seed, start_step))
 

@@ -162,7 +162,8 @@ def test_non_finite_loss_stops_naming_the_step(tmp_path):
         fit(MODEL, tc, checkpoint_dir=str(tmp_path), save_every=1, log_every=1,
             progress=False)
     bad = info.value.step
-    steps = Checkpoints(tmp_path).steps()
+    with Checkpoints(tmp_path) as checkpoints:
+        steps = checkpoints.steps()
     assert steps and max(steps) == bad - 1  # the last good state is kept, the bad not saved
     assert f"step {bad - 1}" in str(info.value)
 

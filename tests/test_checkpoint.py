@@ -1,0 +1,119 @@
+"""Checkpoints: Ctrl-C saves, resume == uninterrupted (bitwise), and missing,
+corrupt or mismatched checkpoints give a clear error and change nothing."""
+
+import os
+import signal
+
+import jax
+import numpy as np
+import pytest
+
+import jaxformer as jf
+from jaxformer.checkpoint import CheckpointError, Checkpoints
+from jaxformer.training import TrainConfig, fit, train_functions
+
+MODEL = jf.tiny(num_encoder_layers=1, num_decoder_layers=1)
+TRAIN = TrainConfig(max_len=6, steps=12, batch_size=8, warmup_steps=2, learning_rate=1e-2)
+
+
+def tree_equal(a, b) -> bool:
+    same = jax.tree_util.tree_map(np.array_equal, a, b)
+    return jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b) and all(
+        jax.tree_util.tree_leaves(same))
+
+
+def snapshot(directory) -> dict:
+    """{relative path: bytes} of every file below `directory`."""
+    files = {}
+    for root, _, names in os.walk(directory):
+        for name in names:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                files[os.path.relpath(path, directory)] = f.read()
+    return files
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("uninterrupted")
+    return fit(MODEL, TRAIN, checkpoint_dir=str(directory), save_every=4, progress=False), \
+        directory
+
+
+def test_ctrl_c_saves_and_resume_equals_uninterrupted_bitwise(uninterrupted, tmp_path):
+    full, _ = uninterrupted
+
+    def press_ctrl_c(step):
+        if step == 5:
+            signal.raise_signal(signal.SIGINT)  # what the terminal sends on Ctrl-C
+
+    first = fit(MODEL, TRAIN, checkpoint_dir=str(tmp_path), save_every=4, progress=False,
+                on_step=press_ctrl_c)
+    assert first.interrupted and int(first.state.step) == 5
+    with Checkpoints(tmp_path) as checkpoints:
+        assert checkpoints.steps() == [4, 5]  # periodic + the one Ctrl-C wrote
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+    resumed = fit(MODEL, TRAIN, checkpoint_dir=str(tmp_path), resume=True, save_every=4,
+                  progress=False)
+    assert resumed.start_step == 5 and not resumed.interrupted
+    assert int(resumed.state.step) == TRAIN.steps
+    assert tree_equal(resumed.state.params, full.state.params)
+    assert tree_equal(resumed.state.opt_state, full.state.opt_state)
+    assert resumed.history == full.history[5:]  # same losses, step by step
+    # A resumed run with another seed would differ: the equality above is not vacuous.
+    other = fit(MODEL, TRAIN.replace(seed=1), progress=False)
+    assert not tree_equal(other.state.params, full.state.params)
+
+
+def test_restore_roundtrip_is_bitwise(uninterrupted):
+    full, directory = uninterrupted
+    fns = train_functions(MODEL, TRAIN)
+    with Checkpoints(directory) as checkpoints:
+        assert checkpoints.latest_step() == TRAIN.steps
+        restored = checkpoints.restore(fns.init(7))  # the target only gives structure
+    assert tree_equal(restored.params, full.state.params)
+    assert int(restored.step) == TRAIN.steps
+    assert all(x.sharding.is_fully_replicated for x in jax.tree_util.tree_leaves(restored))
+
+
+def test_resume_without_checkpoint_is_refused_and_creates_nothing(tmp_path):
+    missing = tmp_path / "missing"
+    with pytest.raises(CheckpointError, match="no checkpoint directory"):
+        fit(MODEL, TRAIN, checkpoint_dir=str(missing), resume=True, progress=False)
+    assert not missing.exists()
+    with pytest.raises(CheckpointError, match="no checkpoint found"):
+        fit(MODEL, TRAIN, checkpoint_dir=str(tmp_path), resume=True, progress=False)
+    assert os.listdir(tmp_path) == []
+
+
+def test_corrupt_checkpoint_is_refused_and_left_untouched(uninterrupted, tmp_path):
+    _, directory = uninterrupted
+    corrupt = tmp_path / "run"
+    os.makedirs(corrupt)
+    step_dir = directory / str(TRAIN.steps)
+    # Copy the last checkpoint, then overwrite its array data with garbage.
+    for relative, data in snapshot(step_dir).items():
+        target = corrupt / str(TRAIN.steps) / relative
+        os.makedirs(target.parent, exist_ok=True)
+        garbage = "metadata" not in relative.lower()
+        target.write_bytes(b"\x00garbage" * 8 if garbage else data)
+    before = snapshot(corrupt)
+    with pytest.raises(CheckpointError, match=str(corrupt)):
+        fit(MODEL, TRAIN, checkpoint_dir=str(corrupt), resume=True, progress=False)
+    assert snapshot(corrupt) == before
+
+
+def test_checkpoint_of_another_model_is_refused(uninterrupted):
+    _, directory = uninterrupted
+    bigger = MODEL.replace(d_model=64)
+    before = snapshot(directory)
+    with Checkpoints(directory) as checkpoints, pytest.raises(
+            CheckpointError, match="does not match|different structure|holds an"):
+        checkpoints.restore(train_functions(bigger, TRAIN).init(0))
+    assert snapshot(directory) == before
+
+
+def test_bad_max_to_keep_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="max_to_keep"):
+        Checkpoints(tmp_path, max_to_keep=0)
