@@ -62,7 +62,8 @@ def check_same_batch(**arrays) -> None:
         raise ValueError(f"batch sizes disagree: {sizes}")
 
 
-def check_mask(name: str, mask, batch: int, queries: int, keys: int) -> None:
+def check_mask(name: str, mask, batch: int, queries: int, keys: int,
+               heads: int | None = None) -> None:
     """A boolean mask broadcastable to (B, 1 or H, T, S)."""
     if mask is None:
         return
@@ -72,5 +73,7 @@ def check_mask(name: str, mask, batch: int, queries: int, keys: int) -> None:
     for got, want, axis in zip(mask.shape[::2], (batch, queries), ("batch", "query")):
         if got not in (1, want):
             raise ValueError(f"{name} has {axis} size {got}, expected 1 or {want}")
+    if heads is not None and mask.shape[1] not in (1, heads):
+        raise ValueError(f"{name} has head size {mask.shape[1]}, expected 1 or {heads}")
     if mask.shape[3] not in (1, keys):
         raise ValueError(f"{name} has key size {mask.shape[3]}, expected 1 or {keys}")

@@ -152,7 +152,8 @@ class Transformer(nn.Module):
             checks.check_tokens("src", src, c.src_vocab_size, c.max_len)
         if src_mask is None:
             src_mask = _default_src_mask(src, c.pad_id)
-        checks.check_mask("src_mask", src_mask, src.shape[0], src.shape[1], src.shape[1])
+        checks.check_mask("src_mask", src_mask, src.shape[0], src.shape[1], src.shape[1],
+                          heads=c.num_heads)
         return self.encoder(src, src_mask, deterministic=deterministic)
 
     def cross_kv(self, memory_BSD: jnp.ndarray) -> tuple[KV, ...]:
@@ -173,8 +174,10 @@ class Transformer(nn.Module):
         checks.check_same_batch(tgt=tgt, memory=memory_BSD)
         if tgt_mask is None:
             tgt_mask = decoder_self_mask(tgt, c.pad_id)
-        checks.check_mask("tgt_mask", tgt_mask, tgt.shape[0], tgt.shape[1], tgt.shape[1])
-        checks.check_mask("src_mask", src_mask, tgt.shape[0], tgt.shape[1], memory_BSD.shape[1])
+        checks.check_mask("tgt_mask", tgt_mask, tgt.shape[0], tgt.shape[1], tgt.shape[1],
+                          heads=c.num_heads)
+        checks.check_mask("src_mask", src_mask, tgt.shape[0], tgt.shape[1], memory_BSD.shape[1],
+                          heads=c.num_heads)
         logits_BTV, _ = self.decoder(tgt, tgt_mask, self.decoder.cross_kv(memory_BSD), src_mask,
                                      deterministic=deterministic)
         return logits_BTV
@@ -219,7 +222,7 @@ class DecoderOnlyLM(nn.Module):
         if mask is None:
             mask = decoder_self_mask(tokens_BT, c.pad_id)
         checks.check_mask("mask", mask, tokens_BT.shape[0], tokens_BT.shape[1],
-                          tokens_BT.shape[1])
+                          tokens_BT.shape[1], heads=c.num_heads)
         logits_BTV, _ = self.decoder(tokens_BT, mask, positions_BT=positions_BT,
                                      deterministic=deterministic)
         return logits_BTV

@@ -65,6 +65,10 @@ SHAPE_ERRORS = {
                                 "src_mask has key size 6"),
     "src_mask_wrong_batch": (call(src_mask=jnp.ones((3, 1, 1, S), bool)), ValueError,
                              "src_mask has batch size 3"),
+    "src_mask_wrong_heads": (call(src_mask=jnp.ones((B, 3, 1, S), bool)), ValueError,
+                             "src_mask has head size 3, expected 1 or 4"),
+    "tgt_mask_wrong_heads": (call(tgt_mask=jnp.ones((B, 2, T, T), bool)), ValueError,
+                             "tgt_mask has head size 2"),
     "src_mask_rank_3": (call(src_mask=jnp.ones((B, 1, S), bool)), AssertionError,
                         "argument src_mask"),
     "src_mask_not_bool": (call(src_mask=jnp.ones((B, 1, 1, S), jnp.int32)), TypeError,
@@ -100,6 +104,8 @@ LM_SHAPE_ERRORS = {
                         "tokens has length 33"),
     "mask_wrong_keys": (lambda: TGT, lambda: jnp.ones((B, 1, T, T + 1), bool), ValueError,
                         "mask has key size 5"),
+    "mask_wrong_heads": (lambda: TGT, lambda: jnp.ones((B, 5, T, T), bool), ValueError,
+                         "mask has head size 5"),
     "mask_not_bool": (lambda: TGT, lambda: jnp.ones((B, 1, T, T), jnp.float32), TypeError,
                       "mask must be boolean"),
 }
@@ -160,6 +166,15 @@ def test_decoder_only_refuses_encoder_layers():
     model = jf.DecoderOnlyLM(jf.tiny(num_encoder_layers=2))
     with pytest.raises(ValueError, match="num_encoder_layers=0"):
         jax.eval_shape(model.init, jax.random.PRNGKey(0), jax.ShapeDtypeStruct((1, 4), jnp.int32))
+
+
+def test_per_head_masks_are_accepted(seq2seq):
+    """(B, H, T, S) masks are legal: hiding key 4 in every head equals the padding mask."""
+    model, params = seq2seq
+    per_head = jnp.ones((B, 4, 1, S), bool).at[:, :, :, 4].set(False)
+    padding = jnp.ones((B, 1, 1, S), bool).at[:, :, :, 4].set(False)
+    np.testing.assert_allclose(model.apply({"params": params}, SRC, TGT, per_head),
+                               model.apply({"params": params}, SRC, TGT, padding), atol=1e-6)
 
 
 def test_check_tokens_is_a_no_op_on_tracers_but_checks_shapes():
