@@ -9,6 +9,7 @@ padding masks -> Linear. Dropout 0, eval mode, float32; logits must agree to
 """
 
 import math
+import pathlib
 import subprocess
 import sys
 
@@ -380,4 +381,5 @@ def test_jaxformer_imports_without_torch():
     code = ("import sys; sys.modules['torch'] = None\n"
             "import jaxformer, jaxformer.interop\n"
             "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    repo = pathlib.Path(__file__).resolve().parents[1]  # finds jaxformer even if not installed
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=repo)
