@@ -131,7 +131,8 @@ def test_out_of_vocabulary_ids_raise_eagerly(seq2seq, where, bad_id):
     model, params = seq2seq
     src = SRC.at[1, 2].set(bad_id) if where == "src" else SRC
     tgt = TGT.at[0, 1].set(bad_id) if where == "tgt" else TGT
-    with pytest.raises(ValueError, match=rf"{where} holds token ids outside \[0, 16\): \[{bad_id}\]"):
+    message = rf"{where} holds token ids outside \[0, 16\): \[{bad_id}\]"
+    with pytest.raises(ValueError, match=message):
         model.apply({"params": params}, src, tgt)
 
 

@@ -88,8 +88,8 @@ def test_embedding_dropout_only_when_not_deterministic():
     module = PositionEmbedding("sinusoidal", jf.tiny(embedding_dropout=0.5))
     x = jnp.ones((2, 4, 32))
     clean = module.apply({}, x)  # deterministic by default: no dropout
-    np.testing.assert_allclose(clean, np.broadcast_to(1.0 + jf.sinusoidal_table(32, 32)[:4], x.shape),
-                               atol=1e-6)
+    want = np.broadcast_to(1.0 + jf.sinusoidal_table(32, 32)[:4], x.shape)
+    np.testing.assert_allclose(clean, want, atol=1e-6)
     noisy = module.apply({}, x, deterministic=False, rngs={"dropout": jax.random.PRNGKey(0)})
     assert 0.2 < float(jnp.mean(noisy == 0)) < 0.8
     kept = np.asarray(noisy != 0)
