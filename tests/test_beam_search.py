@@ -1,0 +1,96 @@
+"""Beam search: beam 1 is greedy; wider beams find sequences at least as likely."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxformer as jf
+from jaxformer import beam_search, decoding
+
+N_NEW = 8
+
+
+@pytest.fixture(scope="module", params=["post", "pre"])
+def setup(request):
+    config = jf.tiny(norm=request.param)
+    model = jf.Transformer(config)
+    src = np.random.default_rng(6).integers(3, 16, (4, 7)).astype(np.int32)
+    src[2, 4:] = config.pad_id
+    src = jnp.asarray(src)
+    params = model.init(jax.random.PRNGKey(0), src, src[:, :3])["params"]
+    # An EOS bias at which short (EOS early) and long outputs compete, so finished
+    # beams and the length penalty both matter (checked in the tests).
+    params["decoder"]["out_proj"]["bias"] = params["decoder"]["out_proj"]["bias"].at[
+        config.eos_id].add(0.5 if request.param == "post" else -0.5)
+    return config, model, params, src
+
+
+def sequence_log_prob(model, params, src, tokens, lengths):
+    """Teacher-forced log-probability of each row's tokens up to its length (a reference)."""
+    c = model.config
+    tgt = jnp.concatenate([jnp.full((src.shape[0], 1), c.bos_id, jnp.int32), tokens[:, :-1]], 1)
+    logits = model.apply({"params": params}, src, tgt, None, jf.causal_mask(tgt.shape[1]))
+    log_probs = jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[..., None], -1)[..., 0]
+    keep = jnp.arange(tokens.shape[1])[None] < lengths[:, None]
+    return np.asarray(jnp.sum(jnp.where(keep, log_probs, 0.0), axis=1))
+
+
+def test_beam_1_equals_greedy(setup):
+    config, model, params, src = setup
+    mixed = False
+    for delta in (0.0, 0.5, 1.0, 1.5):  # more EOS bias: rows finish at different steps
+        edited = jax.tree_util.tree_map(lambda x: x, params)
+        bias = edited["decoder"]["out_proj"]["bias"]
+        edited["decoder"]["out_proj"]["bias"] = bias.at[config.eos_id].add(delta)
+        greedy = decoding.greedy_decode(model, edited, src, max_new_tokens=N_NEW)
+        beam = beam_search.beam_search(model, edited, src, max_new_tokens=N_NEW, beam_size=1)
+        np.testing.assert_array_equal(beam.tokens, greedy.tokens)
+        np.testing.assert_array_equal(beam.lengths, greedy.lengths)
+        lengths = np.asarray(greedy.lengths)
+        mixed |= bool((lengths < N_NEW).any() and (lengths == N_NEW).any())
+    assert mixed  # the comparison covered rows that stop and rows that do not
+
+
+def test_wider_beam_is_at_least_as_likely_as_greedy_and_scores_are_right(setup):
+    config, model, params, src = setup
+    greedy = decoding.greedy_decode(model, params, src, max_new_tokens=N_NEW)
+    beam = beam_search.beam_search(model, params, src, max_new_tokens=N_NEW, beam_size=4,
+                                   length_penalty=0.0)
+    beam_lp = sequence_log_prob(model, params, src, beam.tokens, beam.lengths)
+    greedy_lp = sequence_log_prob(model, params, src, greedy.tokens, greedy.lengths)
+    np.testing.assert_allclose(beam.scores, beam_lp, atol=1e-4)  # alpha 0: raw log-prob
+    assert (beam_lp >= greedy_lp - 1e-5).all()
+    # Output convention as greedy: PAD after EOS, lengths count through EOS.
+    for row, length in zip(np.asarray(beam.tokens), np.asarray(beam.lengths)):
+        if length < N_NEW:
+            assert row[length - 1] == config.eos_id and (row[length:] == config.pad_id).all()
+
+
+def test_length_penalty_favours_longer_outputs(setup):
+    config, model, params, src = setup
+    short = beam_search.beam_search(model, params, src, max_new_tokens=N_NEW, beam_size=4,
+                                    length_penalty=0.0)
+    long = beam_search.beam_search(model, params, src, max_new_tokens=N_NEW, beam_size=4,
+                                   length_penalty=3.0)
+    short_lengths, long_lengths = np.asarray(short.lengths), np.asarray(long.lengths)
+    assert (short_lengths < N_NEW).any()  # some best beams finished early
+    assert (long_lengths >= short_lengths).all() and (long_lengths > short_lengths).any()
+    lp = sequence_log_prob(model, params, src, long.tokens, long.lengths)
+    np.testing.assert_allclose(long.scores, lp / ((5.0 + long_lengths) / 6.0) ** 3,
+                               atol=1e-4)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    pytest.param(dict(beam_size=0), "beam_size", id="zero_beams"),
+    pytest.param(dict(beam_size=17), "beam_size", id="more_beams_than_vocab"),
+    pytest.param(dict(length_penalty=-0.5), "length_penalty", id="negative_penalty"),
+    pytest.param(dict(max_new_tokens=0), "max_new_tokens", id="zero_new_tokens"),
+])
+def test_bad_inputs_raise(kwargs, match):
+    config = jf.tiny()
+    model = jf.Transformer(config)
+    src = jnp.full((2, 3), 5, jnp.int32)
+    args = dict(max_new_tokens=3, beam_size=2) | kwargs
+    with pytest.raises(ValueError, match=match):
+        beam_search.beam_search(model, {}, src, **args)
