@@ -44,10 +44,17 @@ MASKS = {
     "causal_11TT": lambda: jf.causal_mask(S),
     "full_BHTS": lambda: random_mask((B, H, T, S)),
     "per_query_B1TS": lambda: random_mask((B, 1, T, S), seed=4),
+    # One query (T=1) takes a separate multiply-reduce path (cached decode steps).
+    "one_query_none": lambda: None,
+    "one_query_padding_B11S": lambda: jf.padding_mask(jnp.array([[4, 4, 0, 0, 0],
+                                                                 [4, 4, 4, 4, 0]])),
+    "one_query_full_BH1S": lambda: random_mask((B, H, 1, S), seed=5),
 }
 
 
 def shapes_for(case):
+    if case.startswith("one_query"):
+        return 1, S
     return (S, S) if case == "causal_11TT" else (T, S)
 
 
@@ -99,19 +106,31 @@ def test_fully_masked_row_is_finite_with_finite_gradients():
     mask = np.ones((B, 1, T, S), bool)
     mask[0, :, 1, :] = False  # query 1 of batch 0 sees nothing
     mask = jnp.asarray(mask)
+    _check_fully_masked(q, k, v, mask)
+    ok, _ = jf.dot_product_attention(q, k, v, None)
+    out, _ = jf.dot_product_attention(q, k, v, mask)
+    # The other rows are exactly what they are without the dead row.
+    np.testing.assert_allclose(out[1], ok[1], atol=1e-6)
+    np.testing.assert_allclose(out[0, [0, 2]], ok[0, [0, 2]], atol=1e-6)
+
+
+def test_fully_masked_single_query_is_finite_with_finite_gradients():
+    q, k, v = qkv(seed=9, t=1)
+    mask = jnp.ones((B, 1, 1, S), bool).at[1].set(False)  # batch 1: an all-PAD source
+    _check_fully_masked(q, k, v, mask, row=(1, 0))
+
+
+def _check_fully_masked(q, k, v, mask, row=(0, 1)):
     out, weights = jf.dot_product_attention(q, k, v, mask)
     assert np.isfinite(np.asarray(out)).all()
-    np.testing.assert_allclose(weights[0, :, 1], 1.0 / S, atol=1e-6)  # uniform, not NaN
+    b, t = row
+    np.testing.assert_allclose(weights[b, :, t], 1.0 / S, atol=1e-6)  # uniform, not NaN
 
     def loss(q, k, v):
         return jnp.sum(jf.dot_product_attention(q, k, v, mask)[0] ** 2)
 
     grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
     assert all(np.isfinite(np.asarray(g)).all() for g in grads)
-    # The other rows are exactly what they are without the dead row.
-    ok, _ = jf.dot_product_attention(q, k, v, None)
-    np.testing.assert_allclose(out[1], ok[1], atol=1e-6)
-    np.testing.assert_allclose(out[0, [0, 2]], ok[0, [0, 2]], atol=1e-6)
 
 
 def test_dropout_on_weights_is_scaled_reproducible_and_off_without_rng():
@@ -135,12 +154,23 @@ def test_dropout_on_weights_is_scaled_reproducible_and_off_without_rng():
     np.testing.assert_allclose(out_a, np.einsum("bhts,bshk->bthk", w_a, v), atol=1e-5)
 
 
-def test_bfloat16_inputs_keep_their_dtype_and_stay_close():
-    q, k, v = qkv(seed=8)
+@pytest.mark.parametrize("t", [T, 1], ids=["T3", "one_query"])
+def test_bfloat16_inputs_keep_their_dtype_and_stay_close(t):
+    q, k, v = qkv(seed=8, t=t)
     out32, _ = jf.dot_product_attention(q, k, v)
     out16, w16 = jf.dot_product_attention(*(a.astype(jnp.bfloat16) for a in (q, k, v)))
     assert out16.dtype == jnp.bfloat16 and w16.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(out16, np.float32), out32, atol=5e-2)
+
+
+def test_single_query_dropout_is_the_same_function():
+    """The T=1 path applies dropout exactly as the general path would to that row."""
+    q, k, v = qkv(seed=10, t=1)
+    key = jax.random.PRNGKey(3)
+    out, w = jf.dot_product_attention(q, k, v, dropout_rate=0.5, dropout_rng=key)
+    w = np.asarray(w)
+    assert 0 < (w == 0).mean() < 1
+    np.testing.assert_allclose(out, np.einsum("bhts,bshk->bthk", w, v), atol=1e-5)
 
 
 # ----------------------------------------------------------------------------
