@@ -240,6 +240,7 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation, *,
     return jax.jit(train_step, donate_argnums=0)
 
 
+@functools.lru_cache(maxsize=16)  # one compilation per model config, not per call
 def make_eval_step(model: Transformer) -> Callable:
     """jit(eval_step)(params, batch) -> sums {loss_sum, correct, tokens} (teacher forcing).
 

@@ -1,0 +1,191 @@
+"""The `jaxformer train` command: run directory, summary line, interrupt + resume,
+refusals of bad input, `python -m jaxformer`, and the (shortened) example."""
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+import jaxformer.training
+from jaxformer.cli import main
+from jaxformer.config import TransformerConfig
+from jaxformer.training import TrainConfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The tiny 1+1-layer model and schedule of test_training/test_checkpoint: one compilation.
+TINY = ["train", "--preset", "tiny", "--layers", "1", "--max-len", "6", "--batch", "8",
+        "--steps", "12", "--warmup", "2", "--lr", "1e-2", "--eval-examples", "16",
+        "--show", "2", "--save-every", "5", "--no-progress"]
+
+
+def snapshot(directory) -> dict:
+    files = {}
+    for root, _, names in os.walk(directory):
+        for name in names:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                files[os.path.relpath(path, directory)] = f.read()
+    return files
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("runs") / "copy")
+    return out, main(TINY + ["--out", out])
+
+
+def test_train_fills_the_run_directory(finished_run, capsys):
+    out, code = finished_run
+    assert code == 0
+    assert sorted(os.listdir(out)) == ["attention.png", "checkpoints", "config.json",
+                                       "loss.png", "metrics.jsonl", "summary.json"]
+    with open(os.path.join(out, "config.json")) as f:
+        saved = json.load(f)
+    model = TransformerConfig.from_dict(saved["model"])
+    train = TrainConfig.from_dict(saved["train"])
+    assert (model.num_encoder_layers, model.d_model, train.steps, train.batch_size) == (1, 32,
+                                                                                       12, 8)
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    assert [r["step"] for r in records] == list(range(1, 13))
+    assert {"loss", "token_accuracy", "grad_norm", "learning_rate"} <= set(records[0])
+    assert sorted(map(int, os.listdir(os.path.join(out, "checkpoints")))) == [5, 10, 12]
+    for name in ("loss.png", "attention.png"):
+        with open(os.path.join(out, name), "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    with open(os.path.join(out, "summary.json")) as f:
+        summary = json.loads(f.read())
+    assert {"exact_match", "token_accuracy", "steps", "wall_s"} <= set(summary)
+    assert summary["steps"] == 12 and summary["eval_examples"] == 16
+    assert 0.0 <= summary["exact_match"] <= 1.0
+
+
+def test_train_prints_examples_then_one_json_line(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    assert main(TINY + ["--out", out]) == 0  # same configuration: compiled once
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-4].startswith("source") and "prediction" in lines[-4]
+    assert len(lines[-3].split()) >= 2  # a source and its prediction side by side
+    summary = json.loads(lines[-1])
+    assert summary["steps"] == 12 and summary["out"] == out
+
+
+def test_existing_run_directory_is_not_overwritten(finished_run, capsys):
+    out, _ = finished_run
+    before = snapshot(out)
+    assert main(TINY + ["--out", out]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert snapshot(out) == before
+
+
+def test_resume_with_different_flags_is_refused(finished_run, capsys):
+    out, _ = finished_run
+    before = snapshot(out)
+    assert main(["train", "--out", out, "--resume", "--steps", "20", "--norm", "pre"]) == 2
+    err = capsys.readouterr().err
+    assert "--steps 20 (saved: 12)" in err and "--norm pre (saved: post)" in err
+    assert snapshot(out) == before
+
+
+def test_ctrl_c_then_resume_through_the_cli(finished_run, tmp_path, monkeypatch, capsys):
+    out = str(tmp_path / "interrupted")
+    real_fit = jaxformer.training.fit
+
+    def fit_with_ctrl_c(*args, **kwargs):
+        def press(step):
+            if step == 3:
+                signal.raise_signal(signal.SIGINT)
+        return real_fit(*args, on_step=press, **kwargs)
+
+    monkeypatch.setattr(jaxformer.training, "fit", fit_with_ctrl_c)
+    assert main(TINY + ["--out", out]) == 130
+    assert f"--out {out} --resume" in capsys.readouterr().err
+    assert os.listdir(os.path.join(out, "checkpoints")) == ["3"]
+    monkeypatch.setattr(jaxformer.training, "fit", real_fit)
+
+    assert main(["train", "--out", out, "--resume", "--no-progress", "--eval-examples",
+                 "16"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    with open(os.path.join(finished_run[0], "summary.json")) as f:
+        uninterrupted = json.load(f)
+    assert summary["resumed_from"] == 3 and summary["steps"] == 12
+    for name in ("exact_match", "token_accuracy", "eval_loss"):  # the same final model
+        assert summary[name] == uninterrupted[name]
+
+
+def test_resume_needs_a_run_with_a_checkpoint(tmp_path, capsys):
+    assert main(["train", "--resume"]) == 2
+    assert "--resume needs --out" in capsys.readouterr().err
+    assert main(["train", "--resume", "--out", str(tmp_path)]) == 2
+    assert "config.json does not exist" in capsys.readouterr().err
+    shutil.copy(os.path.join(REPO, "pyproject.toml"), tmp_path / "config.json")  # not JSON
+    assert main(["train", "--resume", "--out", str(tmp_path)]) == 2
+    assert "not a valid run config" in capsys.readouterr().err
+
+
+def test_corrupt_checkpoint_gives_a_clear_error(finished_run, tmp_path, capsys):
+    out = str(tmp_path / "copy")
+    shutil.copytree(finished_run[0], out)
+    for root, _, names in os.walk(os.path.join(out, "checkpoints", "12")):
+        for name in names:
+            if "metadata" not in name.lower():
+                with open(os.path.join(root, name), "wb") as f:
+                    f.write(b"garbage")
+    before = snapshot(out)
+    assert main(["train", "--out", out, "--resume", "--no-progress"]) == 2
+    assert "corrupt" in capsys.readouterr().err
+    assert snapshot(out) == before
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-len", "40"], "longer than the model's max_len=32"),
+    (["--steps", "0"], "steps must be a positive int"),
+    (["--dropout", "1.5"], "dropout must be in [0, 1)"),
+    (["--lr", "-1"], "learning_rate must be positive"),
+    (["--heads", "3"], "not divisible by num_heads=3"),
+    (["--vocab", "4"], "vocab_size must be an int >= 5"),
+    (["--save-every", "0"], "--save-every must be positive"),
+], ids=["length-beyond-model", "zero-steps", "dropout", "negative-lr", "heads", "vocab",
+        "save-every"])
+def test_bad_flags_are_refused_before_anything_runs(flags, message, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(TINY + flags + ["--out", str(out)]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_unknown_choices_are_refused_by_the_parser(capsys):
+    for flags in (["--task", "shuffle"], ["--norm", "middle"], ["--dtype", "int8"]):
+        with pytest.raises(SystemExit) as info:
+            main(["train"] + flags)
+        assert info.value.code == 2
+        assert "invalid choice" in capsys.readouterr().err
+
+
+def test_python_dash_m_jaxformer():
+    env = dict(os.environ, PYTHONPATH=REPO)
+    top = subprocess.run([sys.executable, "-m", "jaxformer", "--help"], env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert top.returncode == 0 and "train" in top.stdout
+    train = subprocess.run([sys.executable, "-m", "jaxformer", "train", "--help"], env=env,
+                           cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert train.returncode == 0
+    for flag in ("--task", "--norm", "--steps", "--batch", "--lr", "--seed", "--out",
+                 "--resume", "--dtype"):
+        assert flag in train.stdout
+
+
+def test_example_runs_shortened(capsys):
+    spec = importlib.util.spec_from_file_location(
+        "copy_task_example", os.path.join(REPO, "examples", "copy_task.py"))
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    summary = example.main(["--preset", "tiny", "--steps", "30", "--eval-examples", "20"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("source:") and "prediction:" in lines[0]
+    assert json.loads(lines[-1]) == summary and summary["steps"] == 30
