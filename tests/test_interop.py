@@ -104,11 +104,21 @@ def make_embedding(vocab: int, d_model: int) -> "torch.nn.Embedding":
     return emb
 
 
+def perturb_vectors(module):
+    """torch inits every LayerNorm to (1, 0) and biases to 0: make them all different,
+    so that a bias or norm mapped to the wrong place changes the logits."""
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn_like(p))
+
+
 def build_seq2seq(kwargs, options, seed=0):
     torch.manual_seed(seed)
     kwargs = dict(dict(num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=80,
                        dropout=0.0, batch_first=True), **kwargs)
     tr = torch.nn.Transformer(**kwargs).eval()
+    perturb_vectors(tr)
     D = kwargs["d_model"]
     src_vocab, tgt_vocab = (13, 13) if options.get("share") else (13, 11)
     src_emb = make_embedding(src_vocab, D)
@@ -238,10 +248,7 @@ def test_decoder_only_logits_equal_torch(case):
                                              batch_first=batch_first)
     norm = torch.nn.LayerNorm(D) if opt["final_norm"] else None
     encoder = torch.nn.TransformerEncoder(layer, 2, norm=norm, enable_nested_tensor=False).eval()
-    with torch.no_grad():  # non-trivial LayerNorm parameters, so a swapped norm would show
-        for p in encoder.parameters():
-            if p.ndim == 1:
-                p.add_(0.1 * torch.randn_like(p))
+    perturb_vectors(encoder)
     emb = make_embedding(V, D)
     out = torch.nn.Linear(D, V, bias=not opt.get("tie"))
     if opt.get("tie"):
