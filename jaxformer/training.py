@@ -81,9 +81,11 @@ class TrainConfig:
         if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
             raise ValueError(f"TrainConfig.learning_rate must be positive, got "
                              f"{self.learning_rate!r}")
-        for name in ("weight_decay", "end_lr_fraction", "label_smoothing"):
-            if not 0.0 <= getattr(self, name) < 1.0 + (name == "end_lr_fraction"):
-                raise ValueError(f"TrainConfig.{name} out of range: {getattr(self, name)!r}")
+        for name, high in (("weight_decay", 1.0), ("label_smoothing", 1.0),
+                           ("end_lr_fraction", 1.0 + 1e-12)):  # end_lr_fraction may be 1
+            if not 0.0 <= getattr(self, name) < high:
+                raise ValueError(f"TrainConfig.{name} must be in [0, 1), got "
+                                 f"{getattr(self, name)!r}")
         if not self.clip_norm > 0:
             raise ValueError(f"TrainConfig.clip_norm must be positive, got {self.clip_norm!r}")
         make_task(self.task, min_len=self.min_len, max_len=self.max_len)  # validates
