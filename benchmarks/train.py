@@ -10,7 +10,8 @@ source + EOS, so T = 33). Both sides train on the same batch every step
               (AdamW + clipping + schedule, the state donated), compiled once.
   seed torch  seed 001's PyTorch classes, copied below unchanged, trained the
               way seed 001 trains them: CrossEntropyLoss(ignore_index=0), Adam,
-              zero_grad / backward / step; eager PyTorch on the same threads.
+              zero_grad / backward / step; eager PyTorch at its default thread
+              count (= cores; 1 thread measured slower here: ~0.87 vs ~0.59 s/step).
 
 They alternate in windows of --steps steps (--rounds times) so that load from
 other processes hits both alike; the figures are medians over the windows.
