@@ -15,7 +15,7 @@ from jaxformer.masks import (causal_mask, combine_masks, cross_mask, decoder_sel
 from jaxformer.model import (Decoder, DecoderOnlyLM, Encoder, Transformer, attention_weights,
                              count_params)
 # Decoding (after the models it drives).
-from jaxformer.beam_search import beam_search
+from jaxformer.beam import beam_search
 from jaxformer.cache import DecodeCache, init_cache
 from jaxformer.decoding import (DecodeResult, DecodeState, generate, greedy_decode,
                                 greedy_decode_one, sample)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jaxformer as jf
-from jaxformer import beam_search, decoding
+from jaxformer import beam, decoding
 
 N_NEW = 8
 
@@ -44,9 +44,9 @@ def test_beam_1_equals_greedy(setup):
         bias = edited["decoder"]["out_proj"]["bias"]
         edited["decoder"]["out_proj"]["bias"] = bias.at[config.eos_id].add(float(delta))
         greedy = decoding.greedy_decode(model, edited, src, max_new_tokens=N_NEW)
-        beam = beam_search.beam_search(model, edited, src, max_new_tokens=N_NEW, beam_size=1)
-        np.testing.assert_array_equal(beam.tokens, greedy.tokens)
-        np.testing.assert_array_equal(beam.lengths, greedy.lengths)
+        best = beam.beam_search(model, edited, src, max_new_tokens=N_NEW, beam_size=1)
+        np.testing.assert_array_equal(best.tokens, greedy.tokens)
+        np.testing.assert_array_equal(best.lengths, greedy.lengths)
         lengths = np.asarray(greedy.lengths)
         mixed |= bool((lengths < N_NEW).any() and (lengths == N_NEW).any())
         if mixed:
@@ -57,23 +57,23 @@ def test_beam_1_equals_greedy(setup):
 def test_wider_beam_is_at_least_as_likely_as_greedy_and_scores_are_right(setup):
     config, model, params, src = setup
     greedy = decoding.greedy_decode(model, params, src, max_new_tokens=N_NEW)
-    beam = beam_search.beam_search(model, params, src, max_new_tokens=N_NEW, beam_size=4,
+    best = beam.beam_search(model, params, src, max_new_tokens=N_NEW, beam_size=4,
                                    length_penalty=0.0)
-    beam_lp = sequence_log_prob(model, params, src, beam.tokens, beam.lengths)
+    best_lp = sequence_log_prob(model, params, src, best.tokens, best.lengths)
     greedy_lp = sequence_log_prob(model, params, src, greedy.tokens, greedy.lengths)
-    np.testing.assert_allclose(beam.scores, beam_lp, atol=1e-4)  # alpha 0: raw log-prob
-    assert (beam_lp >= greedy_lp - 1e-5).all()
+    np.testing.assert_allclose(best.scores, best_lp, atol=1e-4)  # alpha 0: raw log-prob
+    assert (best_lp >= greedy_lp - 1e-5).all()
     # Output convention as greedy: PAD after EOS, lengths count through EOS.
-    for row, length in zip(np.asarray(beam.tokens), np.asarray(beam.lengths)):
+    for row, length in zip(np.asarray(best.tokens), np.asarray(best.lengths)):
         if length < N_NEW:
             assert row[length - 1] == config.eos_id and (row[length:] == config.pad_id).all()
 
 
 def test_length_penalty_favours_longer_outputs(setup):
     config, model, params, src = setup
-    short = beam_search.beam_search(model, params, src, max_new_tokens=N_NEW, beam_size=4,
+    short = beam.beam_search(model, params, src, max_new_tokens=N_NEW, beam_size=4,
                                     length_penalty=0.0)
-    long = beam_search.beam_search(model, params, src, max_new_tokens=N_NEW, beam_size=4,
+    long = beam.beam_search(model, params, src, max_new_tokens=N_NEW, beam_size=4,
                                    length_penalty=3.0)
     short_lengths, long_lengths = np.asarray(short.lengths), np.asarray(long.lengths)
     assert (short_lengths < N_NEW).any()  # some best beams finished early
@@ -95,4 +95,4 @@ def test_bad_inputs_raise(kwargs, match):
     src = jnp.full((2, 3), 5, jnp.int32)
     args = dict(max_new_tokens=3, beam_size=2) | kwargs
     with pytest.raises(ValueError, match=match):
-        beam_search.beam_search(model, {}, src, **args)
+        beam.beam_search(model, {}, src, **args)
