@@ -26,8 +26,10 @@ scan or while_loop? `lax.scan` always runs N steps; `lax.while_loop` stops
 when every row is finished, but re-checks a predicate each step and, under
 `jax.vmap` (or simply in a batch), runs until the *slowest* row is done. It
 wins when all rows stop well before N (a trained model on short outputs); scan
-wins (slightly) when some row runs to N, e.g. an untrained model. Both produce
-identical results (tested); `benchmarks/decode.py` measures both.
+wins slightly when some row runs to N, e.g. an untrained model. Measured by
+`benchmarks/decode.py` (bench workload, batch 32, N = 128, 2 shared CPU cores):
+no row stops early -> scan 0.92 s, while 1.03 s; every row stops at step 1 ->
+scan 1.17 s, while 0.09 s. Both give identical results (tested).
 
 Decoder-only prompts are right-padded by the caller (the usual batch layout)
 with lengths; inside the jitted function they are shifted to *left* padding,
