@@ -319,3 +319,14 @@ def test_left_align():
     np.testing.assert_array_equal(
         decoding.left_align(prompt, jnp.array([3, 1, 4]), pad_id=0),
         [[0, 5, 6, 7], [0, 0, 0, 8], [3, 4, 5, 6]])
+
+
+def test_batched_decoding_example_runs_and_agrees(capsys):
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).parents[1] / "examples" / "batched_decoding.py"
+    spec = importlib.util.spec_from_file_location("batched_decoding_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.main() is True
+    assert "vmap == batched: True   vmap == one-by-one: True" in capsys.readouterr().out
