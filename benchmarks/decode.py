@@ -25,7 +25,7 @@ recompute = the time of one of its steps, a full decoder pass over the
 (B, N) buffer (a full 512-step recompute loop would take many minutes).
 
 Run (5-10 minutes on 2 shared CPU cores; the torch and recompute loops dominate):
-  nice -n 5 /work/venv/bin/python benchmarks/decode.py
+  nice -n 5 python benchmarks/decode.py
 Prints a table, then one JSON line with tokens_per_s, compile_s,
 speedup_vs_recompute, speedup_vs_seed_torch and the other figures.
 """
@@ -37,7 +37,6 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
 from typing import Optional
 
@@ -48,9 +47,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
-import jaxformer as jf  # noqa: E402
-from jaxformer import decoding  # noqa: E402
+import jaxformer as jf
+from jaxformer import decoding
 
 # ---------------------------------------------------------------------------
 # Seed 001 (../shared/seeds/001_507dfbbf7d5b0114.txt), copied verbatim: the peer.

@@ -26,7 +26,7 @@ and attention FLOPs: forward + two backward products) and the same count is
 used for both implementations; fraction_of_matmul_peak = FLOPs/s / peak.
 
 Run (about 3 minutes on 2 CPU cores; run it when the machine is quiet):
-  nice -n 5 /work/venv/bin/python benchmarks/train.py
+  nice -n 5 python benchmarks/train.py
 Prints a table, then one JSON line with tokens_per_s, compile_s,
 ratio_vs_seed_torch, fraction_of_matmul_peak and the other figures.
 """
@@ -36,9 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
-import sys
 import time
 from typing import Optional
 
@@ -49,9 +47,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
-import jaxformer as jf  # noqa: E402
-from jaxformer.training import TrainConfig, train_functions  # noqa: E402
+import jaxformer as jf
+from jaxformer.training import TrainConfig, train_functions
 
 # ---------------------------------------------------------------------------
 # Seed 001 (../shared/seeds/001_507dfbbf7d5b0114.txt), copied unchanged: the peer.

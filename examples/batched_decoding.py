@@ -1,6 +1,6 @@
 """Batched decoding by jax.vmap: write the decode for ONE example, vmap it over a batch.
 
-    /work/venv/bin/python examples/batched_decoding.py
+    python examples/batched_decoding.py
 
 Runs in about 10 seconds on CPU (mostly compilation) with an untrained tiny
 model, so the tokens themselves are arbitrary. It prints each source with its
@@ -15,16 +15,14 @@ The single-example function is pure (no host checks, no hidden state), so
 once; a source row of PAD ids on the right is simply a shorter source.
 """
 
-import os
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
-import jaxformer as jf  # noqa: E402
-from jaxformer import decoding  # noqa: E402
+import jaxformer as jf
+from jaxformer import decoding
 
 NEW_TOKENS = 12
 

@@ -21,4 +21,40 @@ from jaxformer.decoding import (DecodeResult, DecodeState, generate, greedy_deco
                                 greedy_decode_one, sample)
 from jaxformer.sampling import make_sampler
 
+__all__ = [
+    "attention_weights",
+    "beam_search",
+    "bench",
+    "causal_mask",
+    "combine_masks",
+    "copy_task",
+    "count_params",
+    "cross_mask",
+    "DecodeCache",
+    "Decoder",
+    "decoder_self_mask",
+    "DecodeResult",
+    "DecoderLayer",
+    "DecoderOnlyLM",
+    "DecodeState",
+    "dot_product_attention",
+    "Encoder",
+    "EncoderLayer",
+    "FeedForward",
+    "generate",
+    "greedy_decode",
+    "greedy_decode_one",
+    "init_cache",
+    "KV",
+    "make_sampler",
+    "MultiHeadAttention",
+    "padding_mask",
+    "PRESETS",
+    "sample",
+    "sinusoidal_table",
+    "tiny",
+    "Transformer",
+    "TransformerConfig",
+]
+
 __version__ = "0.1.0"
