@@ -28,8 +28,26 @@ _CHOICES = {
 }
 
 
+class ConfigMixin:
+    """replace / to_dict / from_dict for the frozen config dataclasses (JSON round trip)."""
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict):
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"{cls.__name__}: unknown field(s) {unknown}")
+        return cls(**values)
+
+
 @dataclasses.dataclass(frozen=True)
-class TransformerConfig:
+class TransformerConfig(ConfigMixin):
     """Architecture of an encoder-decoder Transformer or a decoder-only LM.
 
     The decoder-only LM (`DecoderOnlyLM`) reads only the `tgt_*`/decoder fields;
@@ -132,20 +150,6 @@ class TransformerConfig:
     @property
     def params_dtype(self) -> jnp.dtype:
         return jnp.dtype(self.param_dtype)
-
-    def replace(self, **changes) -> "TransformerConfig":
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: dict) -> "TransformerConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"TransformerConfig: unknown field(s) {unknown}")
-        return cls(**values)
 
 
 def _require(ok: bool, field: str, message: str) -> None:

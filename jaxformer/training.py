@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxformer.config import TransformerConfig
+from jaxformer.config import ConfigMixin, TransformerConfig
 from jaxformer.decoding import greedy_decode
 from jaxformer.model import Transformer
 from jaxformer.sharding import (check_divisible, data_sharding, make_mesh, replicate,
@@ -48,7 +48,7 @@ from jaxformer.tasks import Batch, Task, make_task
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(ConfigMixin):
     """Everything about a training run that is not the architecture.
 
     Defaults are those of `jaxformer train` (copy task on the `copy_task`
@@ -89,20 +89,6 @@ class TrainConfig:
         if not self.clip_norm > 0:
             raise ValueError(f"TrainConfig.clip_norm must be positive, got {self.clip_norm!r}")
         make_task(self.task, min_len=self.min_len, max_len=self.max_len)  # validates
-
-    def replace(self, **changes) -> "TrainConfig":
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: dict) -> "TrainConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"TrainConfig: unknown field(s) {unknown}")
-        return cls(**values)
 
 
 @flax.struct.dataclass

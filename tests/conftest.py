@@ -4,6 +4,8 @@ Tokens drawn here avoid the special ids (pad 0, bos 1, eos 2) unless a test
 puts them in on purpose, so "PAD" in a test always means a deliberate PAD.
 """
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,6 +47,17 @@ def numpy_params(model, *init_args, seed: int = 0):
         return jnp.asarray(values, leaf.dtype)
 
     return jax.tree_util.tree_map_with_path(draw, abstract)
+
+
+def snapshot(directory) -> dict:
+    """{relative path: bytes} of every file below `directory`."""
+    files = {}
+    for root, _, names in os.walk(directory):
+        for name in names:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                files[os.path.relpath(path, directory)] = f.read()
+    return files
 
 
 @pytest.fixture

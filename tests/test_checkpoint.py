@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import jaxformer as jf
+from conftest import snapshot
 from jaxformer.checkpoint import CheckpointError, Checkpoints
 from jaxformer.training import TrainConfig, fit, train_functions
 
@@ -20,17 +21,6 @@ def tree_equal(a, b) -> bool:
     same = jax.tree_util.tree_map(np.array_equal, a, b)
     return jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b) and all(
         jax.tree_util.tree_leaves(same))
-
-
-def snapshot(directory) -> dict:
-    """{relative path: bytes} of every file below `directory`."""
-    files = {}
-    for root, _, names in os.walk(directory):
-        for name in names:
-            path = os.path.join(root, name)
-            with open(path, "rb") as f:
-                files[os.path.relpath(path, directory)] = f.read()
-    return files
 
 
 @pytest.fixture(scope="module")

@@ -16,21 +16,13 @@ from jaxformer.cli import main
 from jaxformer.config import TransformerConfig
 from jaxformer.training import TrainConfig
 
+from conftest import snapshot
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The tiny 1+1-layer model and schedule of test_training/test_checkpoint: one compilation.
 TINY = ["train", "--preset", "tiny", "--layers", "1", "--max-len", "6", "--batch", "8",
         "--steps", "12", "--warmup", "2", "--lr", "1e-2", "--eval-examples", "16",
         "--show", "2", "--save-every", "5", "--no-progress"]
-
-
-def snapshot(directory) -> dict:
-    files = {}
-    for root, _, names in os.walk(directory):
-        for name in names:
-            path = os.path.join(root, name)
-            with open(path, "rb") as f:
-                files[os.path.relpath(path, directory)] = f.read()
-    return files
 
 
 @pytest.fixture(scope="module")
