@@ -68,6 +68,19 @@ from jaxformer.config import TransformerConfig
 _INSTALL_HINT = "jaxformer.interop needs PyTorch: pip install 'jaxformer[torch]'"
 
 
+def _config(arch: dict, **fields) -> TransformerConfig:
+    """The config: what `_read_architecture` read from the torch layers, plus `fields`.
+
+    `embedding_dropout` is 0: it lives in the user's positional module, not in torch's layers.
+    """
+    return TransformerConfig(
+        num_heads=arch["num_heads"], d_ff=arch["d_ff"], norm=arch["norm"],
+        final_norm=arch["final_norm"], activation=arch["activation"],
+        layer_norm_epsilon=arch["eps"], attention_bias=arch["attention_bias"],
+        attention_dropout=arch["attention_dropout"], residual_dropout=arch["residual_dropout"],
+        ffn_dropout=arch["ffn_dropout"], embedding_dropout=0.0, **fields)
+
+
 def _import_torch():
     try:
         import torch
@@ -146,17 +159,11 @@ def from_torch_transformer(
     _check_positions(positions, {"src_position_embedding": src_position_embedding,
                                  "tgt_position_embedding": tgt_position_embedding})
 
-    config = TransformerConfig(
-        src_vocab_size=src_V, tgt_vocab_size=tgt_V, d_model=d_model,
-        num_heads=arch["num_heads"], d_ff=arch["d_ff"],
+    config = _config(
+        arch, d_model=d_model, src_vocab_size=src_V, tgt_vocab_size=tgt_V,
         num_encoder_layers=len(enc_layers), num_decoder_layers=len(dec_layers),
-        max_len=max_len, norm=arch["norm"], final_norm=arch["final_norm"],
-        activation=arch["activation"], encoder_positions=positions,
-        decoder_positions=positions, layer_norm_epsilon=arch["eps"],
-        attention_bias=arch["attention_bias"], scale_embeddings=scale_embeddings,
-        tie_output_embedding=tie, share_embeddings=share,
-        attention_dropout=arch["attention_dropout"], residual_dropout=arch["residual_dropout"],
-        ffn_dropout=arch["ffn_dropout"], embedding_dropout=0.0,
+        max_len=max_len, encoder_positions=positions, decoder_positions=positions,
+        scale_embeddings=scale_embeddings, tie_output_embedding=tie, share_embeddings=share,
         pad_id=pad_id, bos_id=bos_id, eos_id=eos_id)
 
     reader = _Reader(config)
@@ -234,16 +241,11 @@ def from_torch_decoder_only(
     _check_output_projection(output_projection, d_model, vocab, tie)
     _check_positions(positions, {"position_embedding": position_embedding})
 
-    config = TransformerConfig(
-        src_vocab_size=vocab, tgt_vocab_size=vocab, d_model=d_model,
-        num_heads=arch["num_heads"], d_ff=arch["d_ff"], num_encoder_layers=0,
-        num_decoder_layers=len(layers), max_len=max_len, norm=arch["norm"],
-        final_norm=arch["final_norm"], activation=arch["activation"],
+    config = _config(
+        arch, d_model=d_model, src_vocab_size=vocab, tgt_vocab_size=vocab,
+        num_encoder_layers=0, num_decoder_layers=len(layers), max_len=max_len,
         encoder_positions=positions, decoder_positions=positions,
-        layer_norm_epsilon=arch["eps"], attention_bias=arch["attention_bias"],
         scale_embeddings=scale_embeddings, tie_output_embedding=tie,
-        attention_dropout=arch["attention_dropout"], residual_dropout=arch["residual_dropout"],
-        ffn_dropout=arch["ffn_dropout"], embedding_dropout=0.0,
         pad_id=pad_id, bos_id=bos_id, eos_id=eos_id)
 
     reader = _Reader(config)
