@@ -1,9 +1,14 @@
 """Scaled dot-product attention (a pure function) and multi-head attention.
 
-Layout: queries (B, T, H, K), keys and values (B, S, H, K) -- the layout of
-`jax.nn.dot_product_attention`, so either implementation can run the same call,
-and the decode cache can store keys/values exactly as they are projected (no
-transposes per step). Attention weights are (B, H, T, S).
+Layout: heads-major, queries (B, H, T, K), keys and values (B, H, S, K);
+attention weights (B, H, T, S). Both products, Q K^T and weights V, are then
+batched matmuls over (B, H) in the layout XLA's dot wants, so nothing is
+transposed per call. That matters most for decoding: a cache step's single
+query reads a (B, H, T_max, K) cache in place. (With (B, T, H, K), the layout
+of `jax.nn.dot_product_attention`, every step either transposed the whole
+cache or fell back to a multiply-reduce; on the bench workload the cached
+step was 2x slower, see `benchmarks/decode.py`.) Only the new token's (B, H,
+1, K) key and value are transposed on their way into the cache.
 
 One module serves self- and cross-attention: `MultiHeadAttention.kv(x)` projects
 keys/values, `MultiHeadAttention(x_q, kv, mask)` attends. Self-attention passes
@@ -24,16 +29,16 @@ from jaxformer.config import TransformerConfig
 
 
 class KV(NamedTuple):
-    """Projected keys and values, each (B, S, H, K)."""
+    """Projected keys and values, each (B, H, S, K)."""
 
     key: jnp.ndarray
     value: jnp.ndarray
 
 
 def dot_product_attention(
-    query_BTHK: jnp.ndarray,
-    key_BSHK: jnp.ndarray,
-    value_BSHK: jnp.ndarray,
+    query_BHTK: jnp.ndarray,
+    key_BHSK: jnp.ndarray,
+    value_BHSK: jnp.ndarray,
     mask: Optional[jnp.ndarray] = None,
     *,
     dropout_rate: float = 0.0,
@@ -42,12 +47,12 @@ def dot_product_attention(
     """softmax(Q K^T / sqrt(K) masked) V, per head.
 
     Args:
-      query_BTHK, key_BSHK, value_BSHK: queries, keys, values.
+      query_BHTK, key_BHSK, value_BHSK: queries, keys, values.
       mask: boolean, broadcastable to (B, H, T, S); True = may attend.
       dropout_rate, dropout_rng: dropout on the weights (off if rng is None).
 
     Returns:
-      (out (B, T, H, K), weights (B, H, T, S) after dropout). Unused weights
+      (out (B, H, T, K), weights (B, H, T, S) after dropout). Unused weights
       cost nothing under jit: XLA drops them.
 
     Masked logits are replaced (`jnp.where`), not offset by -inf, with the most
@@ -55,16 +60,8 @@ def dot_product_attention(
     weights, so its output and gradients stay finite instead of NaN. The softmax
     runs in float32 whatever the compute dtype.
     """
-    depth = query_BTHK.shape[-1]
-    # One query (a cached decode step): multiply-and-reduce instead of a batched
-    # dot. XLA's CPU dot wants (B, H) leading, so with (B, S, H, K) keys it would
-    # transpose the whole cache every step; the reduction reads it once in place.
-    single_query = query_BTHK.shape[1] == 1
-    if single_query:
-        logits_BSH = jnp.sum(query_BTHK * key_BSHK, axis=-1, dtype=jnp.float32) / math.sqrt(depth)
-        logits_BHTS = jnp.transpose(logits_BSH, (0, 2, 1))[:, :, None, :]
-    else:
-        logits_BHTS = jnp.einsum("bthk,bshk->bhts", query_BTHK, key_BSHK) / math.sqrt(depth)
+    depth = query_BHTK.shape[-1]
+    logits_BHTS = jnp.einsum("bhtk,bhsk->bhts", query_BHTK, key_BHSK) / math.sqrt(depth)
     logits_BHTS = logits_BHTS.astype(jnp.float32)
     if mask is not None:
         logits_BHTS = jnp.where(mask, logits_BHTS, jnp.finfo(jnp.float32).min)
@@ -72,19 +69,19 @@ def dot_product_attention(
     if dropout_rng is not None and dropout_rate > 0.0:
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights_BHTS.shape)
         weights_BHTS = jnp.where(keep, weights_BHTS / (1.0 - dropout_rate), 0.0)
-    weights_BHTS = weights_BHTS.astype(value_BSHK.dtype)
-    if single_query:
-        weights_BSH1 = jnp.transpose(weights_BHTS[:, :, 0, :], (0, 2, 1))[..., None]
-        out_BTHK = jnp.sum(weights_BSH1 * value_BSHK, axis=1, dtype=jnp.float32)[:, None]
-        out_BTHK = out_BTHK.astype(value_BSHK.dtype)
-    else:
-        out_BTHK = jnp.einsum("bhts,bshk->bthk", weights_BHTS, value_BSHK)
-    return out_BTHK, weights_BHTS
+    weights_BHTS = weights_BHTS.astype(value_BHSK.dtype)
+    out_BHTK = jnp.einsum("bhts,bhsk->bhtk", weights_BHTS, value_BHSK)
+    return out_BHTK, weights_BHTS
 
 
 def dense_init() -> nn.initializers.Initializer:
     """Xavier-uniform, as torch.nn.MultiheadAttention and Flax's wmt example."""
     return nn.initializers.xavier_uniform()
+
+
+def _heads_major(x_BTHK: jnp.ndarray) -> jnp.ndarray:
+    """(B, T, H, K) -> (B, H, T, K); also the inverse."""
+    return jnp.swapaxes(x_BTHK, 1, 2)
 
 
 class MultiHeadAttention(nn.Module):
@@ -107,8 +104,8 @@ class MultiHeadAttention(nn.Module):
         self.out = nn.DenseGeneral(features=c.d_model, axis=(-2, -1), **common)
 
     def kv(self, inputs_BSD: jnp.ndarray) -> KV:
-        """Project keys and values: (B, S, D) -> KV of (B, S, H, K)."""
-        return KV(self.key(inputs_BSD), self.value(inputs_BSD))
+        """Project keys and values: (B, S, D) -> KV of (B, H, S, K)."""
+        return KV(_heads_major(self.key(inputs_BSD)), _heads_major(self.value(inputs_BSD)))
 
     def __call__(
         self,
@@ -124,13 +121,14 @@ class MultiHeadAttention(nn.Module):
         collection as `attention_weights`: pass `mutable="intermediates"` to
         `apply` to get them (see `model.attention_weights`).
         """
-        query_BTHK = self.query(inputs_q_BTD)
-        if self.config.attention_impl == "jax":
-            out_BTHK = jax.nn.dot_product_attention(query_BTHK, kv.key, kv.value, mask=mask)
+        query_BHTK = _heads_major(self.query(inputs_q_BTD))
+        if self.config.attention_impl == "jax":  # wants (B, T, H, K)
+            out_BTHK = jax.nn.dot_product_attention(
+                *map(_heads_major, (query_BHTK, kv.key, kv.value)), mask=mask)
             return self.out(out_BTHK)
         rate = self.config.attention_dropout
         dropout_rng = None if deterministic or rate == 0.0 else self.make_rng("dropout")
-        out_BTHK, weights_BHTS = dot_product_attention(
-            query_BTHK, kv.key, kv.value, mask, dropout_rate=rate, dropout_rng=dropout_rng)
+        out_BHTK, weights_BHTS = dot_product_attention(
+            query_BHTK, kv.key, kv.value, mask, dropout_rate=rate, dropout_rng=dropout_rng)
         self.sow("intermediates", "attention_weights", weights_BHTS)
-        return self.out(out_BTHK)
+        return self.out(_heads_major(out_BHTK))

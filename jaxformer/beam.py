@@ -100,8 +100,7 @@ def beam_step(state: BeamState, logits_RV: jnp.ndarray, cache, *, beam_size: int
         finished_BW=was_finished_BW | (token_BW == eos_id))
 
 
-@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "beam_size",
-                                             "length_penalty"))
+@decoding.decode_jit(static_argnames=("model", "max_new_tokens", "beam_size", "length_penalty"))
 def _beam_jit(model, params, src, src_mask, *, max_new_tokens, beam_size, length_penalty):
     decoding.TRACE_COUNTS["beam"] += 1
     c = model.config

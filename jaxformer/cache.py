@@ -2,9 +2,9 @@
 
 A `DecodeCache` is a pytree (a `flax.struct.dataclass`) that the caller holds
 and `lax.scan` carries; there is no mutable Flax collection and no hidden
-state. Layout of the self-attention keys/values is (B, T_max, H, K), the layout
-`MultiHeadAttention.kv` projects, so a step writes its new key/value with one
-`dynamic_update_slice` and never transposes.
+state. Layout of the self-attention keys/values is (B, H, T_max, K), the
+heads-major layout `MultiHeadAttention.kv` projects and attention reads in
+place; a step writes its new key/value with one `dynamic_update_slice`.
 
 Slots and positions. Slot t of the cache holds the token fed at step t. Every
 row of a batch writes the same slot at the same step (one scalar `index`, so
@@ -18,7 +18,7 @@ row b occupies slots `start_B[b]..`, and its token in slot t sits at position
 (1, T_max) block (which would let the query at t see only key 0).
 
 Cross-attention keys/values of the encoder memory live in the cache too, each
-(B, S, H, K): projected once before the loop (`Transformer.cross_kv`) and read,
+(B, H, S, K): projected once before the loop (`Transformer.cross_kv`) and read,
 never rewritten, by every step.
 """
 
@@ -40,10 +40,10 @@ class DecodeCache:
     """Everything a decode step reads besides the parameters and the new token.
 
     Attributes:
-      self_kv: per decoder layer, self-attention keys and values, each (B, T_max, H, K).
+      self_kv: per decoder layer, self-attention keys and values, each (B, H, T_max, K).
       index: () int32, the next slot to write (= tokens already cached).
       start_B: (B,) int32, first valid slot of each row (left padding); 0 if none.
-      cross_kv: per decoder layer, cross-attention keys/values (B, S, H, K), or None
+      cross_kv: per decoder layer, cross-attention keys/values (B, H, S, K), or None
         (decoder-only LM).
       cross_mask: (B, 1, 1, S) bool, True = memory position may be attended, or None.
     """
@@ -61,7 +61,7 @@ class DecodeCache:
     @property
     def max_len(self) -> int:
         """T_max: the number of slots."""
-        return self.self_kv[0].key.shape[1]
+        return self.self_kv[0].key.shape[2]
 
 
 def init_cache(config: TransformerConfig, batch: int, max_len: int,
@@ -81,7 +81,7 @@ def init_cache(config: TransformerConfig, batch: int, max_len: int,
         raise ValueError(f"init_cache: max_len={max_len} exceeds the model's "
                          f"config.max_len={config.max_len} (positions would run off the table)")
     dtype = config.compute_dtype if dtype is None else jnp.dtype(dtype)
-    shape = (batch, max_len, config.num_heads, config.head_dim)
+    shape = (batch, config.num_heads, max_len, config.head_dim)
     layers = tuple(KV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
                    for _ in range(config.num_decoder_layers))
     return DecodeCache(self_kv=layers, index=jnp.zeros((), jnp.int32),
@@ -96,16 +96,16 @@ def check_cache(cache: DecodeCache, config: TransformerConfig) -> None:
         raise ValueError(f"cache has {len(cache.self_kv)} layers, config has "
                          f"{config.num_decoder_layers} decoder layers")
     batch, slots = cache.batch, cache.max_len
-    want = (batch, slots, config.num_heads, config.head_dim)
+    want = (batch, config.num_heads, slots, config.head_dim)
     chex.assert_shape([x for kv in cache.self_kv for x in kv], want)
     chex.assert_shape(cache.index, ())
     chex.assert_type([cache.index, cache.start_B], jnp.int32)
     if cache.cross_kv is not None:
         if len(cache.cross_kv) != config.num_decoder_layers:
             raise ValueError("cache.cross_kv must have one KV per decoder layer")
-        memory_len = cache.cross_kv[0].key.shape[1]
+        memory_len = cache.cross_kv[0].key.shape[2]
         chex.assert_shape([x for kv in cache.cross_kv for x in kv],
-                          (batch, memory_len, config.num_heads, config.head_dim))
+                          (batch, config.num_heads, memory_len, config.head_dim))
         if cache.cross_mask is not None:
             chex.assert_shape(cache.cross_mask, (batch, 1, 1, memory_len))
 

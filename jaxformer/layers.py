@@ -201,7 +201,7 @@ class DecoderLayer(nn.Module):
           self_mask: (B|1, 1, T, T) without a cache, (B|1, 1, T, T_max) with one.
           cross_kv: `cross_kv(memory)` (S keys); required iff `cross_attention`.
           cross_mask: (B|1, 1, T|1, S).
-          cache: keys/values of earlier positions, each (B, T_max, H, K). The
+          cache: keys/values of earlier positions, each (B, H, T_max, K). The
             new keys/values are written at `cache_index` (a scalar) and the
             queries attend over the whole cache, so `self_mask` must hide the
             slots not yet written.
@@ -212,7 +212,7 @@ class DecoderLayer(nn.Module):
         def self_attend(h_BTD):
             kv = self.self_attn.kv(h_BTD)
             if cache is not None:
-                start = (0, cache_index, 0, 0)
+                start = (0, 0, cache_index, 0)
                 kv = KV(jax.lax.dynamic_update_slice(cache.key, kv.key.astype(cache.key.dtype), start),
                         jax.lax.dynamic_update_slice(cache.value, kv.value.astype(cache.value.dtype), start))
             out = self.self_attn(h_BTD, kv, self_mask, deterministic=deterministic)

@@ -157,7 +157,7 @@ class Transformer(nn.Module):
         return self.encoder(src, src_mask, deterministic=deterministic)
 
     def cross_kv(self, memory_BSD: jnp.ndarray) -> tuple[KV, ...]:
-        """Per-layer cross-attention keys/values (each (B, S, H, K)), for decoding."""
+        """Per-layer cross-attention keys/values (each (B, H, S, K)), for decoding."""
         return self.decoder.cross_kv(memory_BSD)
 
     def decode(self, tgt: jnp.ndarray, memory_BSD: jnp.ndarray,

@@ -14,22 +14,23 @@ B, T, S, H, K = 2, 3, 5, 2, 4
 
 
 def qkv(seed=0, dtype=jnp.float32, t=T, s=S):
+    """Heads-major queries (B, H, t, K), keys and values (B, H, s, K)."""
     r = np.random.default_rng(seed)
-    q = r.normal(size=(B, t, H, K))
-    k = r.normal(size=(B, s, H, K))
-    v = r.normal(size=(B, s, H, K))
+    q = r.normal(size=(B, H, t, K))
+    k = r.normal(size=(B, H, s, K))
+    v = r.normal(size=(B, H, s, K))
     return tuple(jnp.asarray(a, dtype) for a in (q, k, v))
 
 
 def numpy_attention(q, k, v, mask):
     """The textbook formula in float64 numpy: softmax(q k^T / sqrt(K), masked) v."""
     q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
-    logits = np.einsum("bthk,bshk->bhts", q, k) / math.sqrt(q.shape[-1])
+    logits = np.einsum("bhtk,bhsk->bhts", q, k) / math.sqrt(q.shape[-1])
     if mask is not None:
         logits = np.where(np.asarray(mask), logits, -np.inf)
     logits = logits - logits.max(axis=-1, keepdims=True)
     weights = np.exp(logits) / np.exp(logits).sum(axis=-1, keepdims=True)
-    return np.einsum("bhts,bshk->bthk", weights, v), weights
+    return np.einsum("bhts,bhsk->bhtk", weights, v), weights
 
 
 def random_mask(shape, seed=3):
@@ -44,7 +45,7 @@ MASKS = {
     "causal_11TT": lambda: jf.causal_mask(S),
     "full_BHTS": lambda: random_mask((B, H, T, S)),
     "per_query_B1TS": lambda: random_mask((B, 1, T, S), seed=4),
-    # One query (T=1) takes a separate multiply-reduce path (cached decode steps).
+    # One query (T=1): the shape of a cached decode step.
     "one_query_none": lambda: None,
     "one_query_padding_B11S": lambda: jf.padding_mask(jnp.array([[4, 4, 0, 0, 0],
                                                                  [4, 4, 4, 4, 0]])),
@@ -65,7 +66,7 @@ def test_equals_numpy_reference(case):
     mask = MASKS[case]()
     out, weights = jf.dot_product_attention(q, k, v, mask)
     want_out, want_weights = numpy_attention(q, k, v, mask)
-    assert out.shape == (B, t, H, K) and weights.shape == (B, H, t, s)
+    assert out.shape == (B, H, t, K) and weights.shape == (B, H, t, s)
     np.testing.assert_allclose(np.asarray(out), want_out, atol=1e-6)
     np.testing.assert_allclose(np.asarray(weights), want_weights, atol=1e-6)
 
@@ -78,7 +79,10 @@ def test_equals_jax_nn_dot_product_attention(case):
     if mask is not None:
         mask = jnp.broadcast_to(mask, (B, H, t, s))
     out, _ = jf.dot_product_attention(q, k, v, mask)
-    np.testing.assert_allclose(out, jax.nn.dot_product_attention(q, k, v, mask=mask), atol=1e-6)
+    # jax.nn takes (B, T, H, K): the same attention in the other layout.
+    q, k, v = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))
+    want = jnp.swapaxes(jax.nn.dot_product_attention(q, k, v, mask=mask), 1, 2)
+    np.testing.assert_allclose(out, want, atol=1e-6)
 
 
 def test_weights_are_distributions_that_ignore_masked_keys():
@@ -95,8 +99,8 @@ def test_masked_key_values_do_not_matter():
     q, k, v = qkv(seed=5)
     mask = jf.padding_mask(jnp.array([[4, 4, 4, 0, 0], [4, 4, 4, 4, 0]]))
     out, _ = jf.dot_product_attention(q, k, v, mask)
-    v2 = v.at[:, 4].set(1e4)  # a masked key position in both rows
-    k2 = k.at[:, 4].set(-1e4)
+    v2 = v.at[:, :, 4].set(1e4)  # a masked key position in both rows
+    k2 = k.at[:, :, 4].set(-1e4)
     out2, _ = jf.dot_product_attention(q, k2, v2, mask)
     np.testing.assert_array_equal(out, out2)
 
@@ -111,7 +115,7 @@ def test_fully_masked_row_is_finite_with_finite_gradients():
     out, _ = jf.dot_product_attention(q, k, v, mask)
     # The other rows are exactly what they are without the dead row.
     np.testing.assert_allclose(out[1], ok[1], atol=1e-6)
-    np.testing.assert_allclose(out[0, [0, 2]], ok[0, [0, 2]], atol=1e-6)
+    np.testing.assert_allclose(out[0][:, [0, 2]], ok[0][:, [0, 2]], atol=1e-6)
 
 
 def test_fully_masked_single_query_is_finite_with_finite_gradients():
@@ -151,7 +155,7 @@ def test_dropout_on_weights_is_scaled_reproducible_and_off_without_rng():
     assert 0.2 < kept.mean() < 0.8
     np.testing.assert_allclose(w_a[kept], plain_w[kept] / 0.5, rtol=1e-6)  # inverted dropout
     # The output is the dropped weights applied to the values.
-    np.testing.assert_allclose(out_a, np.einsum("bhts,bshk->bthk", w_a, v), atol=1e-5)
+    np.testing.assert_allclose(out_a, np.einsum("bhts,bhsk->bhtk", w_a, v), atol=1e-5)
 
 
 @pytest.mark.parametrize("t", [T, 1], ids=["T3", "one_query"])
@@ -164,13 +168,13 @@ def test_bfloat16_inputs_keep_their_dtype_and_stay_close(t):
 
 
 def test_single_query_dropout_is_the_same_function():
-    """The T=1 path applies dropout exactly as the general path would to that row."""
+    """One query (a decode step): the output is the dropped weights applied to the values."""
     q, k, v = qkv(seed=10, t=1)
     key = jax.random.PRNGKey(3)
     out, w = jf.dot_product_attention(q, k, v, dropout_rate=0.5, dropout_rng=key)
     w = np.asarray(w)
     assert 0 < (w == 0).mean() < 1
-    np.testing.assert_allclose(out, np.einsum("bhts,bshk->bthk", w, v), atol=1e-5)
+    np.testing.assert_allclose(out, np.einsum("bhts,bhsk->bhtk", w, v), atol=1e-5)
 
 
 # ----------------------------------------------------------------------------
@@ -198,14 +202,15 @@ def test_multi_head_attention_equals_projections_by_hand(bias):
     mask = jf.padding_mask(jnp.array([[4, 4, 0, 0, 0], [4, 4, 4, 4, 4]]))
     got = mha.apply({"params": params}, x, m, mask, method=call)
 
-    def proj(name, inputs):  # (B, L, D) @ (D, H, K) + (H, K)
+    def proj(name, inputs):  # (B, L, D) @ (D, H, K) + (H, K) -> (B, H, L, K)
         p = {k_: np.asarray(v_, np.float64) for k_, v_ in params[name].items()}
-        return np.einsum("bld,dhk->blhk", inputs, p["kernel"]) + p.get("bias", 0.0)
+        bias = p.get("bias", np.zeros(p["kernel"].shape[1:]))
+        return np.einsum("bld,dhk->bhlk", inputs, p["kernel"]) + bias[:, None, :]
 
     assert ("bias" in params["query"]) == bias and params["out"]["kernel"].shape == (4, 8, 32)
     heads, _ = numpy_attention(proj("query", x), proj("key", m), proj("value", m), mask)
     out = params["out"]
-    want = np.einsum("bthk,hkd->btd", heads, np.asarray(out["kernel"], np.float64))
+    want = np.einsum("bhtk,hkd->btd", heads, np.asarray(out["kernel"], np.float64))
     want = want + (np.asarray(out["bias"]) if bias else 0.0)
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
 

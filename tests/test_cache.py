@@ -16,7 +16,7 @@ def test_init_cache_shapes_and_pytree():
     cache = cache_lib.init_cache(config, batch=3, max_len=7)
     cache_lib.check_cache(cache, config)
     assert len(cache.self_kv) == config.num_decoder_layers
-    chex.assert_shape(cache.self_kv[0].key, (3, 7, config.num_heads, config.head_dim))
+    chex.assert_shape(cache.self_kv[0].key, (3, config.num_heads, 7, config.head_dim))
     assert (cache.batch, cache.max_len, int(cache.index)) == (3, 7, 0)
     # A pytree: it goes through jit and tree_map with its named fields intact.
     doubled = jax.jit(lambda c: c.replace(index=c.index + 2))(cache)
@@ -42,16 +42,16 @@ def test_check_cache_rejects_a_cache_of_another_config():
         cache_lib.check_cache(cache, jf.tiny(num_heads=2))
 
 
-def test_single_query_attention_equals_batched_einsum():
-    """The T = 1 fast path (multiply-reduce) == the einsum path, query by query."""
+def test_single_query_attention_equals_all_queries_at_once():
+    """Attending one query at a time (a decode step) == all queries in one call."""
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.normal(size=shape), jnp.float32)
-               for shape in ((2, 3, 4, 8), (2, 6, 4, 8), (2, 6, 4, 8)))
+               for shape in ((2, 4, 3, 8), (2, 4, 6, 8), (2, 4, 6, 8)))  # (B, H, T|S, K)
     mask = jnp.asarray(rng.random((2, 1, 3, 6)) < 0.7)
-    out, weights = dot_product_attention(q, k, v, mask)  # T = 3: einsum path
+    out, weights = dot_product_attention(q, k, v, mask)
     for t in range(3):
-        out_t, weights_t = dot_product_attention(q[:, t:t + 1], k, v, mask[:, :, t:t + 1])
-        np.testing.assert_allclose(out_t[:, 0], out[:, t], atol=1e-6)
+        out_t, weights_t = dot_product_attention(q[:, :, t:t + 1], k, v, mask[:, :, t:t + 1])
+        np.testing.assert_allclose(out_t[:, :, 0], out[:, :, t], atol=1e-6)
         np.testing.assert_allclose(weights_t[:, :, 0], weights[:, :, t], atol=1e-6)
 
 
@@ -97,7 +97,7 @@ def test_cached_step_sees_earlier_keys_and_not_unwritten_slots():
     assert not np.allclose(same, different)  # key 0 is visible to the query at slot 3
     # Garbage in unwritten slots is invisible: write noise past the index.
     noisy = cache_after_3.replace(self_kv=tuple(
-        type(kv)(kv.key.at[:, 4:].set(99.0), kv.value.at[:, 4:].set(-99.0))
+        type(kv)(kv.key.at[:, :, 4:].set(99.0), kv.value.at[:, :, 4:].set(-99.0))
         for kv in cache_after_3.self_kv))
     noisy_logits, _ = step(noisy, tokens[:, 3:4])
     np.testing.assert_allclose(noisy_logits, same, atol=1e-6)

@@ -215,7 +215,7 @@ def test_decoder_layer_cache_step_by_step_equals_parallel():
     params = layer.init(jax.random.PRNGKey(0), y, jf.causal_mask(T_max))["params"]
     full, none_cache = layer.apply({"params": params}, y, jf.causal_mask(T_max))
     assert none_cache is None
-    empty = jnp.zeros((2, T_max, config.num_heads, config.head_dim))
+    empty = jnp.zeros((2, config.num_heads, T_max, config.head_dim))
     cache = jf.KV(empty, empty)
     for t in range(T_max):
         step_mask = (jnp.arange(T_max) <= t)[None, None, None, :]  # (1,1,1,T_max)
