@@ -12,17 +12,20 @@ side by side in one process:
                  compiled with XLA's default options is timed beside it.
   jax recompute  `greedy_decode_recompute`: the seeds' algorithm compiled --
                  a full decoder pass over the (B, N) prefix buffer every step.
-  seed torch     seed 001's PyTorch `Transformer.greedy_decode`, copied below
-                 verbatim (bugs included): re-runs the decoder over the growing
-                 prefix in a Python loop. Timed with torch threads = CPU cores
-                 and with 1 thread; the faster of the two is the peer (on a
-                 shared machine OpenMP with 2 threads can be several times slower).
+  seed torch     seed 001's PyTorch `Transformer.greedy_decode` (verbatim in
+                 benchmarks/seed001.py, bugs included): re-runs the decoder
+                 over the growing prefix in a Python loop. It runs with torch
+                 threads = CPU cores or 1, whichever decodes 32 tokens faster
+                 here (on a shared machine OpenMP with 2 threads can be slower).
 
 All three generate every one of the N tokens: the JAX scan always runs N
 steps, and the seed loop only stops early if *every* row emits EOS in the
 same step (random weights do not; rows that emit EOS are counted and printed).
-tokens/s = B * N / (median wall time of a full decode, compile excluded);
-compile_s = first call - median call. Per-step times at N = 32, 128, 512 show
+The host's speed drifts by tens of percent over minutes (shared cores), so the
+128-token decoders run in paired rounds: each round times every JAX variant
+and the seed loop once, back to back; a speed-up is the median over rounds of
+that round's ratio. tokens/s = B * N / (median wall time of a full decode,
+compile excluded); compile_s = first call - median call. Per-step times at N = 32, 128, 512 show
 how each step's cost grows with N: cached and seed = full loop time / N;
 recompute = the time of one of its steps, a full decoder pass over the
 (B, N) buffer (a full 512-step recompute loop would take many minutes).
@@ -74,6 +77,13 @@ def timed(fn, repeats: int):
     return first, statistics.median(times), result
 
 
+def once(fn):
+    """(seconds, result) of one call."""
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
 def block(result):
     return jax.tree_util.tree_map(lambda x: x.block_until_ready(), result)
 
@@ -81,6 +91,8 @@ def block(result):
 def main(argv: Optional[list[str]] = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of the fast decoders")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="paired rounds of the 128-token decoders (jax variants and seed torch)")
     args = parser.parse_args(argv)
 
     threads = os.cpu_count() or 1
@@ -107,56 +119,72 @@ def main(argv: Optional[list[str]] = None) -> dict:
           f"jax {jax.__version__} on {jax.devices()[0].platform}, torch {torch.__version__} "
           f"with {threads} threads")
 
-    # 1. jaxformer cached greedy, scan and while, at 128 new tokens.
-    first, median, result = timed(cached(NEW_TOKENS), args.repeats)
-    rows["jax cached (scan)"] = dict(compile_s=first - median, run_s=median)
-    eos_rows = int((np.asarray(result.lengths) < NEW_TOKENS).sum())
-    first, median, _ = timed(cached(NEW_TOKENS, "while"), args.repeats)
-    rows["jax cached (while)"] = dict(compile_s=first - median, run_s=median)
-    # The same scan loop compiled with XLA's default options (YNNPACK dots on the CPU).
+    # 1. First calls: compile time, and the tokens every variant must agree on.
     default_options = jax.jit(decoding._encdec_jit.__wrapped__, static_argnames=(
         "model", "max_new_tokens", "select", "loop", "return_logits"))
-    first, median, default_result = timed(lambda: block(default_options(
-        model, params, src, None, jax.random.PRNGKey(0), max_new_tokens=NEW_TOKENS,
-        select=sampling.greedy, loop="scan", return_logits=False)), args.repeats)
-    rows["jax cached (XLA default)"] = dict(compile_s=first - median, run_s=median)
+    jax_runs = {
+        "jax cached (scan)": cached(NEW_TOKENS),
+        "jax cached (while)": cached(NEW_TOKENS, "while"),
+        # The scan loop compiled with XLA's default options (YNNPACK dots on the CPU).
+        "jax cached (XLA default)": lambda: block(default_options(
+            model, params, src, None, jax.random.PRNGKey(0), max_new_tokens=NEW_TOKENS,
+            select=sampling.greedy, loop="scan", return_logits=False)),
+    }
+    first_s, results = {}, {}
+    for name, run in jax_runs.items():
+        first_s[name], results[name] = once(run)
+    result = results["jax cached (scan)"]
+    eos_rows = int((np.asarray(result.lengths) < NEW_TOKENS).sum())
 
-    # 2. jaxformer naive recompute (heavy: one timed run).
-    first, median, recompute_result = timed(recompute(NEW_TOKENS), 1)
-    rows["jax recompute"] = dict(compile_s=first - median, run_s=median)
-
-    # 3. seed 001's PyTorch loop, same sizes, eval mode.
+    # 2. seed 001's PyTorch loop, same sizes, eval mode.
     seed_model = SeedTransformer(src_vocab=VOCAB, tgt_vocab=VOCAB, d_model=256, num_heads=8,
                              d_ff=1024, num_layers=4, dropout=0.1, max_len=max(STEP_LENGTHS))
     seed_model.eval()
     src_torch = torch.as_tensor(src_np, dtype=torch.long)
-    seed_model.greedy_decode(src_torch, BOS, EOS, 4)  # warm-up (allocator, threads)
 
     def seed(n):
         return lambda: seed_model.greedy_decode(src_torch, bos_id=BOS, eos_id=EOS,
                                                 max_new_tokens=n)
 
-    # torch is timed with threads = cores (as asked) and with 1 thread: on a shared,
-    # loaded machine OpenMP's spinning barriers can make 2 threads several times
-    # slower than 1. The peer is whichever is faster here (the conservative ratio).
-    seed_runs = {}
+    # torch threads = cores (as asked) or 1: on a shared, loaded machine OpenMP's
+    # spinning barriers can make 2 threads slower than 1. The peer runs with
+    # whichever is faster here at 32 new tokens (the conservative ratio).
+    seed_32_s = {}
     for n_threads in sorted({threads, 1}, reverse=True):
         torch.set_num_threads(n_threads)
-        seed_model.greedy_decode(src_torch, BOS, EOS, 4)  # warm-up with this thread count
-        seed_runs[n_threads] = timed(seed(NEW_TOKENS), 1)
-    for n_threads, (_, median, ys) in seed_runs.items():
-        rows[f"seed torch ({n_threads} thr)"] = dict(compile_s=0.0, run_s=median)
-    seed_threads = min(seed_runs, key=lambda k: seed_runs[k][1])
+        seed(4)()  # warm-up with this thread count (allocator, thread pool)
+        seed_32_s[n_threads] = once(seed(32))[0]
+    seed_threads = min(seed_32_s, key=seed_32_s.get)
     torch.set_num_threads(seed_threads)
     seed_name = f"seed torch ({seed_threads} thr)"
-    ys = seed_runs[seed_threads][2]
+
+    # 3. Paired rounds. This machine's speed drifts by tens of percent over
+    # minutes (a shared host), so each round times every decoder once, back to
+    # back, and speed-ups are the median over rounds of that round's ratio.
+    times = {name: [] for name in [*jax_runs, seed_name]}
+    for _ in range(args.rounds):
+        for name, run in jax_runs.items():
+            times[name].append(once(run)[0])
+        seconds, ys = once(seed(NEW_TOKENS))
+        times[seed_name].append(seconds)
     seed_generated = ys.shape[1] - 1
     seed_eos_rows = int((ys[:, 1:] == EOS).any(dim=1).sum())
+    rows = {name: dict(compile_s=first_s.get(name, 0.0) - statistics.median(ts),
+                       run_s=statistics.median(ts)) for name, ts in times.items()}
+    rows[seed_name]["compile_s"] = 0.0
+
+    # 4. jaxformer naive recompute (heavy: one timed run after the compile).
+    first, median, recompute_result = timed(recompute(NEW_TOKENS), 1)
+    rows["jax recompute"] = dict(compile_s=first - median, run_s=median)
     for name, row in rows.items():
-        generated = seed_generated if name.startswith("seed torch") else NEW_TOKENS
+        generated = seed_generated if name == seed_name else NEW_TOKENS
         row["tokens_per_s"] = BATCH * generated / row["run_s"]
 
-    # 4. Per-step time against the number of new tokens.
+    def speedup(name):  # median over rounds of seed time / jax time, per generated token
+        return statistics.median(seed_s / jax_s * NEW_TOKENS / seed_generated
+                                 for seed_s, jax_s in zip(times[seed_name], times[name]))
+
+    # 5. Per-step time against the number of new tokens.
     per_step = {"jax cached": {}, "jax recompute": {}, seed_name: {}}
     for n in STEP_LENGTHS:
         if n == NEW_TOKENS:
@@ -175,7 +203,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         run_s = rows[seed_name]["run_s"] if n == NEW_TOKENS else timed(seed(n), 1)[1]
         per_step[seed_name][n] = 1e3 * run_s / n
 
-    # 5. When does the early-exit while_loop win? Make every row stop early (EOS bias).
+    # 6. When does the early-exit while_loop win? Make every row stop early (EOS bias).
     early = {}
     for delta in (2.0, 3.0, 4.0, 6.0, 8.0):
         biased = jax.tree_util.tree_map(lambda x: x, params)
@@ -190,15 +218,17 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
     # Report.
     cached_row = rows["jax cached (scan)"]
-    speedup_seed = cached_row["tokens_per_s"] / rows[seed_name]["tokens_per_s"]
+    speedup_seed = speedup("jax cached (scan)")
     speedup_recompute = cached_row["tokens_per_s"] / rows["jax recompute"]["tokens_per_s"]
     same_tokens = all(np.array_equal(np.asarray(result.tokens), np.asarray(other.tokens))
-                      for other in (recompute_result, default_result))
-    print(f"\n{'decoder':<26}{'compile s':>10}{'run s':>10}{'tokens/s':>12}{'vs seed':>9}")
+                      for other in (recompute_result, *results.values()))
+    print(f"\n{'decoder':<26}{'compile s':>10}{'run s':>10}{'tokens/s':>12}{'vs seed':>9}"
+          f"   (run s: median of {args.rounds} paired rounds; vs seed: median of per-round ratios)")
     for name, row in rows.items():
+        ratio = (f"{speedup(name):>8.1f}x" if name in jax_runs else
+                 f"{row['tokens_per_s'] / rows[seed_name]['tokens_per_s']:>8.1f}x")
         print(f"{name:<26}{row['compile_s']:>10.2f}{row['run_s']:>10.3f}"
-              f"{row['tokens_per_s']:>12.0f}"
-              f"{row['tokens_per_s'] / rows[seed_name]['tokens_per_s']:>8.1f}x")
+              f"{row['tokens_per_s']:>12.0f}{ratio}")
     print(f"\n{'ms per step':<26}" + "".join(f"{'N=' + str(n):>10}" for n in STEP_LENGTHS))
     for name, values in per_step.items():
         print(f"{name:<26}" + "".join(f"{values[n]:>10.2f}" if n in values else f"{'-':>10}"
@@ -218,16 +248,19 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "speedup_vs_recompute": round(speedup_recompute, 2),
         "speedup_vs_seed_torch": round(speedup_seed, 2),
         "target_30x_met": speedup_seed >= 30,
+        "speedup_vs_seed_torch_by_round": [
+            round(seed_s / jax_s * NEW_TOKENS / seed_generated, 2)
+            for seed_s, jax_s in zip(times[seed_name], times["jax cached (scan)"])],
         "while_tokens_per_s": round(rows["jax cached (while)"]["tokens_per_s"], 1),
         "while_compile_s": round(rows["jax cached (while)"]["compile_s"], 2),
         "xla_default_options_tokens_per_s": round(
             rows["jax cached (XLA default)"]["tokens_per_s"], 1),
+        "xla_default_options_speedup_vs_seed_torch": round(speedup("jax cached (XLA default)"), 2),
         "recompute_tokens_per_s": round(rows["jax recompute"]["tokens_per_s"], 1),
         "recompute_compile_s": round(rows["jax recompute"]["compile_s"], 2),
         "seed_torch_tokens_per_s": round(rows[seed_name]["tokens_per_s"], 1),
         "seed_torch_threads": seed_threads,
-        "seed_torch_tokens_per_s_by_threads": {
-            str(k): round(BATCH * seed_generated / v[1], 1) for k, v in seed_runs.items()},
+        "seed_torch_32_tokens_s_by_threads": {str(k): round(v, 2) for k, v in seed_32_s.items()},
         "per_step_ms": {k: {str(n): round(v, 3) for n, v in d.items()}
                         for k, d in per_step.items()},
         "eos_rows": dict(jax=eos_rows, seed_torch=seed_eos_rows),
