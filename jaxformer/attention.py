@@ -3,12 +3,12 @@
 Layout: heads-major, queries (B, H, T, K), keys and values (B, H, S, K);
 attention weights (B, H, T, S). Both products, Q K^T and weights V, are then
 batched matmuls over (B, H) in the layout XLA's dot wants, so nothing is
-transposed per call. That matters most for decoding: a cache step's single
+transposed per call. That matters most for decoding: a cached step's single
 query reads a (B, H, T_max, K) cache in place. (With (B, T, H, K), the layout
-of `jax.nn.dot_product_attention`, every step either transposed the whole
-cache or fell back to a multiply-reduce; on the bench workload the cached
-step was 2x slower, see `benchmarks/decode.py`.) Only the new token's (B, H,
-1, K) key and value are transposed on their way into the cache.
+of `jax.nn.dot_product_attention`, a step either transposed the whole cache or
+fell back to a multiply-reduce: 15.0 ms per cached step on the bench workload
+against 9.7 ms now, on a 2-core CPU.) Only the new token's (B, H, 1, K) key
+and value are transposed on their way into the cache.
 
 One module serves self- and cross-attention: `MultiHeadAttention.kv(x)` projects
 keys/values, `MultiHeadAttention(x_q, kv, mask)` attends. Self-attention passes

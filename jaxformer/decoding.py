@@ -28,8 +28,9 @@ when every row is finished, but re-checks a predicate each step and, under
 wins when all rows stop well before N (a trained model on short outputs); scan
 wins slightly when some row runs to N, e.g. an untrained model. Measured by
 `benchmarks/decode.py` (bench workload, batch 32, N = 128, 2 shared CPU cores):
-no row stops early -> scan 0.92 s, while 1.03 s; every row stops at step 1 ->
-scan 1.17 s, while 0.09 s. Both give identical results (tested).
+no row stops early -> scan 1.36 s, while 1.44 s (medians of 3 paired rounds);
+every row stops at step 1 -> scan 1.12 s, while 0.10 s. Both give identical
+results (tested).
 
 Decoder-only prompts are right-padded by the caller (the usual batch layout)
 with lengths; inside the jitted function they are shifted to *left* padding,
@@ -64,10 +65,12 @@ LogitsFn = Callable[[jnp.ndarray, Any, jnp.ndarray], tuple[jnp.ndarray, Any]]
 
 # XLA compiler options of the decode loops, by backend. XLA:CPU hands matmuls to
 # YNNPACK by default; a decode step's are small, (B, D) x (D, F) for B rows, and
-# for those XLA's own dots are faster: on the bench workload (batch 32) the
-# cached step took 9.9 ms with YNNPACK and 7.7 without (`benchmarks/decode.py`
-# times both side by side). Results are the same tokens. Other backends compile
-# with their defaults.
+# for those XLA's own dots are faster: on the bench workload (batch 32, 128
+# steps) 1.36 s against 1.49 s with YNNPACK, medians of paired rounds in
+# `benchmarks/decode.py`, which times both; 7.7 against 9.9 ms per step on a
+# quiet machine. Same tokens. Training keeps the defaults: its larger matmuls
+# are faster with YNNPACK (benchmarks/train.py: 0.93 s against 1.17 s per
+# step). Other backends compile with their defaults.
 DECODE_COMPILER_OPTIONS = {"cpu": {"xla_cpu_experimental_ynn_fusion_type": ""}}
 
 
@@ -76,20 +79,25 @@ def decode_jit(*, static_argnames: tuple[str, ...]):
 
     The backend is looked up at the first call (not at import, which would
     initialise JAX's backends); one compiled function per backend and shape.
-    The undecorated function stays reachable as `__wrapped__`.
+    Like a jitted function it has `.lower(...)`; the undecorated function is
+    `__wrapped__`.
     """
 
     def wrap(fn):
         jitted = {}
 
-        @functools.wraps(fn)
-        def call(*args, **kwargs):
+        def for_backend():
             backend = jax.default_backend()
             if backend not in jitted:
                 jitted[backend] = jax.jit(fn, static_argnames=static_argnames,
                                           compiler_options=DECODE_COMPILER_OPTIONS.get(backend))
-            return jitted[backend](*args, **kwargs)
+            return jitted[backend]
 
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            return for_backend()(*args, **kwargs)
+
+        call.lower = lambda *args, **kwargs: for_backend().lower(*args, **kwargs)
         return call
 
     return wrap

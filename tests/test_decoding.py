@@ -161,6 +161,23 @@ def test_compiled_once_per_shape(encdec_post):
     assert decoding.TRACE_COUNTS["encdec"] == before + 1
 
 
+def test_decode_compiler_options_apply_and_keep_the_tokens(encdec_post):
+    """The loop compiles with DECODE_COMPILER_OPTIONS (on the CPU: no YNNPACK fusion)
+    and decodes exactly what the same loop compiled with XLA's defaults decodes."""
+    config, model, params, src = encdec_post
+    kwargs = dict(max_new_tokens=N_NEW, select=sampling.greedy, loop="scan",
+                  return_logits=True)
+    args = (model, params, src, None, jax.random.PRNGKey(0))
+    ours = decoding._encdec_jit(*args, **kwargs)
+    defaults = jax.jit(decoding._encdec_jit.__wrapped__,
+                       static_argnames=("model", *kwargs))(*args, **kwargs)
+    np.testing.assert_array_equal(ours.tokens, defaults.tokens)
+    np.testing.assert_allclose(ours.logits, defaults.logits, atol=1e-5)
+    if jax.default_backend() == "cpu":
+        compiled = decoding._encdec_jit.lower(*args, **kwargs).compile().as_text()
+        assert "__ynn_fusion" not in compiled
+
+
 def test_init_wrapper_params_are_accepted(encdec_post):
     config, model, params, src = encdec_post
     bare = decoding.greedy_decode(model, params, src, max_new_tokens=N_NEW)
