@@ -345,6 +345,8 @@ def greedy_decode_one(model: Transformer, params, src_S: jnp.ndarray, *, max_new
     Pure and traceable (no host checks, no jit of its own), so that
     `jax.vmap(lambda s: greedy_decode_one(model, params, s, max_new_tokens=N))(src_BS)`
     is batched decoding; it equals `greedy_decode(model, params, src_BS, ...)`.
+    Compile it with `decode_jit(static_argnames=())(fn)` rather than `jax.jit`
+    to get the `DECODE_COMPILER_OPTIONS` the library's own loops use.
     `src_mask_S` (S,) bool marks visible source positions (default: not PAD).
     """
     mask = None if src_mask_S is None else src_mask_S[None, None, None, :]
