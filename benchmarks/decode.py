@@ -25,8 +25,9 @@ The host's speed drifts by tens of percent over minutes (shared cores), so the
 128-token decoders run in paired rounds: each round times every JAX variant
 and the seed loop once, back to back; a speed-up is the median over rounds of
 that round's ratio. tokens/s = B * N / (median wall time of a full decode,
-compile excluded); compile_s = first call - median call. Per-step times at N = 32, 128, 512 show
-how each step's cost grows with N: cached and seed = full loop time / N;
+compile excluded); compile_s = first call - median call. Per-step times at
+N = 32, 128, 512 show how each step's cost grows with N: cached and seed =
+full loop time / N;
 recompute = the time of one of its steps, a full decoder pass over the
 (B, N) buffer (a full 512-step recompute loop would take many minutes).
 
@@ -120,8 +121,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
           f"with {threads} threads")
 
     # 1. First calls: compile time, and the tokens every variant must agree on.
-    default_options = jax.jit(decoding._encdec_jit.__wrapped__, static_argnames=(
-        "model", "max_new_tokens", "select", "loop", "return_logits"))
+    default_options = jax.jit(decoding._encdec_jit.__wrapped__,
+                              static_argnames=decoding._encdec_jit.static_argnames)
     jax_runs = {
         "jax cached (scan)": cached(NEW_TOKENS),
         "jax cached (while)": cached(NEW_TOKENS, "while"),

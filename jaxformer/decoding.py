@@ -80,7 +80,7 @@ def decode_jit(*, static_argnames: tuple[str, ...]):
     The backend is looked up at the first call (not at import, which would
     initialise JAX's backends); one compiled function per backend and shape.
     Like a jitted function it has `.lower(...)`; the undecorated function is
-    `__wrapped__`.
+    `__wrapped__` and its static arguments `static_argnames`.
     """
 
     def wrap(fn):
@@ -98,6 +98,7 @@ def decode_jit(*, static_argnames: tuple[str, ...]):
             return for_backend()(*args, **kwargs)
 
         call.lower = lambda *args, **kwargs: for_backend().lower(*args, **kwargs)
+        call.static_argnames = static_argnames
         return call
 
     return wrap

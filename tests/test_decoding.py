@@ -170,7 +170,7 @@ def test_decode_compiler_options_apply_and_keep_the_tokens(encdec_post):
     args = (model, params, src, None, jax.random.PRNGKey(0))
     ours = decoding._encdec_jit(*args, **kwargs)
     defaults = jax.jit(decoding._encdec_jit.__wrapped__,
-                       static_argnames=("model", *kwargs))(*args, **kwargs)
+                       static_argnames=decoding._encdec_jit.static_argnames)(*args, **kwargs)
     np.testing.assert_array_equal(ours.tokens, defaults.tokens)
     np.testing.assert_allclose(ours.logits, defaults.logits, atol=1e-5)
     if jax.default_backend() == "cpu":
