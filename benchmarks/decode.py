@@ -8,10 +8,16 @@ side by side in one process:
   jax cached     `jaxformer.decoding.greedy_decode`: one jitted `lax.scan`,
                  KV cache carried as a pytree, cross K/V projected once,
                  compiled with `decoding.DECODE_COMPILER_OPTIONS` (on the
-                 CPU: XLA's own dots rather than YNNPACK's). The same loop
-                 compiled with XLA's default options is timed beside it.
+                 CPU: XLA's own dots rather than YNNPACK's). Data-parallel:
+                 every CPU core is a JAX device
+                 (`sharding.use_cpu_cores_as_devices`), the batch is split
+                 over them and the parameters replicated (`--devices 1`: one
+                 device owning all cores, JAX's default). Also timed: the
+                 same loop on one of those devices (one core), with
+                 `lax.while_loop`, and compiled with XLA's default options.
   jax recompute  `greedy_decode_recompute`: the seeds' algorithm compiled --
-                 a full decoder pass over the (B, N) prefix buffer every step.
+                 a full decoder pass over the (B, N) prefix buffer every step
+                 (data-parallel like the cached loop; XLA's default options).
   seed torch     seed 001's PyTorch `Transformer.greedy_decode` (verbatim in
                  benchmarks/seed001.py, bugs included): re-runs the decoder
                  over the growing prefix in a Python loop. It runs with torch
@@ -52,7 +58,7 @@ import numpy as np
 import torch
 
 import jaxformer as jf
-from jaxformer import decoding, sampling
+from jaxformer import decoding, sampling, sharding
 
 from seed001 import Transformer as SeedTransformer  # the peer, verbatim from seed 001
 
@@ -94,7 +100,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of the fast decoders")
     parser.add_argument("--rounds", type=int, default=3,
                         help="paired rounds of the 128-token decoders (jax variants and seed torch)")
+    parser.add_argument("--devices", type=int, default=os.cpu_count() or 1,
+                        help="JAX CPU devices to split the cores into (default: one per core)")
     args = parser.parse_args(argv)
+    sharding.use_cpu_cores_as_devices(args.devices)  # before JAX's first computation
 
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
@@ -107,18 +116,21 @@ def main(argv: Optional[list[str]] = None) -> dict:
     model = jf.Transformer(config)
     src = jnp.asarray(src_np, jnp.int32)
     params = model.init(jax.random.PRNGKey(0), src, src[:, :4])["params"]
+    # Data parallelism: rows split over the devices, parameters on every device.
+    mesh = sharding.make_mesh()
+    src_split, params_all = sharding.shard_batch(src, mesh), sharding.replicate(params, mesh)
 
-    def cached(n, loop="scan", p=params):
-        return lambda: block(decoding.greedy_decode(model, p, src, max_new_tokens=n, loop=loop))
+    def cached(n, loop="scan", p=params_all, s=src_split):
+        return lambda: block(decoding.greedy_decode(model, p, s, max_new_tokens=n, loop=loop))
 
     def recompute(n):
-        return lambda: block(decoding.greedy_decode_recompute(model, params, src,
+        return lambda: block(decoding.greedy_decode_recompute(model, params_all, src_split,
                                                               max_new_tokens=n))
 
     rows = {}
     print(f"bench workload: batch {BATCH}, source {SRC_LEN}, {NEW_TOKENS} new tokens, "
-          f"jax {jax.__version__} on {jax.devices()[0].platform}, torch {torch.__version__} "
-          f"with {threads} threads")
+          f"jax {jax.__version__} on {len(jax.devices())} {jax.devices()[0].platform} device(s), "
+          f"torch {torch.__version__} with {threads} threads")
 
     # 1. First calls: compile time, and the tokens every variant must agree on.
     default_options = jax.jit(decoding._encdec_jit.__wrapped__,
@@ -128,9 +140,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "jax cached (while)": cached(NEW_TOKENS, "while"),
         # The scan loop compiled with XLA's default options (YNNPACK dots on the CPU).
         "jax cached (XLA default)": lambda: block(default_options(
-            model, params, src, None, jax.random.PRNGKey(0), max_new_tokens=NEW_TOKENS,
-            select=sampling.greedy, loop="scan", return_logits=False)),
+            model, params_all, src_split, None, jax.random.PRNGKey(0),
+            max_new_tokens=NEW_TOKENS, select=sampling.greedy, loop="scan",
+            return_logits=False)),
     }
+    if mesh.devices.size > 1:  # the whole batch on one device (one core)
+        jax_runs["jax cached (1 device)"] = cached(NEW_TOKENS, p=params, s=src)
     first_s, results = {}, {}
     for name, run in jax_runs.items():
         first_s[name], results[name] = once(run)
@@ -197,9 +212,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     decode_pass = jax.jit(lambda p, s, t: jnp.argmax(model.apply(
         {"params": p}, s, t, None, jf.causal_mask(t.shape[1]))[:, -1], axis=-1))
     for n in STEP_LENGTHS:
-        tgt = jnp.ones((BATCH, n), jnp.int32)
+        tgt = sharding.shard_batch(jnp.ones((BATCH, n), jnp.int32), mesh)
         per_step["jax recompute"][n] = 1e3 * timed(
-            lambda: decode_pass(params, src, tgt).block_until_ready(), 3)[1]
+            lambda: decode_pass(params_all, src_split, tgt).block_until_ready(), 3)[1]
     for n in STEP_LENGTHS[:2]:  # 512 seed steps would take many minutes
         run_s = rows[seed_name]["run_s"] if n == NEW_TOKENS else timed(seed(n), 1)[1]
         per_step[seed_name][n] = 1e3 * run_s / n
@@ -210,6 +225,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         biased = jax.tree_util.tree_map(lambda x: x, params)
         biased["decoder"]["out_proj"]["bias"] = params["decoder"]["out_proj"]["bias"].at[
             EOS].add(delta)
+        biased = sharding.replicate(biased, mesh)
         lengths = np.asarray(cached(NEW_TOKENS, p=biased)().lengths)
         if lengths.max() < NEW_TOKENS // 2:
             early = dict(eos_bias=delta, max_length=int(lengths.max()),
@@ -244,6 +260,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     summary = {
         "workload": dict(batch=BATCH, src_len=SRC_LEN, new_tokens=NEW_TOKENS, d_model=256,
                          heads=8, d_ff=1024, layers="4+4", vocab=VOCAB, threads=threads),
+        "jax_devices": int(mesh.devices.size),
         "tokens_per_s": round(cached_row["tokens_per_s"], 1),
         "compile_s": round(cached_row["compile_s"], 2),
         "speedup_vs_recompute": round(speedup_recompute, 2),
@@ -257,6 +274,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "xla_default_options_tokens_per_s": round(
             rows["jax cached (XLA default)"]["tokens_per_s"], 1),
         "xla_default_options_speedup_vs_seed_torch": round(speedup("jax cached (XLA default)"), 2),
+        **({"one_device_tokens_per_s": round(rows["jax cached (1 device)"]["tokens_per_s"], 1),
+            "one_device_speedup_vs_seed_torch": round(speedup("jax cached (1 device)"), 2)}
+           if "jax cached (1 device)" in rows else {}),
         "recompute_tokens_per_s": round(rows["jax recompute"]["tokens_per_s"], 1),
         "recompute_compile_s": round(rows["jax recompute"]["compile_s"], 2),
         "seed_torch_tokens_per_s": round(rows[seed_name]["tokens_per_s"], 1),

@@ -32,6 +32,14 @@ no row stops early -> scan 1.36 s, while 1.44 s (medians of 3 paired rounds);
 every row stops at step 1 -> scan 1.12 s, while 0.10 s. Both give identical
 results (tested).
 
+Several devices: every entry point follows its inputs' shardings. A batch
+placed with `sharding.shard_batch` (parameters with `sharding.replicate`)
+decodes data-parallel, each device running the loop on its rows, with the
+tokens of the unsplit batch (tested). On a CPU host, first make each core a
+device with `sharding.use_cpu_cores_as_devices()`: the bench workload (batch
+32, 2 cores) then takes about 5.3 ms per step instead of about 9 ms
+(`benchmarks/decode.py`).
+
 Decoder-only prompts are right-padded by the caller (the usual batch layout)
 with lengths; inside the jitted function they are shifted to *left* padding,
 so every row's last prompt token is in the same slot and all rows then write
@@ -370,7 +378,11 @@ class RecomputeCarry:
     src_mask: jax.Array
 
 
-@decode_jit(static_argnames=("model", "max_new_tokens"))
+# XLA's default options, not DECODE_COMPILER_OPTIONS: a full pass has large
+# (B * N, D) matmuls, which are no faster without YNNPACK, and this loop
+# compiled without YNNPACK and split over 2 CPU devices returned wrong tokens,
+# differently from run to run (bench workload at N = 128; one device was right).
+@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens"))
 def _recompute_jit(model, params, src, src_mask, *, max_new_tokens):
     TRACE_COUNTS["recompute"] += 1
     c = model.config

@@ -347,3 +347,85 @@ def test_batched_decoding_example_runs_and_agrees(capsys):
     spec.loader.exec_module(example)
     assert example.main() is True
     assert "vmap == batched: True   vmap == one-by-one: True" in capsys.readouterr().out
+
+
+DATA_PARALLEL_DECODE = """
+import jax
+from jaxformer import sharding
+sharding.use_cpu_cores_as_devices(2)  # right after `import jax`, as documented
+import json
+import jax.numpy as jnp
+import numpy as np
+import jaxformer as jf
+from jaxformer import decoding
+
+mesh = sharding.make_mesh()
+split = lambda x: sharding.shard_batch(x, mesh)
+config = jf.tiny()
+model = jf.Transformer(config)
+rng = np.random.default_rng(5)
+src = rng.integers(3, config.src_vocab_size, (6, 9)).astype(np.int32)
+src[1, 5:] = config.pad_id
+src = jnp.asarray(src)
+params = model.init(jax.random.PRNGKey(0), src, src[:, :4])["params"]
+bias = params["decoder"]["out_proj"]["bias"]
+params["decoder"]["out_proj"]["bias"] = bias.at[config.eos_id].add(1.5)  # some rows stop early
+everywhere = sharding.replicate(params, mesh)
+one = decoding.greedy_decode(model, params, src, max_new_tokens=10, return_logits=True)
+two = decoding.greedy_decode(model, everywhere, split(src), max_new_tokens=10,
+                             return_logits=True)
+two_while = decoding.greedy_decode(model, everywhere, split(src), max_new_tokens=10,
+                                   loop="while")
+two_recompute = decoding.greedy_decode_recompute(model, everywhere, split(src),
+                                                 max_new_tokens=10)
+
+lm = jf.DecoderOnlyLM(jf.tiny(num_encoder_layers=0))
+prompt = rng.integers(3, lm.config.tgt_vocab_size, (4, 7)).astype(np.int32)
+lengths = np.array([5, 2, 7, 1], np.int32)
+prompt[np.arange(7)[None, :] >= lengths[:, None]] = 0
+lm_params = lm.init(jax.random.PRNGKey(3), jnp.asarray(prompt))["params"]
+lm_one = decoding.generate(lm, lm_params, prompt, max_new_tokens=6, return_logits=True)
+lm_two = decoding.generate(lm, sharding.replicate(lm_params, mesh), split(jnp.asarray(prompt)),
+                           max_new_tokens=6, prompt_lengths=lengths, return_logits=True)
+try:
+    sharding.use_cpu_cores_as_devices(3)
+    late = None
+except RuntimeError as e:
+    late = str(e)
+print(json.dumps({
+    "devices": len(jax.devices()),
+    "shard_rows": sorted(s.data.shape[0] for s in two.tokens.addressable_shards),
+    "lengths": np.asarray(one.lengths).tolist(),
+    "tokens_one": np.asarray(one.tokens).tolist(), "tokens_two": np.asarray(two.tokens).tolist(),
+    "tokens_two_while": np.asarray(two_while.tokens).tolist(),
+    "tokens_two_recompute": np.asarray(two_recompute.tokens).tolist(),
+    "logits_diff": float(np.abs(np.asarray(one.logits) - np.asarray(two.logits)).max()),
+    "lm_tokens_one": np.asarray(lm_one.tokens).tolist(),
+    "lm_tokens_two": np.asarray(lm_two.tokens).tolist(),
+    "lm_logits_diff": float(np.abs(np.asarray(lm_one.logits) - np.asarray(lm_two.logits)).max()),
+    "late": late}))
+"""
+
+
+def test_data_parallel_decode_over_cpu_cores_equals_one_device():
+    """A batch split over 2 CPU devices decodes to the tokens of the whole batch on one."""
+    import json
+    import os
+    import subprocess
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=repo)
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, "-c", DATA_PARALLEL_DECODE], env=env, cwd=repo,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["devices"] == 2 and out["shard_rows"] == [3, 3]  # really split over 2
+    assert min(out["lengths"]) < 10 <= max(out["lengths"])  # EOS handling is exercised
+    assert out["tokens_two"] == out["tokens_one"]
+    assert out["tokens_two_while"] == out["tokens_one"]
+    assert out["tokens_two_recompute"] == out["tokens_one"]
+    assert out["logits_diff"] < 1e-5
+    assert out["lm_tokens_two"] == out["lm_tokens_one"]
+    assert out["lm_logits_diff"] < 1e-5
+    assert out["late"] and "right after `import jax`" in out["late"]
