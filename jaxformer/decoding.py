@@ -27,17 +27,17 @@ when every row is finished, but re-checks a predicate each step and, under
 `jax.vmap` (or simply in a batch), runs until the *slowest* row is done. It
 wins when all rows stop well before N (a trained model on short outputs); scan
 wins slightly when some row runs to N, e.g. an untrained model. Measured by
-`benchmarks/decode.py` (bench workload, batch 32, N = 128, 2 shared CPU cores):
-no row stops early -> scan 1.36 s, while 1.44 s (medians of 3 paired rounds);
-every row stops at step 1 -> scan 1.12 s, while 0.10 s. Both give identical
-results (tested).
+`benchmarks/decode.py` (bench workload, batch 32, N = 128, split over 2 shared
+CPU cores): no row stops early -> scan 0.71 s, while 0.84 s (medians of 5
+paired rounds); every row stops at step 1 -> scan 0.73 s, while 0.07 s. Both
+give identical results (tested).
 
 Several devices: every entry point follows its inputs' shardings. A batch
 placed with `sharding.shard_batch` (parameters with `sharding.replicate`)
 decodes data-parallel, each device running the loop on its rows, with the
 tokens of the unsplit batch (tested). On a CPU host, first make each core a
 device with `sharding.use_cpu_cores_as_devices()`: the bench workload (batch
-32, 2 cores) then takes about 5.3 ms per step instead of about 9 ms
+32, 2 cores) then takes about 5.5 ms per step instead of about 9 ms
 (`benchmarks/decode.py`).
 
 Decoder-only prompts are right-padded by the caller (the usual batch layout)
@@ -74,9 +74,8 @@ LogitsFn = Callable[[jnp.ndarray, Any, jnp.ndarray], tuple[jnp.ndarray, Any]]
 # XLA compiler options of the decode loops, by backend. XLA:CPU hands matmuls to
 # YNNPACK by default; a decode step's are small, (B, D) x (D, F) for B rows, and
 # for those XLA's own dots are faster: on the bench workload (batch 32, 128
-# steps) 1.36 s against 1.49 s with YNNPACK, medians of paired rounds in
-# `benchmarks/decode.py`, which times both; 7.7 against 9.9 ms per step on a
-# quiet machine. Same tokens. Training keeps the defaults: its larger matmuls
+# steps, split over 2 CPU cores) 0.71 s against 0.88 s with YNNPACK, medians
+# of paired rounds in `benchmarks/decode.py`, which times both. Same tokens. Training keeps the defaults: its larger matmuls
 # are faster with YNNPACK (benchmarks/train.py: 0.93 s against 1.17 s per
 # step). Other backends compile with their defaults.
 DECODE_COMPILER_OPTIONS = {"cpu": {"xla_cpu_experimental_ynn_fusion_type": ""}}

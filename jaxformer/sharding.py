@@ -36,7 +36,7 @@ def use_cpu_cores_as_devices(num_devices: Optional[int] = None) -> int:
 
     Why: greedy decoding on the bench workload (batch 32, 2 cores) takes
     about 9 ms per step on one CPU device that owns both cores and about
-    5.3 ms with the batch split over two (`benchmarks/decode.py`).
+    5.5 ms with the batch split over two (`benchmarks/decode.py`).
     """
     count = (os.cpu_count() or 1) if num_devices is None else num_devices
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:

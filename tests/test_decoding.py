@@ -429,3 +429,10 @@ def test_data_parallel_decode_over_cpu_cores_equals_one_device():
     assert out["lm_tokens_two"] == out["lm_tokens_one"]
     assert out["lm_logits_diff"] < 1e-5
     assert out["late"] and "right after `import jax`" in out["late"]
+
+
+@pytest.mark.parametrize("count", [0, -2, 1.5, True])
+def test_use_cpu_cores_as_devices_refuses_bad_counts(count):
+    from jaxformer import sharding
+    with pytest.raises(ValueError, match="positive int"):
+        sharding.use_cpu_cores_as_devices(count)
