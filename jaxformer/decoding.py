@@ -75,9 +75,10 @@ LogitsFn = Callable[[jnp.ndarray, Any, jnp.ndarray], tuple[jnp.ndarray, Any]]
 # YNNPACK by default; a decode step's are small, (B, D) x (D, F) for B rows, and
 # for those XLA's own dots are faster: on the bench workload (batch 32, 128
 # steps, split over 2 CPU cores) 0.71 s against 0.88 s with YNNPACK, medians
-# of paired rounds in `benchmarks/decode.py`, which times both. Same tokens. Training keeps the defaults: its larger matmuls
-# are faster with YNNPACK (benchmarks/train.py: 0.93 s against 1.17 s per
-# step). Other backends compile with their defaults.
+# of paired rounds in `benchmarks/decode.py`, which times both. Same tokens.
+# Training keeps the defaults: its larger matmuls are faster with YNNPACK
+# (benchmarks/train.py: 0.93 s against 1.17 s per step). Other backends
+# compile with their defaults.
 DECODE_COMPILER_OPTIONS = {"cpu": {"xla_cpu_experimental_ynn_fusion_type": ""}}
 
 
