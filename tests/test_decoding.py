@@ -1,6 +1,10 @@
 """Decoding: the cached, compiled loops against full recomputation, and their contracts."""
 
 import functools
+import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +12,7 @@ import numpy as np
 import pytest
 
 import jaxformer as jf
-from jaxformer import decoding, sampling
+from jaxformer import decoding, sampling, sharding
 from jaxformer.masks import causal_mask
 
 N_NEW = 10
@@ -409,10 +413,6 @@ print(json.dumps({
 
 def test_data_parallel_decode_over_cpu_cores_equals_one_device():
     """A batch split over 2 CPU devices decodes to the tokens of the whole batch on one."""
-    import json
-    import os
-    import subprocess
-    import sys
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=repo)
     env.pop("XLA_FLAGS", None)
@@ -433,6 +433,5 @@ def test_data_parallel_decode_over_cpu_cores_equals_one_device():
 
 @pytest.mark.parametrize("count", [0, -2, 1.5, True])
 def test_use_cpu_cores_as_devices_refuses_bad_counts(count):
-    from jaxformer import sharding
     with pytest.raises(ValueError, match="positive int"):
         sharding.use_cpu_cores_as_devices(count)
