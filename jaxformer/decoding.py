@@ -357,7 +357,12 @@ def greedy_decode_one(model: Transformer, params, src_S: jnp.ndarray, *, max_new
     Compile it with `decode_jit(static_argnames=())(fn)` rather than `jax.jit`
     to get the `DECODE_COMPILER_OPTIONS` the library's own loops use.
     `src_mask_S` (S,) bool marks visible source positions (default: not PAD).
+    Concrete token ids are checked (a no-op on the tracers of `vmap`/`jit`).
     """
+    if jnp.issubdtype(src_S.dtype, jnp.integer):
+        c = model.config
+        checks.check_rank("src_S", src_S, 1, "(length,) token ids: one example")
+        checks.check_tokens("src_S", src_S[None], c.src_vocab_size, c.max_len)
     mask = None if src_mask_S is None else src_mask_S[None, None, None, :]
     result = _encdec_core(model, _unwrap(params), src_S[None], mask, jax.random.PRNGKey(0),
                           max_new_tokens=max_new_tokens, select=sampling.greedy, loop=loop,

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxformer import checks
 from jaxformer.config import ConfigMixin, TransformerConfig
 from jaxformer.decoding import greedy_decode
 from jaxformer.model import Transformer
@@ -246,6 +247,23 @@ def make_eval_step(model: Transformer) -> Callable:
     return jax.jit(eval_step)
 
 
+def check_batch(config: TransformerConfig, batch: Batch) -> None:
+    """Host check of a (concrete) batch: ranks, one batch size, lengths, ids in the vocabularies.
+
+    Raises ValueError naming the field (`batch.src`, ...) before anything is
+    dispatched: inside the jitted steps an out-of-range id would only show as
+    a NaN loss.
+    """
+    checks.check_tokens("batch.src", batch.src, config.src_vocab_size, config.max_len)
+    for name in ("tgt_in", "labels"):
+        checks.check_tokens(f"batch.{name}", getattr(batch, name), config.tgt_vocab_size,
+                            config.max_len)
+    checks.check_same_batch(**{f"batch.{k}": v for k, v in batch._asdict().items()})
+    if batch.tgt_in.shape != batch.labels.shape:
+        raise ValueError(f"batch.tgt_in {batch.tgt_in.shape} and batch.labels "
+                         f"{batch.labels.shape} must have the same shape")
+
+
 def make_predict(model: Transformer, max_new_tokens: int) -> Callable:
     """predict(params, src_BS) -> greedy tokens (B, max_new_tokens), PAD after EOS.
 
@@ -268,10 +286,11 @@ def evaluate(model: Transformer, params, batch: Batch, *, mesh=None, chunk: int 
     multiple of the device count with copies of its first row, which are
     dropped from every metric.
     """
+    batch = Batch(*(np.asarray(x) for x in batch))
+    check_batch(model.config, batch)
     mesh = make_mesh() if mesh is None else mesh
     eval_step = make_eval_step(model) if eval_step is None else eval_step
     predict = make_predict(model, batch.labels.shape[1]) if predict is None else predict
-    batch = Batch(*(np.asarray(x) for x in batch))
     params = replicate(params, mesh)  # a no-op if already there
     total = batch.src.shape[0]
     devices = mesh.devices.size

@@ -189,3 +189,74 @@ def test_check_tokens_is_a_no_op_on_tracers_but_checks_shapes():
     f(jnp.array([[9, -1]]))
     with pytest.raises(AssertionError, match="argument tokens"):
         f(jnp.array([9, -1]))
+
+
+# Every public entry point of decoding and training that takes token ids, with an
+# id outside the vocabulary (16) put where that entry point reads ids. Each must
+# raise ValueError naming its argument on the host, before anything is dispatched
+# (the jitted functions would otherwise return NaN or a silently wrong result).
+def _entry_points():
+    from jaxformer import beam, decoding, training
+    from jaxformer.tasks import Batch
+
+    bad_src = np.asarray(SRC).copy()
+    bad_src[1, 2] = 16
+    prompt = np.asarray(TGT).copy()
+    prompt[0, 1] = -2
+    batch = Batch(np.asarray(SRC), np.asarray(TGT), np.asarray(TGT))
+    key = jax.random.PRNGKey(0)
+    return {
+        "greedy_decode": (lambda m, p, lm, lp: decoding.greedy_decode(
+            m, p, bad_src, max_new_tokens=3), "src_BS"),
+        "greedy_decode_recompute": (lambda m, p, lm, lp: decoding.greedy_decode_recompute(
+            m, p, bad_src, max_new_tokens=3), "src_BS"),
+        "sample": (lambda m, p, lm, lp: decoding.sample(
+            m, p, bad_src, max_new_tokens=3, rng=key), "src_BS"),
+        "beam_search": (lambda m, p, lm, lp: beam.beam_search(
+            m, p, bad_src, max_new_tokens=3, beam_size=2), "src_BS"),
+        "greedy_decode_one": (lambda m, p, lm, lp: decoding.greedy_decode_one(
+            m, p, bad_src[1], max_new_tokens=3), "src_S"),
+        "generate": (lambda m, p, lm, lp: decoding.generate(
+            lm, lp, prompt, max_new_tokens=3), "prompt_BP"),
+        "generate_sampled": (lambda m, p, lm, lp: decoding.generate(
+            lm, lp, prompt, max_new_tokens=3, rng=key, temperature=1.0), "prompt_BP"),
+        "evaluate_src": (lambda m, p, lm, lp: training.evaluate(
+            m, p, batch._replace(src=bad_src)), "batch.src"),
+        "evaluate_tgt_in": (lambda m, p, lm, lp: training.evaluate(
+            m, p, batch._replace(tgt_in=prompt)), "batch.tgt_in"),
+        "evaluate_labels": (lambda m, p, lm, lp: training.evaluate(
+            m, p, batch._replace(labels=np.where(batch.labels == 4, 99, batch.labels))),
+            "batch.labels"),
+    }
+
+
+ENTRY_POINTS = _entry_points()
+
+
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+def test_every_entry_point_refuses_out_of_vocabulary_ids_on_the_host(seq2seq, lm, entry,
+                                                                      monkeypatch):
+    from jaxformer import beam, decoding, training
+
+    def no_dispatch(*args, **kwargs):
+        raise AssertionError("a jitted function was called before the ids were checked")
+
+    # The check must come first: nothing compiled or dispatched.
+    for name in ("_encdec_jit", "_recompute_jit", "_lm_jit"):
+        monkeypatch.setattr(decoding, name, no_dispatch)
+    monkeypatch.setattr(beam, "_beam_jit", no_dispatch)
+    monkeypatch.setattr(training, "make_eval_step", no_dispatch)
+    call, argument = ENTRY_POINTS[entry]
+    with pytest.raises(ValueError, match=rf"{argument} holds token ids outside \[0, 16\)"):
+        call(*seq2seq, *lm)
+
+
+def test_evaluate_refuses_mismatched_batches(seq2seq):
+    from jaxformer.tasks import Batch
+    from jaxformer.training import evaluate
+
+    model, params = seq2seq
+    with pytest.raises(ValueError, match="batch sizes disagree"):
+        evaluate(model, params, Batch(SRC, TGT[:1], TGT[:1]))
+    with pytest.raises(ValueError, match="batch.tgt_in .* and batch.labels"):
+        evaluate(model, params, Batch(SRC, TGT, TGT[:, :3]))
