@@ -16,6 +16,14 @@ from `fold_in(fold_in(PRNGKey(seed), 1), s)` and the dropout key of step s is
 process, so a run resumed from a checkpoint replays the uninterrupted run
 bit for bit (on the same machine and device count).
 
+Dropout on several devices: the random bits of a step do not depend on how
+the batch is split. JAX's threefry keys are "partitionable"
+(`jax_threefry_partitionable`, on by default since JAX 0.5): each element's
+bits are a function of the key and the element's global index, so every
+device draws its own slice of the mask the one-device run draws. 4 devices
+train to the losses of 1 device with dropout on (tests/test_training.py);
+with the flag off they do not, so a multi-device run refuses it.
+
 Warmup: Post-LN (the paper's x = LN(x + f(x)), `norm="post"`) needs the
 linear learning-rate warmup: without it the first large Adam updates put the
 un-normalised residual path out of range and training stalls or diverges.
@@ -373,6 +381,10 @@ def train_functions(model_config: TransformerConfig, train_config: TrainConfig,
     """The (cached) `TrainFunctions` of a run; the seed is an argument, not part of the key."""
     mesh = make_mesh() if mesh is None else mesh
     check_divisible(train_config.batch_size, mesh)
+    if mesh.devices.size > 1 and not jax.config.jax_threefry_partitionable:
+        raise ValueError("jax_threefry_partitionable is off: dropout masks would depend on "
+                         "how the batch is split over devices. Turn it back on with "
+                         "jax.config.update('jax_threefry_partitionable', True)")
     return _train_functions(model_config, train_config.replace(seed=0), mesh)
 
 

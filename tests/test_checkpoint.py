@@ -13,7 +13,9 @@ from conftest import snapshot
 from jaxformer.checkpoint import CheckpointError, Checkpoints
 from jaxformer.training import TrainConfig, fit, train_functions
 
-MODEL = jf.tiny(num_encoder_layers=1, num_decoder_layers=1)
+# Dropout on at every site: resuming must also replay the dropout masks bit for bit.
+MODEL = jf.tiny(num_encoder_layers=1, num_decoder_layers=1, attention_dropout=0.1,
+                residual_dropout=0.1, embedding_dropout=0.1, ffn_dropout=0.1)
 TRAIN = TrainConfig(max_len=6, steps=12, batch_size=8, warmup_steps=2, learning_rate=1e-2)
 
 
@@ -51,9 +53,14 @@ def test_ctrl_c_saves_and_resume_equals_uninterrupted_bitwise(uninterrupted, tmp
     assert tree_equal(resumed.state.params, full.state.params)
     assert tree_equal(resumed.state.opt_state, full.state.opt_state)
     assert resumed.history == full.history[5:]  # same losses, step by step
-    # A resumed run with another seed would differ: the equality above is not vacuous.
+    # A run with another seed, or without dropout, would differ: the equality above
+    # is not vacuous.
     other = fit(MODEL, TRAIN.replace(seed=1), progress=False)
     assert not tree_equal(other.state.params, full.state.params)
+    no_dropout = MODEL.replace(attention_dropout=0.0, residual_dropout=0.0,
+                               embedding_dropout=0.0, ffn_dropout=0.0)
+    assert not tree_equal(fit(no_dropout, TRAIN, progress=False).state.params,
+                          full.state.params)
 
 
 def test_restore_roundtrip_is_bitwise(uninterrupted):

@@ -22,6 +22,8 @@ from jaxformer.training import (NonFiniteLossError, TrainConfig, create_train_st
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = jf.tiny(num_encoder_layers=1, num_decoder_layers=1)  # compiles fast
+DROPOUT = MODEL.replace(attention_dropout=0.1, residual_dropout=0.1, embedding_dropout=0.1,
+                        ffn_dropout=0.1)
 TRAIN = TrainConfig(max_len=6, steps=12, batch_size=8, warmup_steps=2, learning_rate=1e-2)
 
 
@@ -135,6 +137,28 @@ def test_same_seed_gives_identical_parameters(one_device_run):
     assert not all(jax.tree_util.tree_leaves(diff))
 
 
+@pytest.fixture(scope="module")
+def dropout_run():
+    return fit(DROPOUT, TRAIN, progress=False)
+
+
+def test_same_seed_gives_identical_parameters_with_dropout(dropout_run, one_device_run):
+    again = fit(DROPOUT, TRAIN, progress=False)
+    assert tree_equal(again.state.params, dropout_run.state.params)
+    assert tree_equal(again.state.opt_state, dropout_run.state.opt_state)
+    assert again.history == dropout_run.history
+    # Dropout is really on (the run differs from the dropout-free one) and seeded.
+    assert not tree_equal(dropout_run.state.params, one_device_run.state.params)
+    other = fit(DROPOUT, TRAIN.replace(seed=1), progress=False)
+    assert not tree_equal(other.state.params, dropout_run.state.params)
+
+
+def tree_equal(a, b) -> bool:
+    same = jax.tree_util.tree_map(np.array_equal, a, b)
+    return jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b) and all(
+        jax.tree_util.tree_leaves(same))
+
+
 def test_train_step_donates_the_state(one_device_run):
     fns = train_functions(MODEL, TRAIN)  # cached: the run's own compiled functions
     state = fns.init(0)
@@ -217,8 +241,11 @@ DATA_PARALLEL = textwrap.dedent("""
     from jaxformer.training import TrainConfig, evaluate, fit, task_for
 
     MODEL = jf.tiny(num_encoder_layers=1, num_decoder_layers=1)
+    DROPOUT = MODEL.replace(attention_dropout=0.1, residual_dropout=0.1,
+                            embedding_dropout=0.1, ffn_dropout=0.1)
     TRAIN = TrainConfig(max_len=6, steps=12, batch_size=8, warmup_steps=2, learning_rate=1e-2)
     result = fit(MODEL, TRAIN, progress=False)
+    dropout = fit(DROPOUT, TRAIN, progress=False)
     task = task_for(MODEL, TRAIN)
     shards = shard_batch(task.train_batch(jax.random.PRNGKey(0), 8), result.mesh).src
     try:
@@ -226,6 +253,13 @@ DATA_PARALLEL = textwrap.dedent("""
         error = None
     except ValueError as e:
         error = str(e)
+    jax.config.update("jax_threefry_partitionable", False)
+    try:
+        fit(DROPOUT, TRAIN, progress=False)
+        unpartitionable = None
+    except ValueError as e:
+        unpartitionable = str(e)
+    jax.config.update("jax_threefry_partitionable", True)
     heldout = task.heldout_set(10)  # 10 rows: the last chunk is padded to 12 on 4 devices
     model = jf.Transformer(MODEL)
     four = evaluate(model, result.state.params, heldout, chunk=4)
@@ -237,11 +271,16 @@ DATA_PARALLEL = textwrap.dedent("""
         "replicated": all(x.sharding.is_fully_replicated
                           for x in jax.tree_util.tree_leaves(result.state.params)),
         "losses": [r["loss"] for r in result.history], "error": error,
+        "unpartitionable": unpartitionable,
+        "dropout_losses": [r["loss"] for r in dropout.history],
+        "dropout_params": {jax.tree_util.keystr(path): np.asarray(x).ravel().tolist()
+                           for path, x in jax.tree_util.tree_leaves_with_path(
+                               dropout.state.params)},
         "eval4": four, "eval1": one}))
 """)
 
 
-def test_four_devices_match_one_device(one_device_run):
+def test_four_devices_match_one_device(one_device_run, dropout_run):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
                JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
     proc = subprocess.run([sys.executable, "-c", DATA_PARALLEL], env=env, cwd=REPO,
@@ -253,6 +292,20 @@ def test_four_devices_match_one_device(one_device_run):
     assert out["replicated"]
     np.testing.assert_allclose(out["losses"], [r["loss"] for r in one_device_run.history],
                                rtol=1e-5, atol=1e-5)
+    # Dropout draws the same random bits whatever the sharding (threefry keys are
+    # partitionable, see jaxformer.training): same losses and parameters.
+    np.testing.assert_allclose(out["dropout_losses"],
+                               [r["loss"] for r in dropout_run.history], rtol=1e-5, atol=1e-5)
+    # Attention key biases excepted: softmax ignores them, so their true gradient is 0
+    # and Adam turns the rounding noise of each reduction order into lr-sized steps.
+    one = {jax.tree_util.keystr(path): np.asarray(x).ravel()
+           for path, x in jax.tree_util.tree_leaves_with_path(dropout_run.state.params)}
+    compared = [name for name in one if "['key']['bias']" not in name]
+    assert sorted(out["dropout_params"]) == sorted(one) and len(compared) == len(one) - 3
+    for name in compared:
+        np.testing.assert_allclose(out["dropout_params"][name], one[name], rtol=1e-5,
+                                   atol=1e-6, err_msg=name)
+    assert "jax_threefry_partitionable is off" in out["unpartitionable"]
     assert out["error"] and "batch_size=6" in out["error"] and "4 devices" in out["error"]
     for name in ("loss", "token_accuracy", "exact_match"):
         np.testing.assert_allclose(out["eval4"][name], out["eval1"][name], rtol=1e-5)
