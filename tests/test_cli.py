@@ -9,12 +9,16 @@ import signal
 import subprocess
 import sys
 
+import jax
+import numpy as np
 import pytest
 
 import jaxformer.training
+from jaxformer.checkpoint import Checkpoints
 from jaxformer.cli import main
 from jaxformer.config import TransformerConfig
-from jaxformer.training import TrainConfig
+from jaxformer.model import Transformer
+from jaxformer.training import TrainConfig, evaluate, task_for, train_functions
 
 from conftest import snapshot
 
@@ -22,7 +26,24 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The tiny 1+1-layer model and schedule of test_training/test_checkpoint: one compilation.
 TINY = ["train", "--preset", "tiny", "--layers", "1", "--max-len", "6", "--batch", "8",
         "--steps", "12", "--warmup", "2", "--lr", "1e-2", "--eval-examples", "16",
-        "--show", "2", "--save-every", "5", "--no-progress"]
+        "--show", "2", "--save-every", "5", "--no-progress", "--dropout", "0.1"]
+
+
+def saved_run(out):
+    """(model config, train config, the final checkpoint's TrainState) of a run directory."""
+    with open(os.path.join(out, "config.json")) as f:
+        saved = json.load(f)
+    model = TransformerConfig.from_dict(saved["model"])
+    train = TrainConfig.from_dict(saved["train"])
+    with Checkpoints(os.path.join(out, "checkpoints")) as checkpoints:
+        state = checkpoints.restore(train_functions(model, train).init(0))
+    return model, train, state
+
+
+def tree_equal(a, b) -> bool:
+    same = jax.tree_util.tree_map(np.array_equal, a, b)
+    return jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b) and all(
+        jax.tree_util.tree_leaves(same))
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +75,14 @@ def test_train_fills_the_run_directory(finished_run, capsys):
         summary = json.loads(f.read())
     assert {"exact_match", "token_accuracy", "steps", "wall_s"} <= set(summary)
     assert summary["steps"] == 12 and summary["eval_examples"] == 16
-    assert 0.0 <= summary["exact_match"] <= 1.0
+    # The summary reports the saved model: recompute its metrics from the checkpoint.
+    model_config, train_config, state = saved_run(out)
+    assert model_config.residual_dropout == 0.1 and int(state.step) == 12
+    metrics = evaluate(Transformer(model_config), state.params,
+                       task_for(model_config, train_config).heldout_set(16))
+    assert summary["exact_match"] == metrics["exact_match"]
+    assert summary["token_accuracy"] == metrics["token_accuracy"]
+    assert summary["eval_loss"] == metrics["loss"]
 
 
 def test_train_prints_examples_then_one_json_line(tmp_path, capsys):
@@ -108,6 +136,12 @@ def test_ctrl_c_then_resume_through_the_cli(finished_run, tmp_path, monkeypatch,
     assert summary["resumed_from"] == 3 and summary["steps"] == 12
     for name in ("exact_match", "token_accuracy", "eval_loss"):  # the same final model
         assert summary[name] == uninterrupted[name]
+    # ... bit for bit, dropout included: parameters and optimizer state.
+    _, _, resumed = saved_run(out)
+    _, _, full = saved_run(finished_run[0])
+    assert int(resumed.step) == int(full.step) == 12
+    assert tree_equal(resumed.params, full.params)
+    assert tree_equal(resumed.opt_state, full.opt_state)
 
 
 def test_resume_needs_a_run_with_a_checkpoint(tmp_path, capsys):
@@ -181,3 +215,16 @@ def test_example_runs_shortened(capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].startswith("source:") and "prediction:" in lines[0]
     assert json.loads(lines[-1]) == summary and summary["steps"] == 30
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_the_default_run_learns_the_copy_task(norm, tmp_path, capsys):
+    """The README's claim, as `jaxformer train` runs it: defaults (800 steps of 64,
+    the copy_task model), 1,000 held-out sequences, exact match >= 0.99."""
+    out = str(tmp_path / norm)
+    assert main(["train", "--norm", norm, "--out", out, "--no-progress", "--show", "0"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["steps"] == 800 and summary["eval_examples"] == 1000
+    final_norms = 2 * 2 * 128 if norm == "pre" else 0  # pre-LN: one more LayerNorm per stack
+    assert summary["norm"] == norm and summary["params"] == 674_848 + final_norms
+    assert summary["exact_match"] >= 0.99, summary
