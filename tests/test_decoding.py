@@ -362,6 +362,7 @@ import jax.numpy as jnp
 import numpy as np
 import jaxformer as jf
 from jaxformer import decoding
+from jaxformer.beam import beam_search
 
 mesh = sharding.make_mesh()
 split = lambda x: sharding.shard_batch(x, mesh)
@@ -382,6 +383,13 @@ two_while = decoding.greedy_decode(model, everywhere, split(src), max_new_tokens
                                    loop="while")
 two_recompute = decoding.greedy_decode_recompute(model, everywhere, split(src),
                                                  max_new_tokens=10)
+key = jax.random.PRNGKey(11)
+sampled_one = decoding.sample(model, params, src, max_new_tokens=10, rng=key, top_k=8)
+sampled_two = decoding.sample(model, everywhere, split(src), max_new_tokens=10, rng=key, top_k=8)
+sampled_other_key = decoding.sample(model, everywhere, split(src), max_new_tokens=10,
+                                    rng=jax.random.PRNGKey(12), top_k=8)
+beam_one = beam_search(model, params, src, max_new_tokens=10, beam_size=3)
+beam_two = beam_search(model, everywhere, split(src), max_new_tokens=10, beam_size=3)
 
 lm = jf.DecoderOnlyLM(jf.tiny(num_encoder_layers=0))
 prompt = rng.integers(3, lm.config.tgt_vocab_size, (4, 7)).astype(np.int32)
@@ -404,6 +412,15 @@ print(json.dumps({
     "tokens_two_while": np.asarray(two_while.tokens).tolist(),
     "tokens_two_recompute": np.asarray(two_recompute.tokens).tolist(),
     "logits_diff": float(np.abs(np.asarray(one.logits) - np.asarray(two.logits)).max()),
+    "sampled_one": np.asarray(sampled_one.tokens).tolist(),
+    "sampled_two": np.asarray(sampled_two.tokens).tolist(),
+    "sampled_rows": sorted(s.data.shape[0] for s in sampled_two.tokens.addressable_shards),
+    "sampled_other_key": np.asarray(sampled_other_key.tokens).tolist(),
+    "beam_one": np.asarray(beam_one.tokens).tolist(),
+    "beam_two": np.asarray(beam_two.tokens).tolist(),
+    "beam_rows": sorted(s.data.shape[0] for s in beam_two.tokens.addressable_shards),
+    "beam_scores_diff": float(np.abs(np.asarray(beam_one.scores)
+                                     - np.asarray(beam_two.scores)).max()),
     "lm_tokens_one": np.asarray(lm_one.tokens).tolist(),
     "lm_tokens_two": np.asarray(lm_two.tokens).tolist(),
     "lm_logits_diff": float(np.abs(np.asarray(lm_one.logits) - np.asarray(lm_two.logits)).max()),
@@ -426,6 +443,13 @@ def test_data_parallel_decode_over_cpu_cores_equals_one_device():
     assert out["tokens_two_while"] == out["tokens_one"]
     assert out["tokens_two_recompute"] == out["tokens_one"]
     assert out["logits_diff"] < 1e-5
+    # Sampling: the same key draws the same tokens whatever the split (threefry
+    # keys are partitionable); another key draws others.
+    assert out["sampled_rows"] == [3, 3] and out["sampled_two"] == out["sampled_one"]
+    assert out["sampled_other_key"] != out["sampled_one"]
+    assert out["sampled_one"] != out["tokens_one"]  # really sampled, not greedy
+    assert out["beam_rows"] == [3, 3] and out["beam_two"] == out["beam_one"]
+    assert out["beam_scores_diff"] < 1e-5
     assert out["lm_tokens_two"] == out["lm_tokens_one"]
     assert out["lm_logits_diff"] < 1e-5
     assert out["late"] and "right after `import jax`" in out["late"]

@@ -318,7 +318,7 @@ def test_encoder_accepts_embedded_inputs(seq2seq):
 # ----------------------------------------------------------------------------
 
 
-def test_bfloat16_compute_is_close_to_float32_and_params_stay_float32(seq2seq):
+def test_bfloat16_compute_keeps_float32_params_and_logits(seq2seq):
     model, params, apply = seq2seq
     src = jnp.asarray(ids(22, (2, 5), 16))
     tgt = jnp.asarray(ids(23, (2, 4), 20))
@@ -331,9 +331,8 @@ def test_bfloat16_compute_is_close_to_float32_and_params_stay_float32(seq2seq):
     assert got.dtype == jnp.float32  # logits are returned in float32
     weights = jf.attention_weights(state["intermediates"])
     assert all(w.dtype == jnp.bfloat16 for w in weights.values())  # really computed in bf16
+    # How close to float32: tests/test_precision.py, under bounds derived from bf16.
     assert not np.array_equal(np.asarray(got), np.asarray(want))
-    np.testing.assert_allclose(got, want, atol=0.1 * float(jnp.abs(want).max()))
-    assert float(jnp.mean(jnp.argmax(got, -1) == jnp.argmax(want, -1))) >= 0.75
 
 
 def test_dropout_only_when_not_deterministic_and_reproducible(seq2seq):
