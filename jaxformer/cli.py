@@ -44,7 +44,20 @@ _MODEL_FLAGS = {"d_model": ("d_model",), "heads": ("num_heads",), "d_ff": ("d_ff
 _TRAIN_FLAGS = {"task": "task", "min_len": "min_len", "max_len": "max_len", "steps": "steps",
                 "batch": "batch_size", "lr": "learning_rate", "warmup": "warmup_steps",
                 "weight_decay": "weight_decay", "label_smoothing": "label_smoothing",
-                "seed": "seed"}
+                "seed": "seed", "seq_len": "seq_len", "data": "data", "eval_data": "eval_data",
+                "tokenizer": "tokenizer"}
+
+
+def _flag_value(args, flag):
+    """A flag's value as the configs hold it (repeatable flags: tuples)."""
+    value = getattr(args, flag)
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _model_fields(flag: str, task: Optional[str]) -> tuple:
+    """The model fields a flag sets; the LM has no encoder, so --layers is its decoder's."""
+    fields = _MODEL_FLAGS[flag]
+    return ("num_decoder_layers",) if task == "lm" and flag == "layers" else fields
 
 
 class UsageError(ValueError):
@@ -78,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--dropout", type=float, help="one rate for every dropout site")
     model.add_argument("--vocab", type=int, help="vocabulary incl. PAD/BOS/EOS (default 32)")
     data = train.add_argument_group("task and optimisation")
-    data.add_argument("--task", choices=TASKS, help="synthetic task (default copy)")
+    data.add_argument("--task", choices=TASKS + ("lm",),
+                      help="synthetic task, or lm: the decoder-only LM on --data (default copy)")
     data.add_argument("--min-len", type=int, help="shortest source (default 1)")
     data.add_argument("--max-len", type=int, help="longest source (default 10)")
     data.add_argument("--steps", type=int, help="optimizer steps (default 800)")
@@ -90,6 +104,20 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--weight-decay", type=float, help="AdamW decay on matrices (0.01)")
     data.add_argument("--label-smoothing", type=float, help="(default 0)")
     data.add_argument("--seed", type=int, help="the one seed of the run (default 0)")
+    text = train.add_argument_group("text (--task lm)")
+    text.add_argument("--data", action="append", metavar="PATH",
+                      help="text file or glob, one document per file (repeatable)")
+    text.add_argument("--eval-data", action="append", metavar="PATH",
+                      help="held-out files (default: a held-out 5%% of the --data documents)")
+    text.add_argument("--tokenizer", metavar="FILE",
+                      help="a Hugging Face tokenizers JSON file (default: bytes)")
+    text.add_argument("--seq-len", type=int, help="training window in tokens (default 256)")
+    text.add_argument("--eval-every", type=int, default=0,
+                      help="held-out evaluation interval in steps (default: at the end)")
+    text.add_argument("--samples", type=int, default=3,
+                      help="held-out prompts continued by sampling at the end")
+    text.add_argument("--sample-tokens", type=int, default=160,
+                      help="tokens sampled per continuation")
     run = train.add_argument_group("run")
     run.add_argument("--out", help="run directory (default runs/<task>-<norm>-<time>)")
     run.add_argument("--resume", action="store_true",
@@ -102,7 +130,36 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--show", type=int, default=5, help="held-out examples printed")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(func=_train_command)
+
+    generate = commands.add_parser(
+        "generate", help="continue prompts with the LM of a `--task lm` run",
+        description="Load the latest checkpoint of a language-model run and continue each "
+                    "prompt (sampled; --temperature 0 for greedy).")
+    generate.add_argument("prompts", nargs="+", metavar="PROMPT")
+    generate.add_argument("--run", required=True, help="the run directory (--out of train)")
+    _add_sampling_flags(generate, temperature=0.8)
+    generate.set_defaults(func=_generate_command)
+
+    decode = commands.add_parser(
+        "decode", help="decode sources with the model of a copy/reverse/sort run",
+        description="Load the latest checkpoint of an encoder-decoder run and decode "
+                    "sources given as space-separated token ids (default: held-out examples).")
+    decode.add_argument("sources", nargs="*", metavar="IDS", help='e.g. "5 6 7"')
+    decode.add_argument("--run", required=True, help="the run directory (--out of train)")
+    decode.add_argument("--examples", type=int, default=5,
+                        help="held-out examples decoded when no source is given")
+    _add_sampling_flags(decode, temperature=0.0)
+    decode.set_defaults(func=_decode_command)
     return parser
+
+
+def _add_sampling_flags(parser, *, temperature: float) -> None:
+    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=temperature,
+                        help=f"0 = greedy (default {temperature})")
+    parser.add_argument("--top-k", type=int)
+    parser.add_argument("--top-p", type=float)
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -128,17 +185,17 @@ def _configs_from_args(args):
     from jaxformer.training import TrainConfig  # noqa: PLC0415
 
     model_overrides = {}
-    for flag, fields in _MODEL_FLAGS.items():
+    for flag in _MODEL_FLAGS:
         value = getattr(args, flag)
         if value is not None:
-            model_overrides.update({field: value for field in fields})
-    train_overrides = {field: getattr(args, flag) for flag, field in _TRAIN_FLAGS.items()
+            model_overrides.update({field: value for field in _model_fields(flag, args.task)})
+    train_overrides = {field: _flag_value(args, flag) for flag, field in _TRAIN_FLAGS.items()
                        if getattr(args, flag) is not None}
     if "steps" in train_overrides and "warmup_steps" not in train_overrides:
         # Short runs keep a proportionate warmup instead of failing validation.
         train_overrides["warmup_steps"] = min(TrainConfig.warmup_steps,
                                               train_overrides["steps"] // 8)
-    preset = args.preset or "copy_task"
+    preset = args.preset or ("lm" if args.task == "lm" else "copy_task")
     return PRESETS[preset], model_overrides, TrainConfig, train_overrides, preset
 
 
@@ -148,16 +205,18 @@ def _train_command(args) -> int:
 
     from jaxformer.checkpoint import CheckpointError  # noqa: PLC0415
     from jaxformer.config import TransformerConfig  # noqa: PLC0415
-    from jaxformer.model import Transformer, count_params  # noqa: PLC0415
-    from jaxformer.training import (NonFiniteLossError, TrainConfig, evaluate,  # noqa: PLC0415
-                                    fit, task_for)
+    from jaxformer.model import DecoderOnlyLM, Transformer, count_params  # noqa: PLC0415
+    from jaxformer.training import (NonFiniteLossError, TrainConfig,  # noqa: PLC0415
+                                    check_lm_data, evaluate, fit, task_for)
 
-    for name in ("save_every", "log_every", "eval_examples"):
+    for name in ("save_every", "log_every", "eval_examples", "sample_tokens"):
         if getattr(args, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got "
                              f"{getattr(args, name)}")
-    if args.show < 0:
-        raise UsageError(f"--show must be >= 0, got {args.show}")
+    for name in ("show", "samples", "eval_every"):
+        if getattr(args, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got "
+                             f"{getattr(args, name)}")
     build_model, model_overrides, _, train_overrides, preset = _configs_from_args(args)
 
     if args.resume:
@@ -186,6 +245,8 @@ def _train_command(args) -> int:
             raise UsageError(f"cannot resume: no checkpoint in {out}/checkpoints")
     else:
         try:
+            if train_overrides.get("task") == "lm":
+                model_overrides = _lm_model_overrides(model_overrides, train_overrides)
             model_config = build_model(**model_overrides)
             train_config = TrainConfig(**train_overrides)
         except (ValueError, TypeError) as error:
@@ -196,12 +257,17 @@ def _train_command(args) -> int:
             raise UsageError(f"run directory {out} already exists and is not empty: pass "
                              f"--resume to continue it, or choose another --out")
 
-    try:  # everything checkable before compiling: task vs model, batch vs devices
-        task = task_for(model_config, train_config)
+    data = None
+    try:  # everything checkable before compiling: data/task vs model, batch vs devices
         from jaxformer.sharding import check_divisible, make_mesh  # noqa: PLC0415
 
         mesh = make_mesh()
         check_divisible(train_config.batch_size, mesh, name="--batch")
+        if train_config.task == "lm":
+            data = _text_data(train_config)
+            check_lm_data(model_config, train_config, data)
+        else:
+            task = task_for(model_config, train_config)
     except ValueError as error:
         raise UsageError(str(error)) from error
 
@@ -211,7 +277,7 @@ def _train_command(args) -> int:
             json.dump({"preset": preset, "model": model_config.to_dict(),
                        "train": train_config.to_dict()}, f, indent=2)
 
-    model = Transformer(model_config)
+    model = (DecoderOnlyLM if train_config.task == "lm" else Transformer)(model_config)
     print(f"jaxformer train: {train_config.task} task, {preset} model "
           f"({model_config.norm}-LN, {model_config.dtype}), "
           f"{len(jax.devices())} {jax.devices()[0].platform} device(s), run dir {out}",
@@ -220,7 +286,8 @@ def _train_command(args) -> int:
         result = fit(model_config, train_config, checkpoint_dir=os.path.join(out, "checkpoints"),
                      resume=args.resume, save_every=args.save_every, log_every=args.log_every,
                      progress=not args.no_progress,
-                     metrics_file=os.path.join(out, "metrics.jsonl"), mesh=mesh)
+                     metrics_file=os.path.join(out, "metrics.jsonl"), mesh=mesh, data=data,
+                     eval_every=args.eval_every)
     except CheckpointError as error:
         print(f"jaxformer train: error: {error}", file=sys.stderr)
         return 2
@@ -234,6 +301,8 @@ def _train_command(args) -> int:
               file=sys.stderr)
         return 130
 
+    if train_config.task == "lm":
+        return _finish_lm(args, model, result, data, train_config, out, started)
     params = result.state.params
     heldout = task.heldout_set(args.eval_examples)
     metrics = evaluate(model, params, heldout, mesh=mesh)
@@ -255,6 +324,157 @@ def _train_command(args) -> int:
     return 0
 
 
+def _lm_model_overrides(model_overrides: dict, train_overrides: dict) -> dict:
+    """Task "lm": the vocabulary and special ids come from the tokenizer, the positions
+    from the window length, unless given."""
+    from jaxformer.data import load_tokenizer  # noqa: PLC0415
+    from jaxformer.training import TrainConfig  # noqa: PLC0415
+
+    tokenizer = load_tokenizer(train_overrides.get("tokenizer"))
+    vocab = model_overrides.get("tgt_vocab_size", tokenizer.vocab_size)
+    seq_len = train_overrides.get("seq_len", TrainConfig.seq_len)
+    return {"src_vocab_size": vocab, "tgt_vocab_size": vocab, "pad_id": tokenizer.pad_id,
+            "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id, "max_len": seq_len,
+            **model_overrides, "num_encoder_layers": 0}
+
+
+def _text_data(train_config):
+    """The `TextData` of an LM run: files read, tokenized, split and packed (may raise
+    ValueError naming a file)."""
+    from jaxformer.data import TextData, load_tokenizer  # noqa: PLC0415
+
+    tc = train_config
+    return TextData(tc.data, load_tokenizer(tc.tokenizer), tc.seq_len,
+                    eval_patterns=tc.eval_data or None, eval_fraction=tc.eval_fraction,
+                    seed=tc.seed)
+
+
+def _finish_lm(args, model, result, data, train_config, out, started) -> int:
+    """Held-out bits per byte against the baselines, sampled continuations, figures, summary."""
+    import jax  # noqa: PLC0415
+
+    from jaxformer import baselines, plots  # noqa: PLC0415
+    from jaxformer.model import count_params  # noqa: PLC0415
+    from jaxformer.training import evaluate_lm  # noqa: PLC0415
+
+    params, step = result.state.params, int(result.state.step)
+    final = result.evals[-1] if result.evals and result.evals[-1]["step"] == step else {
+        f"eval_{k}": v for k, v in evaluate_lm(model, params, data,
+                                               mesh=result.mesh).items()}
+    _show_continuations(model, params, data, args.samples, args.sample_tokens)
+    history = _read_metrics(os.path.join(out, "metrics.jsonl"))
+    plots.loss_curve([r for r in history if "loss" in r], os.path.join(out, "loss.png"),
+                     title=f"language model on {len(data.eval_bytes):,} held-out bytes",
+                     evals=[r for r in history if "eval_loss" in r])
+    steps_run = step - result.start_step
+    window_tokens = train_config.seq_len * train_config.batch_size
+    summary = {
+        "task": "lm", "bits_per_byte": final["eval_bits_per_byte"],
+        "unigram_bits_per_byte": baselines.unigram_bits_per_byte(data.eval_bytes),
+        "xz_bits_per_byte": baselines.xz_bits_per_byte(data.eval_bytes),
+        "eval_loss": final["eval_loss"], "perplexity": final["eval_perplexity"],
+        "eval_bytes": len(data.eval_bytes), "train_bytes": data.train_bytes_count,
+        "tokens_per_s": (round(steps_run * window_tokens / result.train_s, 1)
+                         if steps_run else None),
+        "steps": step, "wall_s": round(time.perf_counter() - started, 2),
+        "compile_s": round(result.compile_s, 2), "params": count_params(params),
+        "devices": len(jax.devices()), "resumed_from": result.start_step or None, "out": out}
+    line = json.dumps(summary)
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        f.write(line + "\n")
+    print(line, flush=True)
+    return 0
+
+
+def _load_run(run_dir: str, task_kind: str):
+    """(model config, train config, params of the latest checkpoint) of a run directory.
+
+    `task_kind`: "lm" or "seq2seq", the kind of run the command needs.
+    """
+    from jaxformer.checkpoint import CheckpointError, Checkpoints  # noqa: PLC0415
+    from jaxformer.config import TransformerConfig  # noqa: PLC0415
+    from jaxformer.training import TrainConfig, train_functions  # noqa: PLC0415
+
+    config_path = os.path.join(run_dir, "config.json")
+    if not os.path.isfile(config_path):
+        raise UsageError(f"{config_path} does not exist: --run must be a run directory")
+    try:
+        with open(config_path) as f:
+            saved = json.load(f)
+        model_config = TransformerConfig.from_dict(saved["model"])
+        train_config = TrainConfig.from_dict(saved["train"])
+    except (ValueError, KeyError, TypeError) as error:
+        raise UsageError(f"{config_path} is not a valid run config: {error}") from error
+    if (train_config.task == "lm") != (task_kind == "lm"):
+        want = "a --task lm run" if task_kind == "lm" else "a copy/reverse/sort run"
+        raise UsageError(f"{run_dir} is a {train_config.task} run; this command needs {want}")
+    directory = os.path.join(run_dir, "checkpoints")
+    if not os.path.isdir(directory) or not _has_checkpoint(directory):
+        raise UsageError(f"no checkpoint in {directory}")
+    try:
+        with Checkpoints(directory, create=False) as checkpoints:
+            state = checkpoints.restore(train_functions(model_config, train_config).init(0))
+    except CheckpointError as error:
+        raise UsageError(str(error)) from error
+    return model_config, train_config, state.params
+
+
+def _generate_command(args) -> int:
+    from jaxformer.data import load_tokenizer  # noqa: PLC0415
+    from jaxformer.model import DecoderOnlyLM  # noqa: PLC0415
+
+    model_config, train_config, params = _load_run(args.run, "lm")
+    try:
+        tokenizer = load_tokenizer(train_config.tokenizer)
+        prompts = [[tokenizer.bos_id, *tokenizer.encode(p).tolist()] for p in args.prompts]
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+    texts = _continue_prompts(DecoderOnlyLM(model_config), params, tokenizer, prompts,
+                              args.max_new_tokens, temperature=args.temperature,
+                              top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    for prompt, text in zip(args.prompts, texts):
+        print(prompt + text)
+    return 0
+
+
+def _decode_command(args) -> int:
+    import jax  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    from jaxformer.decoding import greedy_decode, sample  # noqa: PLC0415
+    from jaxformer.model import Transformer  # noqa: PLC0415
+    from jaxformer.training import task_for  # noqa: PLC0415
+
+    model_config, train_config, params = _load_run(args.run, "seq2seq")
+    model = Transformer(model_config)
+    if args.sources:
+        try:
+            rows = [[int(t) for t in source.split()] for source in args.sources]
+        except ValueError as error:
+            raise UsageError(f"sources must be space-separated token ids: {error}") from error
+        if not all(rows):
+            raise UsageError("a source is empty")
+        src = np.full((len(rows), max(map(len, rows))), model_config.pad_id, np.int32)
+        for i, row in enumerate(rows):
+            src[i, :len(row)] = row
+    else:
+        src = task_for(model_config, train_config).heldout_set(args.examples).src
+    try:
+        kwargs = dict(max_new_tokens=min(args.max_new_tokens, model_config.max_len))
+        out = (greedy_decode(model, params, src, **kwargs) if args.temperature == 0 else
+               sample(model, params, src, rng=jax.random.PRNGKey(args.seed),
+                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                      **kwargs))
+    except (TypeError, ValueError) as error:
+        raise UsageError(str(error)) from error
+    stop = {model_config.pad_id}
+    for row, tokens, n in zip(src, np.asarray(out.tokens), np.asarray(out.lengths)):
+        source = " ".join(map(str, _strip(row, stop)))
+        decoded = " ".join(map(str, _strip(tokens[:n], {model_config.eos_id, *stop})))
+        print(f"{source}  ->  {decoded}")
+    return 0
+
+
 def _has_checkpoint(directory: str) -> bool:
     from jaxformer.checkpoint import Checkpoints  # noqa: PLC0415
 
@@ -267,13 +487,14 @@ def _conflicts(args, model_config, train_config, model_overrides, train_override
     conflicts = []
     if args.preset is not None and args.preset != saved_preset:
         conflicts.append(f"--preset {args.preset} (saved: {saved_preset})")
-    for flag, fields in _MODEL_FLAGS.items():
+    for flag in _MODEL_FLAGS:
         value = getattr(args, flag)
+        fields = _model_fields(flag, train_config.task)
         if value is not None and any(getattr(model_config, f) != value for f in fields):
             conflicts.append(f"--{flag.replace('_', '-')} {value} (saved: "
                              f"{getattr(model_config, fields[0])})")
     for flag, field in _TRAIN_FLAGS.items():
-        value = getattr(args, flag)
+        value = _flag_value(args, flag)
         if value is not None and getattr(train_config, field) != value:
             conflicts.append(f"--{flag.replace('_', '-')} {value} (saved: "
                              f"{getattr(train_config, field)})")
@@ -309,14 +530,50 @@ def _show_examples(model, params, heldout, count: int) -> None:
         print(f"{src:<{width}}  {pred:<{width}}  {'yes' if ok else 'NO'}")
 
 
+def _continue_prompts(model, params, tokenizer, prompts, max_new_tokens: int, *,
+                      temperature: float = 0.8, top_k=None, top_p=None, seed: int = 0
+                      ) -> list[str]:
+    """Sampled (temperature 0: greedy) continuations of token prompts, as text."""
+    import jax  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    from jaxformer.decoding import generate  # noqa: PLC0415
+
+    width = max(len(p) for p in prompts)
+    limit = model.config.max_len - width + 1
+    if limit < 1:
+        raise UsageError(f"a prompt of {width} tokens leaves no room below the model's "
+                         f"max_len={model.config.max_len}")
+    batch = np.full((len(prompts), width), model.config.pad_id, np.int32)
+    for row, prompt in zip(batch, prompts):
+        row[:len(prompt)] = prompt
+    out = generate(model, params, batch, max_new_tokens=min(max_new_tokens, limit),
+                   prompt_lengths=np.array([len(p) for p in prompts], np.int32),
+                   rng=jax.random.PRNGKey(seed), temperature=temperature, top_k=top_k,
+                   top_p=top_p)
+    tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+    return [tokenizer.decode(row[:n]) for row, n in zip(tokens, lengths)]
+
+
+def _show_continuations(model, params, data, count: int, max_new_tokens: int) -> None:
+    """Print `count` held-out prompts, each followed by a sampled continuation."""
+    if count == 0:
+        return
+    prompts = data.eval_prompts(count, min(64, model.config.max_len // 2))
+    texts = _continue_prompts(model, params, data.tokenizer, prompts, max_new_tokens)
+    for i, (prompt, text) in enumerate(zip(prompts, texts)):
+        print(f"--- held-out prompt {i + 1} (sampled continuation after >>>)")
+        print(f"{data.tokenizer.decode(prompt)}>>>{text}")
+
+
 def _read_metrics(path: str) -> list[dict]:
-    """Per-step records, a later record of a step replacing an earlier one (after resume)."""
+    """Per-step records, a later record of a step updating an earlier one (after resume)."""
     by_step = {}
     with open(path) as f:
         for line in f:
             if line.strip():
-                record = json.loads(line)
-                by_step[record["step"]] = record
+                record = json.loads(line)  # a train or a held-out record: merge them
+                by_step.setdefault(record["step"], {}).update(record)
     return [by_step[s] for s in sorted(by_step)]
 
 

@@ -189,4 +189,12 @@ def bench(**overrides) -> TransformerConfig:
                              ffn_dropout=0.1).replace(**overrides)
 
 
-PRESETS = {"tiny": tiny, "copy_task": copy_task, "bench": bench}
+def lm(**overrides) -> TransformerConfig:
+    """The decoder-only LM of `jaxformer train --task lm`: bench widths, 4 Pre-LN layers,
+    bytes (259 ids: PAD, BOS, EOS, then the 256 byte values), 256-token windows."""
+    return TransformerConfig(src_vocab_size=259, tgt_vocab_size=259, d_model=256, num_heads=8,
+                             d_ff=1024, num_encoder_layers=0, num_decoder_layers=4,
+                             max_len=256, norm="pre").replace(**overrides)
+
+
+PRESETS = {"tiny": tiny, "copy_task": copy_task, "bench": bench, "lm": lm}

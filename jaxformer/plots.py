@@ -20,14 +20,20 @@ def _pyplot():
     return plt
 
 
-def loss_curve(history: Sequence[dict], path: str, *, title: str = "training loss") -> None:
-    """Plot `loss` (log scale) and `token_accuracy` against `step` from per-step records."""
+def loss_curve(history: Sequence[dict], path: str, *, title: str = "training loss",
+               evals: Sequence[dict] = ()) -> None:
+    """Plot `loss` (log scale) and `token_accuracy` against `step` from per-step records,
+    and the held-out `eval_loss` of `evals` records as points."""
     if not history:
         raise ValueError("history is empty: nothing to plot")
     plt = _pyplot()
     steps = np.array([r["step"] for r in history])
     fig, ax_loss = plt.subplots(figsize=(7, 4))
-    ax_loss.plot(steps, [r["loss"] for r in history], color="tab:blue", lw=1)
+    ax_loss.plot(steps, [r["loss"] for r in history], color="tab:blue", lw=1, label="train")
+    if evals:
+        ax_loss.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-",
+                     color="tab:green", ms=4, lw=1, label="held-out")
+        ax_loss.legend(loc="upper center")
     ax_loss.set_yscale("log")
     ax_loss.set_xlabel("step")
     ax_loss.set_ylabel("cross-entropy (non-PAD tokens)", color="tab:blue")

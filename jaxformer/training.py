@@ -49,8 +49,9 @@ import optax
 
 from jaxformer import checks
 from jaxformer.config import ConfigMixin, TransformerConfig
+from jaxformer.data import LMBatch, TextData, segment_mask
 from jaxformer.decoding import greedy_decode
-from jaxformer.model import Transformer
+from jaxformer.model import DecoderOnlyLM, Transformer
 from jaxformer.sharding import (check_divisible, data_sharding, make_mesh, replicate,
                                 replicated, shard_batch)
 from jaxformer.tasks import Batch, Task, make_task
@@ -78,8 +79,18 @@ class TrainConfig(ConfigMixin):
     b2: float = 0.98
     label_smoothing: float = 0.0
     seed: int = 0
+    # task="lm": the decoder-only LM on text files (jaxformer.data), in windows of
+    # seq_len tokens. `data` / `eval_data` are file paths or globs; no eval_data =
+    # the held-out split is `eval_fraction` of the documents.
+    seq_len: int = 256
+    data: tuple = ()
+    eval_data: tuple = ()
+    tokenizer: Optional[str] = None   # a `tokenizers` JSON file; None = bytes
+    eval_fraction: float = 0.05
 
     def __post_init__(self):
+        for name in ("data", "eval_data"):  # JSON gives lists; keep the config hashable
+            object.__setattr__(self, name, tuple(getattr(self, name)))
         for name in ("steps", "batch_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -97,7 +108,17 @@ class TrainConfig(ConfigMixin):
                                  f"{getattr(self, name)!r}")
         if not self.clip_norm > 0:
             raise ValueError(f"TrainConfig.clip_norm must be positive, got {self.clip_norm!r}")
-        make_task(self.task, min_len=self.min_len, max_len=self.max_len)  # validates
+        if self.task == "lm":
+            if not self.data:
+                raise ValueError("TrainConfig.data: task 'lm' needs text files (--data PATH)")
+            if not isinstance(self.seq_len, int) or self.seq_len < 2:
+                raise ValueError(f"TrainConfig.seq_len must be an int >= 2, got "
+                                 f"{self.seq_len!r}")
+            if not 0.0 < self.eval_fraction < 1.0:
+                raise ValueError(f"TrainConfig.eval_fraction must be in (0, 1), got "
+                                 f"{self.eval_fraction!r}")
+        else:
+            make_task(self.task, min_len=self.min_len, max_len=self.max_len)  # validates
 
 
 @flax.struct.dataclass
@@ -134,20 +155,48 @@ def task_for(model_config: TransformerConfig, train_config: TrainConfig) -> Task
     return task
 
 
+def check_lm_data(model_config: TransformerConfig, train_config: TrainConfig,
+                  data: Optional[TextData]) -> None:
+    """Task "lm": the model fits the data's tokenizer and windows, before anything compiles."""
+    c = model_config
+    if data is None:
+        raise ValueError("task 'lm' needs data: fit(..., data=TextData(...))")
+    if c.num_encoder_layers:
+        raise ValueError("task 'lm' trains the decoder-only LM: set num_encoder_layers=0")
+    tok = data.tokenizer
+    if c.tgt_vocab_size < tok.vocab_size:
+        raise ValueError(f"the tokenizer has {tok.vocab_size} ids, more than the model's "
+                         f"tgt_vocab_size={c.tgt_vocab_size}")
+    ids = (c.pad_id, c.bos_id, c.eos_id)
+    if ids != (tok.pad_id, tok.bos_id, tok.eos_id):
+        raise ValueError(f"the model's pad/bos/eos ids {ids} differ from the tokenizer's "
+                         f"{(tok.pad_id, tok.bos_id, tok.eos_id)}")
+    if train_config.seq_len > c.max_len:
+        raise ValueError(f"seq_len={train_config.seq_len} is longer than the model's "
+                         f"max_len={c.max_len}")
+    if data.seq_len != train_config.seq_len:
+        raise ValueError(f"the data is packed in windows of {data.seq_len}, the run asks "
+                         f"for seq_len={train_config.seq_len}")
+    data.check_batch_size(train_config.batch_size, jax.process_count())
+
+
 # --------------------------------------------------------------------------- loss
 
 
 def loss_and_metrics(logits_BTV: jnp.ndarray, labels_BT: jnp.ndarray, pad_id: int = 0,
-                     label_smoothing: float = 0.0) -> tuple[jnp.ndarray, dict]:
+                     label_smoothing: float = 0.0, weights_BT: Optional[jnp.ndarray] = None
+                     ) -> tuple[jnp.ndarray, dict]:
     """Mean token cross-entropy over non-PAD labels, and metrics.
 
     Returns (loss, {"loss", "token_accuracy", "tokens"}). PAD labels get
     weight 0 (so a PAD label's value changes nothing); the mean is over the
-    non-PAD tokens of the whole (global) batch. With `label_smoothing` a the
-    target is (1 - a) one_hot + a / V.
+    non-PAD tokens of the whole (global) batch. `weights_BT` (0/1) masks more
+    labels (a packed LM batch: no label across a document boundary). With
+    `label_smoothing` a the target is (1 - a) one_hot + a / V.
     """
     logits_BTV = logits_BTV.astype(jnp.float32)
-    weights_BT = (labels_BT != pad_id).astype(jnp.float32)
+    weights_BT = (labels_BT != pad_id).astype(jnp.float32) * (
+        1.0 if weights_BT is None else weights_BT)
     if label_smoothing > 0.0:
         targets_BTV = optax.smooth_labels(
             jax.nn.one_hot(labels_BT, logits_BTV.shape[-1]), label_smoothing)
@@ -159,6 +208,23 @@ def loss_and_metrics(logits_BTV: jnp.ndarray, labels_BT: jnp.ndarray, pad_id: in
     loss = (xent_BT * weights_BT).sum() / denominator
     correct = ((logits_BTV.argmax(-1) == labels_BT) * weights_BT).sum()
     return loss, {"loss": loss, "token_accuracy": correct / denominator, "tokens": tokens}
+
+
+def model_logits(model, params, batch, *, deterministic: bool = True, rngs=None):
+    """(logits (B, T, V), labels (B, T), weights (B, T) or None) of either kind of batch.
+
+    A task `Batch` runs the encoder-decoder with teacher forcing; an `LMBatch`
+    runs the decoder-only LM on packed windows: attention stays inside each
+    document (`data.segment_mask`) and positions restart with each document.
+    """
+    if isinstance(batch, LMBatch):
+        logits_BTV = model.apply({"params": params}, batch.inputs, segment_mask(batch.segments),
+                                 positions_BT=batch.positions, deterministic=deterministic,
+                                 rngs=rngs)
+        return logits_BTV, batch.labels, batch.weights
+    logits_BTV = model.apply({"params": params}, batch.src, batch.tgt_in,
+                             deterministic=deterministic, rngs=rngs)
+    return logits_BTV, batch.labels, None
 
 
 # --------------------------------------------------------------------------- optimizer
@@ -187,13 +253,13 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
 # --------------------------------------------------------------------------- state and steps
 
 
-def _init_state(model: Transformer, tx: optax.GradientTransformation, src_len: int,
-                tgt_len: int, seed) -> TrainState:
-    """Traceable init; `seed` may be traced, so one compilation serves every seed."""
+def _init_state(model, tx: optax.GradientTransformation, input_shapes: tuple, seed
+                ) -> TrainState:
+    """Traceable init from token inputs of `input_shapes` ((src, tgt) or (tokens,));
+    `seed` may be traced, so one compilation serves every seed."""
     root = jax.random.PRNGKey(seed)
-    src = jnp.zeros((1, src_len), jnp.int32)
-    tgt = jnp.zeros((1, tgt_len), jnp.int32)
-    params = model.init(jax.random.fold_in(root, 0), src, tgt)["params"]
+    inputs = [jnp.zeros(shape, jnp.int32) for shape in input_shapes]
+    params = model.init(jax.random.fold_in(root, 0), *inputs)["params"]
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                       opt_state=tx.init(params), rng=jax.random.fold_in(root, 2))
 
@@ -202,15 +268,18 @@ def create_train_state(model: Transformer, tx: optax.GradientTransformation, see
                        src_len: int, tgt_len: int, mesh=None) -> TrainState:
     """Initialise parameters and optimizer state, replicated over `mesh` (default: all devices)."""
     mesh = make_mesh() if mesh is None else mesh
-    init = jax.jit(functools.partial(_init_state, model, tx, src_len, tgt_len),
+    init = jax.jit(functools.partial(_init_state, model, tx, ((1, src_len), (1, tgt_len))),
                    out_shardings=replicated(mesh))
     return init(seed)
 
 
-def make_train_step(model: Transformer, tx: optax.GradientTransformation, *,
+def make_train_step(model, tx: optax.GradientTransformation, *,
                     label_smoothing: float = 0.0,
                     schedule: Optional[optax.Schedule] = None) -> Callable:
     """jit(train_step)(state, batch) -> (new_state, metrics); the input state is donated.
+
+    `model` is a `Transformer` fed task `Batch`es or a `DecoderOnlyLM` fed
+    `data.LMBatch`es (`model_logits`).
 
     Dropout is on (deterministic=False) with key fold_in(state.rng, state.step).
     metrics: loss, token_accuracy, tokens, grad_norm (before clipping), and
@@ -222,9 +291,9 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation, *,
         dropout_key = jax.random.fold_in(state.rng, state.step)
 
         def loss_fn(params):
-            logits_BTV = model.apply({"params": params}, batch.src, batch.tgt_in,
-                                     deterministic=False, rngs={"dropout": dropout_key})
-            return loss_and_metrics(logits_BTV, batch.labels, pad_id, label_smoothing)
+            logits_BTV, labels_BT, weights_BT = model_logits(
+                model, params, batch, deterministic=False, rngs={"dropout": dropout_key})
+            return loss_and_metrics(logits_BTV, labels_BT, pad_id, label_smoothing, weights_BT)
 
         (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -238,21 +307,69 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation, *,
 
 
 @functools.lru_cache(maxsize=16)  # one compilation per model config, not per call
-def make_eval_step(model: Transformer) -> Callable:
+def make_eval_step(model) -> Callable:
     """jit(eval_step)(params, batch) -> sums {loss_sum, correct, tokens} (teacher forcing).
 
     Sums, not means, so that chunks of a large evaluation set add up exactly.
     """
     pad_id = model.config.pad_id
 
-    def eval_step(params, batch: Batch):
-        logits_BTV = model.apply({"params": params}, batch.src, batch.tgt_in)
-        loss, metrics = loss_and_metrics(logits_BTV, batch.labels, pad_id)
+    def eval_step(params, batch):
+        logits_BTV, labels_BT, weights_BT = model_logits(model, params, batch)
+        loss, metrics = loss_and_metrics(logits_BTV, labels_BT, pad_id, weights_BT=weights_BT)
         return {"loss_sum": loss * metrics["tokens"],
                 "correct": metrics["token_accuracy"] * metrics["tokens"],
                 "tokens": metrics["tokens"]}
 
     return jax.jit(eval_step)
+
+
+@functools.lru_cache(maxsize=16)
+def _lm_eval_step(model: DecoderOnlyLM) -> Callable:
+    """jit(step)(params, batch, token_bytes_V) -> sums {nats, tokens, bytes} over weighted labels."""
+    pad_id = model.config.pad_id
+
+    def step(params, batch: LMBatch, token_bytes_V):
+        logits_BTV, labels_BT, weights_BT = model_logits(model, params, batch)
+        weights_BT = weights_BT * (labels_BT != pad_id)
+        xent_BT = optax.softmax_cross_entropy_with_integer_labels(
+            logits_BTV.astype(jnp.float32), labels_BT)
+        return {"nats": (xent_BT * weights_BT).sum(), "tokens": weights_BT.sum(),
+                "bytes": (token_bytes_V[labels_BT] * weights_BT).sum()}
+
+    return jax.jit(step)
+
+
+@functools.lru_cache(maxsize=4)
+def token_byte_counts(tokenizer) -> np.ndarray:
+    """(V,) the UTF-8 bytes each token id stands for (0 for the specials)."""
+    return np.array([tokenizer.byte_count(np.array([i], np.int32))
+                     for i in range(tokenizer.vocab_size)], np.float32)
+
+
+def evaluate_lm(model: DecoderOnlyLM, params, data: TextData, *, batch_size: int = 32,
+                mesh=None) -> dict:
+    """Held-out metrics of a decoder-only LM on every held-out window of `data`.
+
+    Returns {"loss" (nats per token), "perplexity", "bits_per_byte", "tokens",
+    "bytes"}: bits per byte = total cross-entropy in bits over the UTF-8 bytes
+    the predicted tokens stand for, comparable across tokenizers (and with a
+    compressor's output size).
+    """
+    mesh = make_mesh() if mesh is None else mesh
+    batch_size = max(batch_size - batch_size % mesh.devices.size, mesh.devices.size)
+    step = _lm_eval_step(model)
+    token_bytes_V = jnp.asarray(token_byte_counts(data.tokenizer), jnp.float32)
+    params = replicate(params, mesh)
+    sums = {"nats": 0.0, "tokens": 0.0, "bytes": 0.0}
+    for batch in data.eval_batches(batch_size):
+        for name, value in jax.device_get(step(params, shard_batch(batch, mesh),
+                                               token_bytes_V)).items():
+            sums[name] += float(value)
+    loss = sums["nats"] / max(sums["tokens"], 1.0)
+    return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)),
+            "bits_per_byte": sums["nats"] / math.log(2) / max(sums["bytes"], 1.0),
+            "tokens": int(sums["tokens"]), "bytes": int(sums["bytes"])}
 
 
 def check_batch(config: TransformerConfig, batch: Batch) -> None:
@@ -337,27 +454,32 @@ class TrainFunctions:
 
       init(seed) -> TrainState             replicated over the mesh
       batch(seed, step) -> Batch           the training batch of `step`, split over "data"
+                                           (synthetic tasks; None for task "lm")
       step(state, batch) -> (state, metrics)   jitted, donates `state`
       compiled_step(state, batch) -> (compiled step, seconds compiling)   compiled once
     """
 
     def __init__(self, model_config: TransformerConfig, train_config: TrainConfig, mesh):
         tc = train_config
-        self.task = task_for(model_config, tc)
         self.mesh = mesh
-        self.model = Transformer(model_config)
         self.tx = make_optimizer(tc)
         self.schedule = learning_rate_schedule(tc)
-        self.init = jax.jit(functools.partial(_init_state, self.model, self.tx,
-                                              self.task.src_len, self.task.tgt_len),
+        if tc.task == "lm":  # batches come from the host pipeline (`fit(data=...)`)
+            self.task, self.batch = None, None
+            self.model = DecoderOnlyLM(model_config)
+            input_shapes = ((1, tc.seq_len),)
+        else:
+            self.task = task = task_for(model_config, tc)
+            self.model = Transformer(model_config)
+            input_shapes = ((1, task.src_len), (1, task.tgt_len))
+
+            def batch(seed, step):
+                data_key = jax.random.fold_in(jax.random.PRNGKey(seed), 1)
+                return task.train_batch(jax.random.fold_in(data_key, step), tc.batch_size)
+
+            self.batch = jax.jit(batch, out_shardings=data_sharding(mesh))
+        self.init = jax.jit(functools.partial(_init_state, self.model, self.tx, input_shapes),
                             out_shardings=replicated(mesh))
-        task, batch_size = self.task, tc.batch_size
-
-        def batch(seed, step):
-            data_key = jax.random.fold_in(jax.random.PRNGKey(seed), 1)
-            return task.train_batch(jax.random.fold_in(data_key, step), batch_size)
-
-        self.batch = jax.jit(batch, out_shardings=data_sharding(mesh))
         self.step = make_train_step(self.model, self.tx, label_smoothing=tc.label_smoothing,
                                     schedule=self.schedule)
         self._compiled = None
@@ -400,7 +522,9 @@ class NonFiniteLossError(FloatingPointError):
 
 @dataclasses.dataclass
 class FitResult:
-    """What `fit` returns. `history` has one dict per step run in this call."""
+    """What `fit` returns. `history` has one dict per step run in this call;
+    `evals` the held-out records of task "lm"; `train_s` the seconds spent in
+    train steps (no compile, no evaluation)."""
 
     state: TrainState
     history: list
@@ -408,17 +532,26 @@ class FitResult:
     interrupted: bool
     compile_s: float
     wall_s: float
-    task: Task
+    task: Optional[Task]
     mesh: Any
+    train_s: float = 0.0
+    evals: list = dataclasses.field(default_factory=list)
 
 
 def fit(model_config: TransformerConfig, train_config: TrainConfig, *,
         checkpoint_dir: Optional[str] = None, resume: bool = False, save_every: int = 500,
         log_every: int = 25, progress: bool = True, metrics_file: Optional[str] = None,
-        on_step: Optional[Callable[[int], None]] = None, mesh=None) -> FitResult:
-    """Train `Transformer(model_config)` on the task of `train_config`.
+        on_step: Optional[Callable[[int], None]] = None, mesh=None,
+        data: Optional[TextData] = None, eval_every: int = 0) -> FitResult:
+    """Train `Transformer(model_config)` on the task of `train_config`, or, for
+    task "lm", `DecoderOnlyLM(model_config)` on the text of `data`.
 
     Args:
+      data: the `jaxformer.data.TextData` of task "lm" (built from
+        `train_config.data`); step s trains on its batch s, so resuming
+        continues the data stream exactly.
+      eval_every: task "lm": held-out loss and bits per byte every this many
+        steps and at the end (0: only at the end), in `evals` and `metrics_file`.
       checkpoint_dir: where Orbax checkpoints go (every `save_every` steps, at
         the end and on Ctrl-C). None: no checkpoints.
       resume: restore the latest checkpoint of `checkpoint_dir` and continue
@@ -442,9 +575,25 @@ def fit(model_config: TransformerConfig, train_config: TrainConfig, *,
                          f"{log_every}")
     if resume and checkpoint_dir is None:
         raise ValueError("resume=True needs checkpoint_dir")
-    task = task_for(model_config, tc)
+    if eval_every < 0:
+        raise ValueError(f"eval_every must be >= 0, got {eval_every}")
     mesh = make_mesh() if mesh is None else mesh
+    if tc.task == "lm":
+        task = None
+        check_lm_data(model_config, tc, data)
+    else:
+        task = task_for(model_config, tc)
     fns = train_functions(model_config, tc, mesh)  # checks the batch against the mesh
+    if tc.task == "lm":
+        def next_batch(step):  # this process's rows of the global batch of `step`
+            local = data.train_batch(step, tc.batch_size, tc.seed,
+                                     process_index=jax.process_index(),
+                                     process_count=jax.process_count())
+            return jax.tree_util.tree_map(
+                lambda x: jax.make_array_from_process_local_data(data_sharding(mesh), x), local)
+    else:
+        def next_batch(step):
+            return fns.batch(tc.seed, step)
     checkpoints = (Checkpoints(checkpoint_dir, create=not resume)
                    if checkpoint_dir is not None else None)
     state = fns.init(tc.seed)
@@ -458,7 +607,7 @@ def fit(model_config: TransformerConfig, train_config: TrainConfig, *,
     if start_step > tc.steps:
         checkpoints.close()
         raise ValueError(f"the checkpoint is at step {start_step}, beyond steps={tc.steps}")
-    train_step, compile_s = fns.compiled_step(state, fns.batch(tc.seed, start_step))
+    train_step, compile_s = fns.compiled_step(state, next_batch(start_step))
 
     stop = _StopFlag()
     history, pending = [], []
@@ -489,11 +638,27 @@ def fit(model_config: TransformerConfig, train_config: TrainConfig, *,
         if checkpoints is not None:
             checkpoints.save(step, state)
 
+    evals, eval_s = [], 0.0
+
+    def held_out(step):
+        """Task "lm": held-out metrics of the current parameters, logged as a record."""
+        nonlocal eval_s
+        begin = time.perf_counter()
+        metrics = evaluate_lm(fns.model, state.params, data, batch_size=tc.batch_size,
+                              mesh=mesh)
+        record = {"step": step, **{f"eval_{k}": v for k, v in metrics.items()}}
+        evals.append(record)
+        if metrics_out:
+            metrics_out.write(json.dumps(record) + "\n")
+            metrics_out.flush()
+        eval_s += time.perf_counter() - begin
+
     step = start_step
+    loop_started = time.perf_counter()
     try:
         with stop.catch_sigint():
             while step < tc.steps and not stop.requested:
-                state, metrics = train_step(state, fns.batch(tc.seed, step))
+                state, metrics = train_step(state, next_batch(step))
                 step += 1
                 pending.append((step, metrics))
                 if on_step is not None:
@@ -502,8 +667,13 @@ def fit(model_config: TransformerConfig, train_config: TrainConfig, *,
                     flush()
                 if step % save_every == 0:
                     save(step)
+                if eval_every and step % eval_every == 0 and step < tc.steps:
+                    held_out(step)
             flush()
             save(step)  # the final state (or where Ctrl-C stopped us)
+            train_s = time.perf_counter() - loop_started - eval_s
+            if tc.task == "lm" and step == tc.steps and step > start_step:
+                held_out(step)
     finally:
         bar.close()
         if metrics_out:
@@ -512,7 +682,8 @@ def fit(model_config: TransformerConfig, train_config: TrainConfig, *,
             checkpoints.close()
     return FitResult(state=state, history=history, start_step=start_step,
                      interrupted=stop.requested and step < tc.steps, compile_s=compile_s,
-                     wall_s=time.perf_counter() - started, task=task, mesh=mesh)
+                     wall_s=time.perf_counter() - started, task=task, mesh=mesh,
+                     train_s=train_s, evals=evals)
 
 
 class _StopFlag:
