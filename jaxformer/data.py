@@ -220,10 +220,17 @@ def pack_windows(tokens: np.ndarray, docs: np.ndarray, window_ids, seq_len: int)
                    segments=segments[:, :-1])
 
 
-def _utf8_boundary(data: bytes, cut: int) -> int:
-    """`cut` moved forward past UTF-8 continuation bytes (0b10xxxxxx)."""
-    while cut < len(data) and (data[cut] & 0xC0) == 0x80:
-        cut += 1
+def _utf8_cut(data: bytes, cut: int) -> int:
+    """`cut` in [1, len - 1] moved off UTF-8 continuation bytes (0b10xxxxxx):
+    forward, else backward; 0 if the data is a single character (no cut)."""
+    cut = min(max(cut, 1), len(data) - 1)
+    forward = cut
+    while 0 < forward < len(data) and (data[forward] & 0xC0) == 0x80:
+        forward += 1
+    if forward < len(data):
+        return forward
+    while cut > 0 and (data[cut] & 0xC0) == 0x80:
+        cut -= 1
     return cut
 
 
@@ -234,8 +241,9 @@ class TextData:
     files if the patterns also name them). Otherwise the last
     ceil(eval_fraction * n) documents of a shuffle seeded by `seed` (at least 1,
     and at least 1 left to train on). A single-document corpus is split inside:
-    its first (1 - eval_fraction) of the bytes (moved to a UTF-8 character
-    boundary) train as [BOS] + tokens, the rest is held out as tokens + [EOS].
+    its first (1 - eval_fraction) of the bytes (at least 1 byte each side, moved
+    to a UTF-8 character boundary) train as [BOS] + tokens, the rest is held out
+    as tokens + [EOS].
     """
 
     def __init__(self, patterns, tokenizer, seq_len: int, *, eval_patterns=None,
@@ -295,8 +303,8 @@ class TextData:
                  .astype(np.int32)) for name, raw in docs]
 
     def _split_document(self, name, raw, eval_fraction):
-        cut = _utf8_boundary(raw, max(1, int(round((1.0 - eval_fraction) * len(raw)))))
-        if cut >= len(raw):
+        cut = _utf8_cut(raw, round((1.0 - eval_fraction) * len(raw)))
+        if cut == 0:
             raise ValueError(f"data file {name!r} is the only document and too short "
                              "to split into train and held-out parts")
         t = self.tokenizer
