@@ -25,8 +25,15 @@ Model FLOPs per train step are counted analytically (3 x the forward's matmul
 and attention FLOPs: forward + two backward products) and the same count is
 used for both implementations; fraction_of_matmul_peak = FLOPs/s / peak.
 
+`--lm`: the decoder-only LM instead (bench widths in seed 004's layer: 4 Post-LN
+layers, GELU, dropout 0.1, bytes), against seed 004's PyTorch decoder layer
+(copied verbatim in seed004.py), both on one packed batch of 32 x 128 bytes of
+the Python standard library's source, the same segment mask (no attention
+across documents) and weighted cross-entropy. Prints lm_tokens_per_s,
+seed004_tokens_per_s and lm_ratio_vs_seed_torch.
+
 Run (about 3 minutes on 2 CPU cores; run it when the machine is quiet):
-  nice -n 5 python benchmarks/train.py
+  nice -n 5 python benchmarks/train.py        # or --lm
 Prints a table, then one JSON line with tokens_per_s, compile_s,
 ratio_vs_seed_torch, fraction_of_matmul_peak and the other figures.
 """
@@ -46,9 +53,11 @@ import torch
 import torch.nn as nn
 
 import jaxformer as jf
+from jaxformer.data import ByteTokenizer, TextData, segment_mask
 from jaxformer.training import TrainConfig, train_functions
 
 from seed001 import Transformer as SeedTransformer  # the peer, verbatim from seed 001
+from seed004 import SeedLM  # the LM peer: seed 004's decoder layer, verbatim
 
 # ---------------------------------------------------------------------------
 # The benchmark
@@ -153,11 +162,74 @@ class TorchSide:
         return (time.perf_counter() - start) / steps
 
 
+# --------------------------------------------------------------------------- --lm
+
+LM_SEQ = 128  # the window of `jaxformer train --task lm`
+
+
+def lm_config() -> jf.TransformerConfig:
+    """Bench widths as a decoder-only LM, in seed 004's layer: Post-LN, exact GELU, LayerNorm
+    eps 1e-12, dropout 0.1 on the attention weights and on the sublayer outputs; bytes."""
+    return jf.bench(num_encoder_layers=0, src_vocab_size=259, tgt_vocab_size=259,
+                    max_len=LM_SEQ, activation="gelu", layer_norm_epsilon=1e-12,
+                    embedding_dropout=0.0, ffn_dropout=0.0)
+
+
+def lm_train_flops(c: jf.TransformerConfig, batch: int, seq: int) -> float:
+    """Matmul + attention FLOPs of one LM training step (3 x forward), embeddings excluded."""
+    D, F, V, T = c.d_model, c.d_ff, c.tgt_vocab_size, batch * seq
+    macs = c.num_decoder_layers * (T * (4 * D * D + 2 * D * F) + 2 * batch * seq * seq * D)
+    return 3 * 2 * (macs + T * D * V)
+
+
+class JaxLMSide(JaxSide):
+    def __init__(self, config: jf.TransformerConfig, data, batch: int):
+        tc = TrainConfig(task="lm", data=("(benchmark)",), seq_len=LM_SEQ, batch_size=batch,
+                         steps=100_000, warmup_steps=100, learning_rate=1e-4)
+        self.fns = train_functions(config, tc)
+        self.batch = jax.device_put(data.train_batch(0, batch, 0))
+        self.state = self.fns.init(0)
+        self.step, self.compile_s = self.fns.compiled_step(self.state, self.batch)
+        self.first_loss = None
+
+
+class TorchLMSide(TorchSide):
+    """Seed 004's decoder trained on the same packed batch: weighted cross-entropy, Adam."""
+
+    def __init__(self, config: jf.TransformerConfig, batch_np):
+        torch.manual_seed(0)
+        self.model = SeedLM(config.tgt_vocab_size, config.d_model, config.num_heads,
+                            config.num_decoder_layers, dropout=config.attention_dropout)
+        self.model.train()
+        self.optim = torch.optim.Adam(self.model.parameters(), lr=1e-4)
+        self.inputs = torch.from_numpy(np.asarray(batch_np.inputs)).long()
+        self.labels = torch.from_numpy(np.asarray(batch_np.labels)).long()
+        self.weights = torch.from_numpy(np.asarray(batch_np.weights))
+        # The seed's mask convention (1 = visible, tril applied inside): same documents.
+        self.mask = torch.from_numpy(np.asarray(segment_mask(batch_np.segments))).long()
+        self.vocab = config.tgt_vocab_size
+        self.first_loss = None
+
+    def one_step(self) -> float:
+        logits = self.model(self.inputs, self.mask)
+        xent = nn.functional.cross_entropy(logits.reshape(-1, self.vocab),
+                                           self.labels.reshape(-1), reduction="none")
+        loss = (xent * self.weights.reshape(-1)).sum() / self.weights.sum()
+        self.optim.zero_grad()
+        loss.backward()
+        self.optim.step()
+        return loss.item()
+
+
 def main(argv: Optional[list[str]] = None) -> dict:
     parser = argparse.ArgumentParser(description="train-step throughput, jaxformer vs seed 001")
     parser.add_argument("--steps", type=int, default=5, help="steps per timing window")
     parser.add_argument("--rounds", type=int, default=5, help="alternating windows per side")
+    parser.add_argument("--lm", action="store_true",
+                        help="the decoder-only LM on packed text windows vs seed 004")
     args = parser.parse_args(argv)
+    if args.lm:
+        return lm_main(args)
 
     config = jf.bench()
     tgt_len = SRC_LEN + 1
@@ -225,3 +297,39 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
 if __name__ == "__main__":
     main()
+
+
+def lm_main(args) -> dict:
+    """`--lm`: jaxformer's DecoderOnlyLM train step vs seed 004's, one packed text batch."""
+    import sysconfig  # noqa: PLC0415
+
+    stdlib = sysconfig.get_paths()["stdlib"]
+    data = TextData([f"{stdlib}/*.py"], ByteTokenizer(), LM_SEQ)
+    config = lm_config()
+    tokens_per_step = BATCH * LM_SEQ
+    flops_per_step = lm_train_flops(config, BATCH, LM_SEQ)
+    print(f"bench --lm: decoder-only, 4 layers, d 256, batch {BATCH} x {LM_SEQ} bytes of the "
+          f"Python standard library, {flops_per_step / 1e9:.1f} GFLOP per train step; torch "
+          f"{torch.__version__} ({torch.get_num_threads()} threads)", flush=True)
+    jax_side = JaxLMSide(config, data, BATCH)
+    torch_side = TorchLMSide(config, jax.device_get(jax_side.batch))
+    torch_side.one_step()
+    jax_side.run(1)
+    jax_times, torch_times = [], []
+    for _ in range(args.rounds):
+        jax_times.append(jax_side.run(args.steps))
+        torch_times.append(torch_side.run(args.steps))
+    jax_s, torch_s = statistics.median(jax_times), statistics.median(torch_times)
+    print(f"{'':<12}{'step ms':>10}{'tokens/s':>12}{'GFLOP/s':>10}  windows (ms)")
+    for name, step_s, times in (("jaxformer", jax_s, jax_times),
+                                ("seed 004", torch_s, torch_times)):
+        print(f"{name:<12}{step_s * 1e3:>10.1f}{tokens_per_step / step_s:>12.0f}"
+              f"{flops_per_step / step_s / 1e9:>10.1f}  "
+              f"{' '.join(f'{t * 1e3:.0f}' for t in times)}")
+    summary = {"lm_tokens_per_s": round(tokens_per_step / jax_s, 1),
+               "seed004_tokens_per_s": round(tokens_per_step / torch_s, 1),
+               "lm_ratio_vs_seed_torch": round(torch_s / jax_s, 3),
+               "compile_s": round(jax_side.compile_s, 2),
+               "steps_per_window": args.steps, "rounds": args.rounds}
+    print(json.dumps(summary))
+    return summary

@@ -4,6 +4,9 @@
     jaxformer train --norm pre --out runs/pre
     jaxformer train --task reverse --steps 1500
     jaxformer train --out runs/x --resume # continue an interrupted run
+    jaxformer train --task lm --data 'texts/*.txt'   # a byte-level LM on text files
+    jaxformer generate --run runs/lm "def main("     # continue a prompt with a trained LM
+    jaxformer decode --run runs/copy "5 6 7"         # decode a source with a trained model
 
 A run directory (`--out`, default runs/<task>-<norm>-<time>) holds:
 
@@ -13,6 +16,12 @@ A run directory (`--out`, default runs/<task>-<norm>-<time>) holds:
     loss.png        loss and token accuracy against step
     attention.png   decoder cross-attention of the trained model on a held-out example
     summary.json    the final JSON line
+
+With --task lm the model is `DecoderOnlyLM` on packed windows of the text
+(`jaxformer.data`), loss.png also shows the held-out loss, there is no
+attention.png, and the summary reports held-out bits per byte beside the
+unigram and xz baselines of the same bytes, and a few sampled continuations of
+held-out prompts are printed.
 
 At the end the trained model greedy-decodes the held-out set (sequences the
 training stream never contains, see `jaxformer.tasks`), prints a few sources
@@ -69,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxformer.tasks import TASKS  # noqa: PLC0415
 
     parser = argparse.ArgumentParser(
-        prog="jaxformer", description="The Transformer in JAX/Flax: train on synthetic tasks.")
+        prog="jaxformer", description="The Transformer in JAX/Flax: train on synthetic tasks "
+                                      "or text, then decode with the trained model.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     train = commands.add_parser(
         "train", help="train an encoder-decoder Transformer on a synthetic task",
@@ -204,7 +214,6 @@ def _train_command(args) -> int:
     import jax  # noqa: PLC0415 (heavy imports after argument parsing)
 
     from jaxformer.checkpoint import CheckpointError  # noqa: PLC0415
-    from jaxformer.config import TransformerConfig  # noqa: PLC0415
     from jaxformer.model import DecoderOnlyLM, Transformer, count_params  # noqa: PLC0415
     from jaxformer.training import (NonFiniteLossError, TrainConfig,  # noqa: PLC0415
                                     check_lm_data, evaluate, fit, task_for)
@@ -224,17 +233,7 @@ def _train_command(args) -> int:
             raise UsageError("--resume needs --out, the run directory to continue")
         out = args.out
         config_path = os.path.join(out, "config.json")
-        if not os.path.isfile(config_path):
-            raise UsageError(f"cannot resume: {config_path} does not exist (not a run "
-                             f"directory)")
-        try:
-            with open(config_path) as f:
-                saved = json.load(f)
-            model_config = TransformerConfig.from_dict(saved["model"])
-            train_config = TrainConfig.from_dict(saved["train"])
-        except (ValueError, KeyError, TypeError) as error:
-            raise UsageError(f"cannot resume: {config_path} is not a valid run config: "
-                             f"{error}") from error
+        model_config, train_config, saved = _read_run_config(out, "cannot resume: ")
         conflicts = _conflicts(args, model_config, train_config, model_overrides,
                                train_overrides, saved.get("preset"))
         if conflicts:
@@ -386,25 +385,33 @@ def _finish_lm(args, model, result, data, train_config, out, started) -> int:
     return 0
 
 
+def _read_run_config(run_dir: str, context: str = ""):
+    """(model config, train config, the saved dict) from `run_dir`/config.json."""
+    from jaxformer.config import TransformerConfig  # noqa: PLC0415
+    from jaxformer.training import TrainConfig  # noqa: PLC0415
+
+    config_path = os.path.join(run_dir, "config.json")
+    if not os.path.isfile(config_path):
+        raise UsageError(f"{context}{config_path} does not exist (not a run directory)")
+    try:
+        with open(config_path) as f:
+            saved = json.load(f)
+        return (TransformerConfig.from_dict(saved["model"]),
+                TrainConfig.from_dict(saved["train"]), saved)
+    except (ValueError, KeyError, TypeError) as error:
+        raise UsageError(f"{context}{config_path} is not a valid run config: "
+                         f"{error}") from error
+
+
 def _load_run(run_dir: str, task_kind: str):
     """(model config, train config, params of the latest checkpoint) of a run directory.
 
     `task_kind`: "lm" or "seq2seq", the kind of run the command needs.
     """
     from jaxformer.checkpoint import CheckpointError, Checkpoints  # noqa: PLC0415
-    from jaxformer.config import TransformerConfig  # noqa: PLC0415
-    from jaxformer.training import TrainConfig, train_functions  # noqa: PLC0415
+    from jaxformer.training import train_functions  # noqa: PLC0415
 
-    config_path = os.path.join(run_dir, "config.json")
-    if not os.path.isfile(config_path):
-        raise UsageError(f"{config_path} does not exist: --run must be a run directory")
-    try:
-        with open(config_path) as f:
-            saved = json.load(f)
-        model_config = TransformerConfig.from_dict(saved["model"])
-        train_config = TrainConfig.from_dict(saved["train"])
-    except (ValueError, KeyError, TypeError) as error:
-        raise UsageError(f"{config_path} is not a valid run config: {error}") from error
+    model_config, train_config, _ = _read_run_config(run_dir)
     if (train_config.task == "lm") != (task_kind == "lm"):
         want = "a --task lm run" if task_kind == "lm" else "a copy/reverse/sort run"
         raise UsageError(f"{run_dir} is a {train_config.task} run; this command needs {want}")

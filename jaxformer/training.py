@@ -82,7 +82,7 @@ class TrainConfig(ConfigMixin):
     # task="lm": the decoder-only LM on text files (jaxformer.data), in windows of
     # seq_len tokens. `data` / `eval_data` are file paths or globs; no eval_data =
     # the held-out split is `eval_fraction` of the documents.
-    seq_len: int = 256
+    seq_len: int = 128
     data: tuple = ()
     eval_data: tuple = ()
     tokenizer: Optional[str] = None   # a `tokenizers` JSON file; None = bytes

@@ -49,6 +49,29 @@ def numpy_params(model, *init_args, seed: int = 0):
     return jax.tree_util.tree_map_with_path(draw, abstract)
 
 
+def tree_equal(a, b) -> bool:
+    """Same structure and bitwise-equal leaves."""
+    same = jax.tree_util.tree_map(np.array_equal, a, b)
+    return jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b) and all(
+        jax.tree_util.tree_leaves(same))
+
+
+def saved_run(out):
+    """(model config, train config, the latest checkpoint's TrainState) of a run directory."""
+    import json
+
+    from jaxformer.checkpoint import Checkpoints
+    from jaxformer.training import TrainConfig, train_functions
+
+    with open(os.path.join(out, "config.json")) as f:
+        saved = json.load(f)
+    model = jf.TransformerConfig.from_dict(saved["model"])
+    train = TrainConfig.from_dict(saved["train"])
+    with Checkpoints(os.path.join(out, "checkpoints")) as checkpoints:
+        state = checkpoints.restore(train_functions(model, train).init(0))
+    return model, train, state
+
+
 def snapshot(directory) -> dict:
     """{relative path: bytes} of every file below `directory`."""
     files = {}

@@ -5,11 +5,10 @@ import os
 import signal
 
 import jax
-import numpy as np
 import pytest
 
 import jaxformer as jf
-from conftest import snapshot
+from conftest import snapshot, tree_equal
 from jaxformer.checkpoint import CheckpointError, Checkpoints
 from jaxformer.training import TrainConfig, fit, train_functions
 
@@ -19,10 +18,6 @@ MODEL = jf.tiny(num_encoder_layers=1, num_decoder_layers=1, attention_dropout=0.
 TRAIN = TrainConfig(max_len=6, steps=12, batch_size=8, warmup_steps=2, learning_rate=1e-2)
 
 
-def tree_equal(a, b) -> bool:
-    same = jax.tree_util.tree_map(np.array_equal, a, b)
-    return jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b) and all(
-        jax.tree_util.tree_leaves(same))
 
 
 @pytest.fixture(scope="module")

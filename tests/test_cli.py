@@ -9,18 +9,15 @@ import signal
 import subprocess
 import sys
 
-import jax
-import numpy as np
 import pytest
 
 import jaxformer.training
-from jaxformer.checkpoint import Checkpoints
 from jaxformer.cli import main
 from jaxformer.config import TransformerConfig
 from jaxformer.model import Transformer
-from jaxformer.training import TrainConfig, evaluate, task_for, train_functions
+from jaxformer.training import TrainConfig, evaluate, task_for
 
-from conftest import snapshot
+from conftest import saved_run, snapshot, tree_equal
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The tiny 1+1-layer model and schedule of test_training/test_checkpoint: one compilation.
@@ -29,21 +26,6 @@ TINY = ["train", "--preset", "tiny", "--layers", "1", "--max-len", "6", "--batch
         "--show", "2", "--save-every", "5", "--no-progress", "--dropout", "0.1"]
 
 
-def saved_run(out):
-    """(model config, train config, the final checkpoint's TrainState) of a run directory."""
-    with open(os.path.join(out, "config.json")) as f:
-        saved = json.load(f)
-    model = TransformerConfig.from_dict(saved["model"])
-    train = TrainConfig.from_dict(saved["train"])
-    with Checkpoints(os.path.join(out, "checkpoints")) as checkpoints:
-        state = checkpoints.restore(train_functions(model, train).init(0))
-    return model, train, state
-
-
-def tree_equal(a, b) -> bool:
-    same = jax.tree_util.tree_map(np.array_equal, a, b)
-    return jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b) and all(
-        jax.tree_util.tree_leaves(same))
 
 
 @pytest.fixture(scope="module")

@@ -18,14 +18,13 @@ import numpy as np
 import pytest
 
 import jaxformer as jf
-import jaxformer.training
 from jaxformer import baselines, decoding
 from jaxformer.cli import main
-from jaxformer.data import ByteTokenizer, LMBatch, TextData, segment_mask
+from jaxformer.data import ByteTokenizer, LMBatch, TextData
 from jaxformer.training import (TrainConfig, evaluate_lm, fit, loss_and_metrics, model_logits,
                                 train_functions)
 
-from conftest import snapshot
+from conftest import saved_run, snapshot, tree_equal
 
 JSON_SOURCES = os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")
 SEQ = 64
@@ -41,10 +40,6 @@ def data():
                     seed=0)
 
 
-def tree_equal(a, b) -> bool:
-    same = jax.tree_util.tree_map(np.array_equal, a, b)
-    return jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b) and all(
-        jax.tree_util.tree_leaves(same))
 
 
 # --------------------------------------------------------------------------- the forward pass
@@ -202,13 +197,8 @@ def test_generate_run_reproduces_the_library_generate(lm_run, capsys):
     assert main(["generate", "--run", out, "--temperature", "0", "--max-new-tokens", "12",
                  "def f(", "import"]) == 0
     printed = capsys.readouterr().out.splitlines()
-    with open(os.path.join(out, "config.json")) as f:
-        saved = json.load(f)
-    config = jf.TransformerConfig.from_dict(saved["model"])
-    train = TrainConfig.from_dict(saved["train"])
-    from jaxformer.checkpoint import Checkpoints
-    with Checkpoints(os.path.join(out, "checkpoints")) as checkpoints:
-        params = checkpoints.restore(train_functions(config, train).init(0)).params
+    config, _, state = saved_run(out)
+    params = state.params
     tok = ByteTokenizer()
     prompts = [[tok.bos_id, *tok.encode(p).tolist()] for p in ("def f(", "import")]
     batch = np.zeros((2, max(map(len, prompts))), np.int32)
@@ -230,9 +220,8 @@ def test_decode_run_prints_the_greedy_decodes_of_a_copy_run(tmp_path, capsys):
     assert main(["decode", "--run", out, "5 6 7", "9 4"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split("->")[0].strip() for line in lines] == ["5 6 7", "9 4"]
-    config = jf.TransformerConfig.from_dict(json.load(open(os.path.join(out, "config.json")))[
-        "model"])
-    _, _, params = jaxformer.cli._load_run(out, "seq2seq")
+    config, _, state = saved_run(out)
+    params = state.params
     src = np.array([[5, 6, 7], [9, 4, 0]], np.int32)
     tokens = decoding.greedy_decode(jf.Transformer(config), params, src,
                                     max_new_tokens=config.max_len)

@@ -15,6 +15,7 @@ import optax
 import pytest
 
 import jaxformer as jf
+from conftest import tree_equal
 from jaxformer.checkpoint import Checkpoints
 from jaxformer.training import (NonFiniteLossError, TrainConfig, create_train_state, decay_mask,
                                 evaluate, fit, learning_rate_schedule, loss_and_metrics,
@@ -153,10 +154,6 @@ def test_same_seed_gives_identical_parameters_with_dropout(dropout_run, one_devi
     assert not tree_equal(other.state.params, dropout_run.state.params)
 
 
-def tree_equal(a, b) -> bool:
-    same = jax.tree_util.tree_map(np.array_equal, a, b)
-    return jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b) and all(
-        jax.tree_util.tree_leaves(same))
 
 
 def test_train_step_donates_the_state(one_device_run):
