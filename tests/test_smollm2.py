@@ -39,7 +39,12 @@ def hf_model(smollm2):
     path = smollm2[3]
     model = transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
-    return model.eval()
+    # One torch thread: with 2 threads on 2 shared cores, torch's OpenMP workers
+    # wait on each other whenever another process holds a core (10-30x slower).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield model.eval()
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -81,45 +86,66 @@ def test_tokenizer_equals_transformers_gguf_tokenizer(smollm2):
         assert smollm2[2].decode(ids, skip_special_tokens=False) == text
 
 
-def test_next_token_logits_equal_transformers(smollm2, hf_model, prompts):
+@pytest.fixture(scope="module")
+def jaxformer_greedy(smollm2, prompts):
+    """jaxformer's batched greedy decode of the ragged prompts, with the logits of each pick
+    (logits[:, 0] = the prefill's next-token logits): one compiled program."""
     model, params, _, _ = smollm2
     batch, lengths = prompts
-    logits_BPV = jax.jit(lambda p, t: model.apply({"params": p}, t))(params, jnp.asarray(batch))
+    return jf.generate(model, params, jnp.asarray(batch), max_new_tokens=N_NEW,
+                       prompt_lengths=lengths, return_logits=True)
+
+
+def test_next_token_logits_equal_transformers(hf_model, prompts, jaxformer_greedy):
+    batch, lengths = prompts
     errors = []
     for row, length in enumerate(lengths):
-        got = np.asarray(logits_BPV[row, length - 1])
-        want = hf_next_logits(hf_model, batch[row, :length])
+        got = np.asarray(jaxformer_greedy.logits[row, 0])
+        want = hf_next_logits(hf_model, batch[row, :length])  # each prompt alone, unpadded
         errors.append(np.abs(got - want).max() / np.abs(want).max())
-        assert got.argmax() == want.argmax()
     assert max(errors) <= 1e-4, errors
 
-    # The RoPE layout matters: the file's interleaved rows rotated as half-split pairs
-    # (params of rope="interleaved" run by the rope="half" model) are another model.
-    from jaxformer.models import llama
-    from jaxformer.rope import half_to_interleaved_rows
 
-    perm = half_to_interleaved_rows(model.config.head_dim)
-    as_in_file = jax.tree_util.tree_map_with_path(
-        lambda path, a: a[..., perm] if path[-2].key in ("query", "key") else a, params)
-    wrong = jax.jit(lambda p, t: model.apply({"params": p}, t))(as_in_file, jnp.asarray(batch))
-    want = hf_next_logits(hf_model, batch[0, :lengths[0]])
-    assert np.abs(np.asarray(wrong[0, lengths[0] - 1]) - want).max() / np.abs(want).max() > 0.05
-    assert llama  # the loader's rope="interleaved" path is checked on a written file
-
-
-def test_greedy_continuations_equal_transformers(smollm2, hf_model, prompts):
+def test_greedy_continuations_equal_transformers(smollm2, hf_model, prompts, jaxformer_greedy):
+    """32 new tokens per prompt; the reference batch is left-padded with an attention mask."""
     import torch
 
-    model, params, _, _ = smollm2
+    config = smollm2[0].config
     batch, lengths = prompts
-    out = jf.generate(model, params, jnp.asarray(batch), max_new_tokens=N_NEW,
-                      prompt_lengths=lengths)
+    width = lengths.max()
+    left = np.full_like(batch, config.eos_id)
     for row, length in enumerate(lengths):
-        with torch.no_grad():
-            ref = hf_model.generate(torch.tensor([batch[row, :length].tolist()]),
-                                    max_new_tokens=N_NEW, do_sample=False,
-                                    eos_token_id=model.config.eos_id,
-                                    pad_token_id=model.config.eos_id)[0, length:].numpy()
-        n = int(out.lengths[row])
-        np.testing.assert_array_equal(np.asarray(out.tokens[row, :n]), ref[:n])
-        assert n == len(ref)  # both stop at the same EOS, or both run N_NEW tokens
+        left[row, width - length:] = batch[row, :length]
+    attention = torch.tensor(np.arange(width)[None, :] >= (width - lengths)[:, None]).long()
+    with torch.no_grad():
+        ref = hf_model.generate(torch.tensor(left), attention_mask=attention,
+                                max_new_tokens=N_NEW, do_sample=False,
+                                eos_token_id=config.eos_id,
+                                pad_token_id=config.eos_id)[:, width:].numpy()
+    for row in range(len(lengths)):
+        n = int(jaxformer_greedy.lengths[row])  # up to and including EOS
+        np.testing.assert_array_equal(np.asarray(jaxformer_greedy.tokens[row, :n]), ref[row, :n])
+        assert n == N_NEW or (ref[row, n:] == config.eos_id).all()  # both stopped at EOS
+
+
+def test_the_rope_layout_choice_changes_the_logits(smollm2, prompts):
+    """The file's interleaved query/key rows rotated as half-split pairs are another model
+    (first 4 layers, to keep it quick); the loader undoes the permutation for rope="half"."""
+    from jaxformer.rope import half_to_interleaved_rows
+
+    model, params, _, _ = smollm2
+    config = model.config.replace(num_decoder_layers=4)
+    short = {"embed": params["embed"], "decoder": {
+        k: v for k, v in params["decoder"].items()
+        if k == "final_norm" or k in {f"layers_{i}" for i in range(4)}}}
+    perm = half_to_interleaved_rows(config.head_dim)
+    as_in_file = jax.tree_util.tree_map_with_path(
+        lambda path, a: a[..., perm] if path[-2].key in ("query", "key") else a, short)
+    tokens = jnp.asarray(prompts[0][:1, :prompts[1][0]])
+    forward = jax.jit(lambda c, p: jf.DecoderOnlyLM(c).apply({"params": p}, tokens),
+                      static_argnums=0)
+    right = forward(config, short)
+    np.testing.assert_allclose(forward(config.replace(rope="interleaved"), as_in_file), right,
+                               rtol=1e-4, atol=1e-4)  # file rows + interleaved rotation: same
+    wrong = forward(config, as_in_file)                # file rows + half rotation: different
+    assert np.abs(wrong - right).max() > 0.05 * np.abs(right).max()
