@@ -2,7 +2,7 @@
 
 Dimension key, used in names (`x_BTD`, `mask_BHTS`) and einsum strings:
   B batch   S source length   T target length   D d_model   H heads
-  K head dim   F d_ff   V vocabulary   L layers
+  G key/value heads   K head dim   F d_ff   V vocabulary   L layers
 
 Masks are boolean, True = may attend.
 """
