@@ -149,3 +149,19 @@ def test_the_rope_layout_choice_changes_the_logits(smollm2, prompts):
                                rtol=1e-4, atol=1e-4)  # file rows + interleaved rotation: same
     wrong = forward(config, as_in_file)                # file rows + half rotation: different
     assert np.abs(wrong - right).max() > 0.05 * np.abs(right).max()
+
+
+def test_example_prints_the_continuation(smollm2, monkeypatch, capsys):
+    """examples/smollm2.py, with the session's model instead of loading the file again."""
+    import importlib.util
+    import pathlib
+
+    from jaxformer.models import llama
+
+    path = pathlib.Path(__file__).parents[1] / "examples" / "smollm2.py"
+    spec = importlib.util.spec_from_file_location("smollm2_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    monkeypatch.setattr(llama, "load_gguf", lambda *args, **kwargs: smollm2[:3])
+    example.main(["--raw", "The capital of France is", "--max-new-tokens", "3"])
+    assert capsys.readouterr().out.startswith("The capital of France is Paris.")

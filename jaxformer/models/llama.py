@@ -32,6 +32,7 @@ them (interleaved rows, half rotation) does not (tested).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -145,7 +146,10 @@ def _heads_rows(w_RD: np.ndarray, heads: int, head_dim: int, rope: str) -> np.nd
 
 
 def params_from_gguf(file: GGUFFile, config: TransformerConfig) -> dict:
-    """jaxformer `DecoderOnlyLM` parameters (float32 numpy -> `config.param_dtype`)."""
+    """jaxformer `DecoderOnlyLM` parameters (float32 numpy -> `config.param_dtype`).
+
+    Checks every tensor's shape against `config` first (`check_shapes`).
+    """
     check_shapes(file, config)
     H, G, K, D = config.num_heads, config.kv_heads, config.head_dim, config.d_model
     dtype = config.params_dtype
@@ -172,8 +176,6 @@ def params_from_gguf(file: GGUFFile, config: TransformerConfig) -> dict:
                     "wo": {"kernel": get(b + "ffn_down.weight").T}},
         }
     params = {"embed": {"embedding": get("token_embd.weight")}, "decoder": decoder}
-    import jax  # noqa: PLC0415
-
     return jax.tree_util.tree_map(lambda x: jnp.asarray(np.ascontiguousarray(x), dtype), params)
 
 
@@ -184,5 +186,4 @@ def load_gguf(path, *, rope: str = "half", dtype: str = "float32", max_len: int 
     """
     file = read_gguf(path)
     config = config_from_gguf(file, rope=rope, dtype=dtype, max_len=max_len)
-    check_shapes(file, config)
     return DecoderOnlyLM(config), params_from_gguf(file, config), tokenizer_from_gguf(file)
