@@ -14,6 +14,15 @@ One module serves self- and cross-attention: `MultiHeadAttention.kv(x)` projects
 keys/values, `MultiHeadAttention(x_q, kv, mask)` attends. Self-attention passes
 `kv(x)` of its own input; cross-attention passes `kv(memory)`, which a decode
 loop computes once and reuses; a KV cache is just a bigger `KV`.
+
+Grouped-query attention: keys and values have G = `config.kv_heads` heads,
+(B, G, S, K); query head h reads kv head h // (H / G). The einsum path views
+the queries as (B, G, H/G, T, K) (a free reshape) so each kv head is read
+once for its whole group, never repeated in memory.
+
+Rotary embeddings (`rope.py`) rotate queries and keys by their positions
+before the product; `kv(x, positions_BS)` stores rotated keys, so a cache
+holds them ready and a step rotates only its new query and key.
 """
 
 from __future__ import annotations
@@ -26,10 +35,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.config import TransformerConfig
+from jaxformer.rope import apply_rope
 
 
 class KV(NamedTuple):
-    """Projected keys and values, each (B, H, S, K)."""
+    """Projected keys and values, each (B, G, S, K) (G = H without grouped-query attention)."""
 
     key: jnp.ndarray
     value: jnp.ndarray
@@ -47,7 +57,9 @@ def dot_product_attention(
     """softmax(Q K^T / sqrt(K) masked) V, per head.
 
     Args:
-      query_BHTK, key_BHSK, value_BHSK: queries, keys, values.
+      query_BHTK, key_BHSK, value_BHSK: queries, keys, values. Keys and values
+        may have G heads with G dividing H (grouped-query attention): query
+        head h then reads kv head h // (H / G).
       mask: boolean, broadcastable to (B, H, T, S); True = may attend.
       dropout_rate, dropout_rng: dropout on the weights (off if rng is None).
 
@@ -60,9 +72,15 @@ def dot_product_attention(
     weights, so its output and gradients stay finite instead of NaN. The softmax
     runs in float32 whatever the compute dtype.
     """
-    depth = query_BHTK.shape[-1]
-    logits_BHTS = jnp.einsum("bhtk,bhsk->bhts", query_BHTK, key_BHSK) / math.sqrt(depth)
-    logits_BHTS = logits_BHTS.astype(jnp.float32)
+    batch, heads, num_queries, depth = query_BHTK.shape
+    kv_heads, num_keys = key_BHSK.shape[1], key_BHSK.shape[2]
+    if kv_heads == heads:
+        logits_BHTS = jnp.einsum("bhtk,bhsk->bhts", query_BHTK, key_BHSK)
+    else:  # R = H / G query heads per kv head: (B, G, R, T, K) against (B, G, S, K)
+        query_BGRTK = query_BHTK.reshape(batch, kv_heads, heads // kv_heads, num_queries, depth)
+        logits_BHTS = jnp.einsum("bgrtk,bgsk->bgrts", query_BGRTK, key_BHSK).reshape(
+            batch, heads, num_queries, num_keys)
+    logits_BHTS = (logits_BHTS / math.sqrt(depth)).astype(jnp.float32)
     if mask is not None:
         logits_BHTS = jnp.where(mask, logits_BHTS, jnp.finfo(jnp.float32).min)
     weights_BHTS = jax.nn.softmax(logits_BHTS, axis=-1)
@@ -70,7 +88,13 @@ def dot_product_attention(
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights_BHTS.shape)
         weights_BHTS = jnp.where(keep, weights_BHTS / (1.0 - dropout_rate), 0.0)
     weights_BHTS = weights_BHTS.astype(value_BHSK.dtype)
-    out_BHTK = jnp.einsum("bhts,bhsk->bhtk", weights_BHTS, value_BHSK)
+    if kv_heads == heads:
+        out_BHTK = jnp.einsum("bhts,bhsk->bhtk", weights_BHTS, value_BHSK)
+    else:
+        weights_BGRTS = weights_BHTS.reshape(batch, kv_heads, heads // kv_heads, num_queries,
+                                             num_keys)
+        out_BHTK = jnp.einsum("bgrts,bgsk->bgrtk", weights_BGRTS, value_BHSK).reshape(
+            batch, heads, num_queries, depth)
     return out_BHTK, weights_BHTS
 
 
@@ -87,25 +111,38 @@ def _heads_major(x_BTHK: jnp.ndarray) -> jnp.ndarray:
 class MultiHeadAttention(nn.Module):
     """Multi-head attention with separate query/key/value/output projections.
 
-    Parameters: `query`, `key`, `value` kernels (D, H, K) and `out` kernel
-    (H, K, D), plus biases if `config.attention_bias`.
+    Parameters: `query` kernel (D, H, K), `key` and `value` kernels (D, G, K),
+    `out` kernel (H, K, D), plus biases if `config.attention_bias`.
+    `rotary=True` (self-attention of a `config.rope` model) rotates queries
+    and keys by their positions.
     """
 
     config: TransformerConfig
+    rotary: bool = False
 
     def setup(self):
         c = self.config
         common = dict(dtype=c.compute_dtype, param_dtype=c.params_dtype,
                       use_bias=c.attention_bias, kernel_init=dense_init())
-        heads = (c.num_heads, c.head_dim)
-        self.query = nn.DenseGeneral(features=heads, **common)
-        self.key = nn.DenseGeneral(features=heads, **common)
-        self.value = nn.DenseGeneral(features=heads, **common)
+        self.query = nn.DenseGeneral(features=(c.num_heads, c.head_dim), **common)
+        self.key = nn.DenseGeneral(features=(c.kv_heads, c.head_dim), **common)
+        self.value = nn.DenseGeneral(features=(c.kv_heads, c.head_dim), **common)
         self.out = nn.DenseGeneral(features=c.d_model, axis=(-2, -1), **common)
 
-    def kv(self, inputs_BSD: jnp.ndarray) -> KV:
-        """Project keys and values: (B, S, D) -> KV of (B, H, S, K)."""
-        return KV(_heads_major(self.key(inputs_BSD)), _heads_major(self.value(inputs_BSD)))
+    def _rotate(self, x_BHTK: jnp.ndarray, positions_BT: Optional[jnp.ndarray]) -> jnp.ndarray:
+        if not self.rotary:
+            return x_BHTK
+        if positions_BT is None:
+            positions_BT = jnp.arange(x_BHTK.shape[2])[None, :]
+        return apply_rope(x_BHTK, positions_BT, self.config.rope_theta, self.config.rope)
+
+    def kv(self, inputs_BSD: jnp.ndarray, positions_BS: Optional[jnp.ndarray] = None) -> KV:
+        """Project keys and values: (B, S, D) -> KV of (B, G, S, K).
+
+        Keys are rotated (if `rotary`) by `positions_BS`, default 0..S-1.
+        """
+        key_BGSK = self._rotate(_heads_major(self.key(inputs_BSD)), positions_BS)
+        return KV(key_BGSK, _heads_major(self.value(inputs_BSD)))
 
     def __call__(
         self,
@@ -113,16 +150,19 @@ class MultiHeadAttention(nn.Module):
         kv: KV,
         mask: Optional[jnp.ndarray] = None,
         *,
+        positions_BT: Optional[jnp.ndarray] = None,
         deterministic: bool = True,
     ) -> jnp.ndarray:
         """Attend from `inputs_q_BTD` to `kv`: (B, T, D) -> (B, T, D).
+
+        Queries are rotated (if `rotary`) by `positions_BT`, default 0..T-1.
 
         The (B, H, T, S) attention weights are sown into the `intermediates`
         collection as `attention_weights`: pass `mutable="intermediates"` to
         `apply` to get them (see `model.attention_weights`).
         """
-        query_BHTK = _heads_major(self.query(inputs_q_BTD))
-        if self.config.attention_impl == "jax":  # wants (B, T, H, K)
+        query_BHTK = self._rotate(_heads_major(self.query(inputs_q_BTD)), positions_BT)
+        if self.config.attention_impl == "jax":  # wants (B, T, H, K); takes G < H kv heads
             out_BTHK = jax.nn.dot_product_attention(
                 *map(_heads_major, (query_BHTK, kv.key, kv.value)), mask=mask)
             return self.out(out_BTHK)

@@ -2,7 +2,8 @@
 
 A `DecodeCache` is a pytree (a `flax.struct.dataclass`) that the caller holds
 and `lax.scan` carries; there is no mutable Flax collection and no hidden
-state. Layout of the self-attention keys/values is (B, H, T_max, K), the
+state. Layout of the self-attention keys/values is (B, G, T_max, K) (G = kv
+heads: H, or fewer with grouped-query attention, which shrinks the cache by H/G), the
 heads-major layout `MultiHeadAttention.kv` projects and attention reads in
 place; a step writes its new key/value with one `dynamic_update_slice`.
 
@@ -40,10 +41,11 @@ class DecodeCache:
     """Everything a decode step reads besides the parameters and the new token.
 
     Attributes:
-      self_kv: per decoder layer, self-attention keys and values, each (B, H, T_max, K).
+      self_kv: per decoder layer, self-attention keys and values, each (B, G, T_max, K);
+        keys already rotated (RoPE) by their positions.
       index: () int32, the next slot to write (= tokens already cached).
       start_B: (B,) int32, first valid slot of each row (left padding); 0 if none.
-      cross_kv: per decoder layer, cross-attention keys/values (B, H, S, K), or None
+      cross_kv: per decoder layer, cross-attention keys/values (B, G, S, K), or None
         (decoder-only LM).
       cross_mask: (B, 1, 1, S) bool, True = memory position may be attended, or None.
     """
@@ -81,7 +83,7 @@ def init_cache(config: TransformerConfig, batch: int, max_len: int,
         raise ValueError(f"init_cache: max_len={max_len} exceeds the model's "
                          f"config.max_len={config.max_len} (positions would run off the table)")
     dtype = config.compute_dtype if dtype is None else jnp.dtype(dtype)
-    shape = (batch, config.num_heads, max_len, config.head_dim)
+    shape = (batch, config.kv_heads, max_len, config.head_dim)
     layers = tuple(KV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
                    for _ in range(config.num_decoder_layers))
     return DecodeCache(self_kv=layers, index=jnp.zeros((), jnp.int32),
@@ -96,7 +98,7 @@ def check_cache(cache: DecodeCache, config: TransformerConfig) -> None:
         raise ValueError(f"cache has {len(cache.self_kv)} layers, config has "
                          f"{config.num_decoder_layers} decoder layers")
     batch, slots = cache.batch, cache.max_len
-    want = (batch, config.num_heads, slots, config.head_dim)
+    want = (batch, config.kv_heads, slots, config.head_dim)
     chex.assert_shape([x for kv in cache.self_kv for x in kv], want)
     chex.assert_shape(cache.index, ())
     chex.assert_type([cache.index, cache.start_B], jnp.int32)
@@ -105,7 +107,7 @@ def check_cache(cache: DecodeCache, config: TransformerConfig) -> None:
             raise ValueError("cache.cross_kv must have one KV per decoder layer")
         memory_len = cache.cross_kv[0].key.shape[2]
         chex.assert_shape([x for kv in cache.cross_kv for x in kv],
-                          (batch, config.num_heads, memory_len, config.head_dim))
+                          (batch, config.kv_heads, memory_len, config.head_dim))
         if cache.cross_mask is not None:
             chex.assert_shape(cache.cross_mask, (batch, 1, 1, memory_len))
 

@@ -13,15 +13,19 @@ from typing import Literal, Optional
 import jax.numpy as jnp
 
 Norm = Literal["post", "pre"]
-Activation = Literal["relu", "gelu", "gelu_tanh"]
-Positions = Literal["sinusoidal", "learned"]
+Activation = Literal["relu", "gelu", "gelu_tanh", "silu"]
+Positions = Literal["sinusoidal", "learned", "none"]
+NormType = Literal["layernorm", "rmsnorm"]
+Rope = Literal["none", "half", "interleaved"]
 AttentionImpl = Literal["einsum", "jax"]
 
 _CHOICES = {
     "norm": ("post", "pre"),
-    "activation": ("relu", "gelu", "gelu_tanh"),
-    "encoder_positions": ("sinusoidal", "learned"),
-    "decoder_positions": ("sinusoidal", "learned"),
+    "activation": ("relu", "gelu", "gelu_tanh", "silu"),
+    "encoder_positions": ("sinusoidal", "learned", "none"),
+    "decoder_positions": ("sinusoidal", "learned", "none"),
+    "norm_type": ("layernorm", "rmsnorm"),
+    "rope": ("none", "half", "interleaved"),
     "dtype": ("float32", "bfloat16", "float16"),
     "param_dtype": ("float32", "bfloat16", "float16"),
     "attention_impl": ("einsum", "jax"),
@@ -75,12 +79,31 @@ class TransformerConfig(ConfigMixin):
     # A final LayerNorm after each stack. None: only for "pre". torch.nn.Transformer
     # always has one, so weights imported from it set this to True.
     final_norm: Optional[bool] = None
-    # "gelu" is the exact erf form (torch.nn.GELU()); "gelu_tanh" the approximation.
+    # "gelu" is the exact erf form (torch.nn.GELU()); "gelu_tanh" the approximation;
+    # "silu" = x * sigmoid(x) (with gated_ffn: SwiGLU).
     activation: Activation = "relu"
+    # Gated FFN, W_down (act(W_gate x) * W_up x): SwiGLU with "silu", GeGLU with
+    # "gelu"/"gelu_tanh" (Shazeer 2020). Parameters ffn/gate, ffn/wi (up), ffn/wo (down).
+    gated_ffn: bool = False
+    # Absolute positions added to the embeddings; "none" for RoPE-only models.
     encoder_positions: Positions = "sinusoidal"
     decoder_positions: Positions = "sinusoidal"
-    layer_norm_epsilon: float = 1e-5
+    # Rotary position embeddings on the queries and keys of self-attention
+    # (not cross-attention: its queries and keys are different sequences).
+    # "half" rotates pairs (i, i + K/2) (GPT-NeoX, Hugging Face Llama);
+    # "interleaved" pairs (2i, 2i + 1) (RoFormer, Meta's Llama, GGUF files).
+    rope: Rope = "none"
+    rope_theta: float = 10000.0
+    # "layernorm": (x - mean) / std * scale + bias; "rmsnorm": x / rms(x) * scale.
+    norm_type: NormType = "layernorm"
+    layer_norm_epsilon: float = 1e-5  # the epsilon of either norm
+    # Key/value heads G (grouped-query attention; 1 = multi-query). None = num_heads.
+    # Each group of num_heads / G query heads shares one key/value head, so the
+    # KV cache holds G heads.
+    num_kv_heads: Optional[int] = None
     attention_bias: bool = True
+    ffn_bias: bool = True
+    output_bias: bool = True  # bias of decoder/out_proj (when not tied)
     # Multiply token embeddings by sqrt(d_model) (paper, seeds 000/002).
     scale_embeddings: bool = True
     # Output projection = target embedding transposed (no separate matrix).
@@ -120,6 +143,14 @@ class TransformerConfig(ConfigMixin):
                      f"must be one of {choices}, got {getattr(self, name)!r}")
         _require(self.attention_impl == "einsum" or self.attention_dropout == 0.0,
                  "attention_impl", '"jax" has no attention dropout: set attention_dropout=0')
+        _require(self.num_kv_heads is None or (
+            isinstance(self.num_kv_heads, int) and self.num_kv_heads > 0
+            and self.num_heads % self.num_kv_heads == 0), "num_kv_heads",
+            f"must be a positive int dividing num_heads={self.num_heads}, "
+            f"got {self.num_kv_heads!r}")
+        _require(self.rope == "none" or self.head_dim % 2 == 0, "rope",
+                 f"needs an even head dim (rotated in pairs), got head_dim={self.head_dim}")
+        _require(self.rope_theta > 0, "rope_theta", f"must be positive, got {self.rope_theta!r}")
         _require(self.layer_norm_epsilon > 0, "layer_norm_epsilon",
                  f"must be positive, got {self.layer_norm_epsilon!r}")
         for name in ("pad_id", "bos_id", "eos_id"):
@@ -138,6 +169,11 @@ class TransformerConfig(ConfigMixin):
     @property
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """G: key/value heads (num_kv_heads, or num_heads when unset)."""
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
 
     @property
     def use_final_norm(self) -> bool:
@@ -200,6 +236,21 @@ def lm(**overrides) -> TransformerConfig:
     return TransformerConfig(src_vocab_size=259, tgt_vocab_size=259, d_model=192, num_heads=6,
                              d_ff=768, num_encoder_layers=0, num_decoder_layers=4,
                              max_len=128, norm="pre").replace(**overrides)
+
+
+def llama(**overrides) -> TransformerConfig:
+    """A Llama-style decoder-only LM in one place (Llama, Mistral, Qwen, SmolLM).
+
+    Pre-RMSNorm with a final norm, RoPE (half-split layout) and no absolute
+    positions, SwiGLU FFN, no biases, no embedding scaling, tied output
+    embedding; grouped-query attention via `num_kv_heads`. The sizes are
+    tiny's: a real model sets them (see `jaxformer.models.llama`).
+    """
+    return tiny(num_encoder_layers=0, norm="pre", norm_type="rmsnorm",
+                layer_norm_epsilon=1e-5, activation="silu", gated_ffn=True,
+                encoder_positions="none", decoder_positions="none", rope="half",
+                attention_bias=False, ffn_bias=False, output_bias=False,
+                scale_embeddings=False, tie_output_embedding=True).replace(**overrides)
 
 
 PRESETS = {"tiny": tiny, "copy_task": copy_task, "bench": bench, "lm": lm}

@@ -2,6 +2,8 @@
 
 Each layer applies its sublayers through `_residual`, the one place that knows
 the difference between Post-LN, x = LN(x + f(x)), and Pre-LN, x = x + f(LN(x)).
+`layer_norm` builds the configured norm (LayerNorm or RMSNorm) under the same
+parameter names.
 """
 
 from __future__ import annotations
@@ -35,12 +37,17 @@ def sinusoidal_table(max_len: int, d_model: int) -> np.ndarray:
 def activation_fn(name: str) -> Callable[[jnp.ndarray], jnp.ndarray]:
     return {"relu": jax.nn.relu,
             "gelu": functools.partial(jax.nn.gelu, approximate=False),
-            "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}[name]
+            "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),
+            "silu": jax.nn.silu}[name]
 
 
-def layer_norm(config: TransformerConfig, name: Optional[str] = None) -> nn.LayerNorm:
-    return nn.LayerNorm(epsilon=config.layer_norm_epsilon, dtype=config.compute_dtype,
-                        param_dtype=config.params_dtype, name=name)
+def layer_norm(config: TransformerConfig, name: Optional[str] = None) -> nn.Module:
+    """The configured norm: LayerNorm (scale, bias) or RMSNorm (scale only)."""
+    common = dict(epsilon=config.layer_norm_epsilon, dtype=config.compute_dtype,
+                  param_dtype=config.params_dtype, name=name)
+    if config.norm_type == "rmsnorm":
+        return nn.RMSNorm(**common)
+    return nn.LayerNorm(**common)
 
 
 class TokenEmbedding(nn.Module):
@@ -77,8 +84,9 @@ class PositionEmbedding(nn.Module):
     """Adds positions to (B, T, D) inputs, then embedding dropout.
 
     "sinusoidal" is a constant table; "learned" has a parameter `embedding`
-    (max_len, D). `positions_BT` (default 0..T-1) lets a decode step or a
-    left-padded prompt put each token at its own position.
+    (max_len, D); "none" adds nothing (RoPE models rotate inside attention).
+    `positions_BT` (default 0..T-1) lets a decode step or a left-padded prompt
+    put each token at its own position.
     """
 
     kind: str
@@ -90,6 +98,8 @@ class PositionEmbedding(nn.Module):
         c = self.config
         if positions_BT is None:
             positions_BT = jnp.arange(x_BTD.shape[1])[None, :]
+        if self.kind == "none":
+            return nn.Dropout(c.embedding_dropout)(x_BTD, deterministic=deterministic)
         if self.kind == "learned":
             table = self.param("embedding", nn.initializers.normal(0.02),
                                (c.max_len, c.d_model), c.params_dtype)
@@ -100,21 +110,30 @@ class PositionEmbedding(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """Position-wise FFN: W2 act(W1 x + b1) + b2, (B, T, D) -> (B, T, F) -> (B, T, D)."""
+    """Position-wise FFN, (B, T, D) -> (B, T, F) -> (B, T, D).
+
+    Plain: wo(act(wi(x))). Gated (`config.gated_ffn`, SwiGLU / GeGLU):
+    wo(act(gate(x)) * wi(x)), i.e. down(act(gate(x)) * up(x)).
+    Biases on every projection iff `config.ffn_bias`.
+    """
 
     config: TransformerConfig
 
     @nn.compact
     def __call__(self, x_BTD: jnp.ndarray, *, deterministic: bool = True) -> jnp.ndarray:
         c = self.config
-        dense = functools.partial(nn.Dense, dtype=c.compute_dtype,
+        dense = functools.partial(nn.Dense, dtype=c.compute_dtype, use_bias=c.ffn_bias,
                                   param_dtype=c.params_dtype, kernel_init=dense_init())
-        h_BTF = activation_fn(c.activation)(dense(c.d_ff, name="wi")(x_BTD))
+        if c.gated_ffn:
+            h_BTF = (activation_fn(c.activation)(dense(c.d_ff, name="gate")(x_BTD))
+                     * dense(c.d_ff, name="wi")(x_BTD))
+        else:
+            h_BTF = activation_fn(c.activation)(dense(c.d_ff, name="wi")(x_BTD))
         h_BTF = nn.Dropout(c.ffn_dropout)(h_BTF, deterministic=deterministic)
         return dense(c.d_model, name="wo")(h_BTF)
 
 
-def _residual(config: TransformerConfig, norm: nn.LayerNorm, dropout: nn.Dropout,
+def _residual(config: TransformerConfig, norm: nn.Module, dropout: nn.Dropout,
               sublayer: Callable, x_BTD: jnp.ndarray, deterministic: bool):
     """Apply `sublayer` with residual and LayerNorm in the configured placement.
 
@@ -135,7 +154,7 @@ class EncoderLayer(nn.Module):
 
     def setup(self):
         c = self.config
-        self.self_attn = MultiHeadAttention(c)
+        self.self_attn = MultiHeadAttention(c, rotary=c.rope != "none")
         self.ffn = FeedForward(c)
         self.self_attn_norm = layer_norm(c)
         self.ffn_norm = layer_norm(c)
@@ -170,7 +189,7 @@ class DecoderLayer(nn.Module):
 
     def setup(self):
         c = self.config
-        self.self_attn = MultiHeadAttention(c)
+        self.self_attn = MultiHeadAttention(c, rotary=c.rope != "none")
         self.self_attn_norm = layer_norm(c)
         if self.cross_attention:
             self.cross_attn = MultiHeadAttention(c)
@@ -192,6 +211,7 @@ class DecoderLayer(nn.Module):
         *,
         cache: Optional[KV] = None,
         cache_index: Optional[jnp.ndarray] = None,
+        positions_BT: Optional[jnp.ndarray] = None,
         deterministic: bool = True,
     ) -> tuple[jnp.ndarray, Optional[KV]]:
         """One decoder layer.
@@ -201,21 +221,24 @@ class DecoderLayer(nn.Module):
           self_mask: (B|1, 1, T, T) without a cache, (B|1, 1, T, T_max) with one.
           cross_kv: `cross_kv(memory)` (S keys); required iff `cross_attention`.
           cross_mask: (B|1, 1, T|1, S).
-          cache: keys/values of earlier positions, each (B, H, T_max, K). The
+          cache: keys/values of earlier positions, each (B, G, T_max, K). The
             new keys/values are written at `cache_index` (a scalar) and the
             queries attend over the whole cache, so `self_mask` must hide the
             slots not yet written.
+          positions_BT: (B|1, T) positions of the inputs for RoPE (default
+            0..T-1); cached keys were rotated by theirs when written.
         Returns:
           (y_BTD, the updated cache or None).
         """
 
         def self_attend(h_BTD):
-            kv = self.self_attn.kv(h_BTD)
+            kv = self.self_attn.kv(h_BTD, positions_BT)
             if cache is not None:
                 start = (0, 0, cache_index, 0)
                 kv = KV(jax.lax.dynamic_update_slice(cache.key, kv.key.astype(cache.key.dtype), start),
                         jax.lax.dynamic_update_slice(cache.value, kv.value.astype(cache.value.dtype), start))
-            out = self.self_attn(h_BTD, kv, self_mask, deterministic=deterministic)
+            out = self.self_attn(h_BTD, kv, self_mask, positions_BT=positions_BT,
+                                 deterministic=deterministic)
             return out, (kv if cache is not None else None)
 
         y_BTD, new_cache = _residual(self.config, self.self_attn_norm, self.dropout,

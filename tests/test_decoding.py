@@ -65,9 +65,12 @@ def reference_greedy(model, params, src, n_new):
     return tokens, lengths, np.stack(all_logits, axis=1)
 
 
-@functools.lru_cache(maxsize=None)
 def _build_encdec(norm):
-    config = jf.tiny(norm=norm)
+    return _build_encdec_config(jf.tiny(norm=norm))
+
+
+@functools.lru_cache(maxsize=None)
+def _build_encdec_config(config):
     model = jf.Transformer(config)
     rng = np.random.default_rng(1)
     src = rng.integers(3, config.src_vocab_size, (5, 9)).astype(np.int32)
@@ -258,9 +261,12 @@ def test_vmapped_single_example_equals_batched(encdec_post, loop):
 # -- decoder-only LM with ragged prompts ------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
 def _build_lm(norm):
-    config = jf.tiny(norm=norm, num_encoder_layers=0)
+    return _build_lm_config(jf.tiny(norm=norm, num_encoder_layers=0))
+
+
+@functools.lru_cache(maxsize=None)
+def _build_lm_config(config):
     model = jf.DecoderOnlyLM(config)
     rng = np.random.default_rng(2)
     lengths = np.array([5, 2, 7, 1])
@@ -301,6 +307,45 @@ def test_lm_ragged_prompt_generate_equals_recomputation(norm):
     explicit = decoding.generate(model, params, prompt, max_new_tokens=6,
                                  prompt_lengths=lengths, return_logits=True)
     np.testing.assert_array_equal(explicit.tokens, result.tokens)
+
+
+# The modern blocks (RoPE, RMSNorm, gated FFN, grouped-query attention): cached decoding
+# equals recomputation, for both norm types, encoder-decoder and decoder-only.
+MODERN_ENCDEC = {
+    "pre_rmsnorm_gqa_rope_half_swiglu": jf.tiny(
+        norm="pre", norm_type="rmsnorm", num_kv_heads=2, rope="half",
+        encoder_positions="none", decoder_positions="none", gated_ffn=True,
+        activation="silu", attention_bias=False, ffn_bias=False),
+    "post_layernorm_mqa_rope_interleaved_geglu": jf.tiny(
+        num_kv_heads=1, rope="interleaved", gated_ffn=True, activation="gelu"),
+}
+MODERN_LM = {
+    "llama_rmsnorm_gqa_rope_half": jf.llama(num_heads=4, num_kv_heads=2),
+    "layernorm_mqa_rope_interleaved_jax_attention": jf.llama(
+        norm_type="layernorm", num_kv_heads=1, rope="interleaved", attention_impl="jax"),
+}
+
+
+@pytest.mark.parametrize("case", list(MODERN_ENCDEC))
+def test_modern_blocks_cached_greedy_equals_recomputation(case):
+    config, model, params, src = _build_encdec_config(MODERN_ENCDEC[case])
+    result = decoding.greedy_decode(model, params, src, max_new_tokens=N_NEW,
+                                    return_logits=True)
+    tokens, lengths, logits = reference_greedy(model, params, src, N_NEW)
+    np.testing.assert_array_equal(result.tokens, tokens)
+    for row, length in enumerate(lengths):
+        np.testing.assert_allclose(result.logits[row, :length], logits[row, :length],
+                                   atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", list(MODERN_LM))
+def test_modern_blocks_ragged_prompt_generate_equals_recomputation(case):
+    """RoPE positions come from the cache's per-row start: each row as if alone."""
+    config, model, params, prompt, lengths = _build_lm_config(MODERN_LM[case])
+    result = decoding.generate(model, params, prompt, max_new_tokens=6, return_logits=True)
+    tokens, logits = reference_lm_greedy(model, params, prompt, lengths, 6)
+    np.testing.assert_array_equal(result.tokens, tokens)
+    np.testing.assert_allclose(result.logits, logits, atol=1e-5, rtol=1e-5)
 
 
 def test_lm_while_equals_scan_and_padding_width_does_not_matter():

@@ -21,11 +21,15 @@ PAD = 0
 
 def closed_form_count(c: jf.TransformerConfig, decoder_only: bool = False) -> int:
     d, f = c.d_model, c.d_ff
-    attention = 4 * d * d + (4 * d if c.attention_bias else 0)  # W_q, W_k, W_v, W_o (+ biases)
-    ffn = 2 * d * f + f + d                                      # W_1, W_2, b_1, b_2
-    norm = 2 * d                                                 # gamma, beta
+    kv = c.kv_heads * c.head_dim                                 # D * G K per key/value kernel
+    # W_q, W_o (D x D), W_k, W_v (D x GK) (+ biases)
+    attention = 2 * d * d + 2 * d * kv + ((2 * d + 2 * kv) if c.attention_bias else 0)
+    projections_in = 2 if c.gated_ffn else 1                     # W_1 (and W_gate), W_2
+    ffn = (projections_in + 1) * d * f + ((projections_in * f + d) if c.ffn_bias else 0)
+    norm = 2 * d if c.norm_type == "layernorm" else d            # gamma (, beta)
     final = norm if c.use_final_norm else 0
-    out_proj = 0 if c.tie_output_embedding else d * c.tgt_vocab_size + c.tgt_vocab_size
+    out_proj = 0 if c.tie_output_embedding else d * c.tgt_vocab_size + (
+        c.tgt_vocab_size if c.output_bias else 0)
     if decoder_only:
         layers = c.num_decoder_layers * (attention + ffn + 2 * norm)
         positions = c.max_len * d if c.decoder_positions == "learned" else 0
@@ -53,6 +57,12 @@ COUNT_CASES = {
                                      src_vocab_size=30, tgt_vocab_size=23),
     "no_encoder_layers": jf.tiny(num_encoder_layers=0),
     "bench": jf.bench(),
+    "grouped_query_rmsnorm_swiglu": jf.tiny(num_kv_heads=2, norm_type="rmsnorm", norm="pre",
+                                            gated_ffn=True, activation="silu", d_ff=37,
+                                            rope="half", encoder_positions="none"),
+    "multi_query_no_biases": jf.tiny(num_kv_heads=1, attention_bias=False, ffn_bias=False,
+                                     output_bias=False, gated_ffn=True, activation="gelu"),
+    "llama": jf.llama(num_heads=4, num_kv_heads=2, tgt_vocab_size=20, src_vocab_size=20),
 }
 
 
@@ -65,7 +75,9 @@ def test_parameter_count_is_the_closed_form(case):
 
 
 @pytest.mark.parametrize("case", ["tiny_post", "pre_norm", "shared_and_tied",
-                                  "no_attention_bias", "learned_positions"])
+                                  "no_attention_bias", "learned_positions",
+                                  "grouped_query_rmsnorm_swiglu", "multi_query_no_biases",
+                                  "llama"])
 def test_decoder_only_parameter_count_is_the_closed_form(case):
     config = COUNT_CASES[case].replace(num_encoder_layers=0, share_embeddings=False)
     tokens = jax.ShapeDtypeStruct((1, 4), jnp.int32)

@@ -4,6 +4,10 @@
 output projection; `from_torch_decoder_only` reads a `torch.nn.TransformerEncoder`
 run with a causal mask (a decoder-only LM: self-attention + FFN per layer).
 PyTorch is imported only when one of them is called: `pip install 'jaxformer[torch]'`.
+
+`jaxformer.interop.gguf` reads GGUF files (llama.cpp's format): import it
+directly; it needs `pip install 'jaxformer[llm]'`. Per-model mappings of its
+tensors are in `jaxformer.models` (`models/llama.py`).
 """
 
 from jaxformer.interop.pytorch import from_torch_decoder_only, from_torch_transformer

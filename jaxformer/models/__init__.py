@@ -1,0 +1,1 @@
+"""Per-model configurations and weight mappings built from jaxformer's blocks (no new layers)."""
