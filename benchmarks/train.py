@@ -137,7 +137,7 @@ class TorchSide:
         self.optim = torch.optim.Adam(self.model.parameters(), lr=1e-4)
         self.src = torch.from_numpy(np.asarray(batch_np.src)).long()
         self.tgt_inp = torch.from_numpy(np.asarray(batch_np.tgt_in)).long()
-        self.tgt_out = torch.from_numpy(np.asarray(batch_np.labels)).long()
+        self.tgt_out = torch.from_numpy(np.array(batch_np.labels)).long()
         # The seed passes pad flags (1 = PAD); this batch has none, like the seed's.
         self.src_pad = (self.src == 0).long()
         self.tgt_pad = (self.tgt_inp == 0).long()
@@ -202,9 +202,9 @@ class TorchLMSide(TorchSide):
                             config.num_decoder_layers, dropout=config.attention_dropout)
         self.model.train()
         self.optim = torch.optim.Adam(self.model.parameters(), lr=1e-4)
-        self.inputs = torch.from_numpy(np.asarray(batch_np.inputs)).long()
-        self.labels = torch.from_numpy(np.asarray(batch_np.labels)).long()
-        self.weights = torch.from_numpy(np.asarray(batch_np.weights))
+        self.inputs = torch.from_numpy(np.array(batch_np.inputs)).long()
+        self.labels = torch.from_numpy(np.array(batch_np.labels)).long()
+        self.weights = torch.from_numpy(np.array(batch_np.weights))
         # The seed's mask convention (1 = visible, tril applied inside): same documents.
         self.mask = torch.from_numpy(np.asarray(segment_mask(batch_np.segments))).long()
         self.vocab = config.tgt_vocab_size
@@ -295,10 +295,6 @@ def main(argv: Optional[list[str]] = None) -> dict:
     return summary
 
 
-if __name__ == "__main__":
-    main()
-
-
 def lm_main(args) -> dict:
     """`--lm`: jaxformer's DecoderOnlyLM train step vs seed 004's, one packed text batch."""
     import sysconfig  # noqa: PLC0415
@@ -333,3 +329,7 @@ def lm_main(args) -> dict:
                "steps_per_window": args.steps, "rounds": args.rounds}
     print(json.dumps(summary))
     return summary
+
+
+if __name__ == "__main__":
+    main()
