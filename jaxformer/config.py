@@ -102,6 +102,9 @@ class TransformerConfig(ConfigMixin):
     # KV cache holds G heads.
     num_kv_heads: Optional[int] = None
     attention_bias: bool = True
+    # Which attention projections have a bias, as letters of "qkvo" (query, key,
+    # value, out); None = all four iff attention_bias. Whisper: "qvo" (no key bias).
+    attention_biases: Optional[str] = None
     ffn_bias: bool = True
     output_bias: bool = True  # bias of decoder/out_proj (when not tied)
     # Multiply token embeddings by sqrt(d_model) (paper, seeds 000/002).
@@ -158,8 +161,17 @@ class TransformerConfig(ConfigMixin):
             _require(0 <= value < min(self.src_vocab_size, self.tgt_vocab_size), name,
                      f"{value} is outside the vocabularies "
                      f"(src {self.src_vocab_size}, tgt {self.tgt_vocab_size})")
-        _require(len({self.pad_id, self.bos_id, self.eos_id}) == 3, "pad_id",
-                 f"pad/bos/eos ids must differ, got {self.pad_id}/{self.bos_id}/{self.eos_id}")
+        # PAD may be EOS (many tokenizers reuse it): decoding never reads a token
+        # after EOS. BOS must differ from both: it starts every decode.
+        _require(self.bos_id not in (self.pad_id, self.eos_id), "pad_id",
+                 f"pad/bos/eos ids: BOS must differ from PAD and EOS (PAD may equal EOS), "
+                 f"got {self.pad_id}/{self.bos_id}/{self.eos_id}")
+        _require(self.attention_biases is None or (
+            isinstance(self.attention_biases, str)
+            and set(self.attention_biases) <= set("qkvo")
+            and len(set(self.attention_biases)) == len(self.attention_biases)),
+            "attention_biases", f'must be None or distinct letters of "qkvo", '
+            f"got {self.attention_biases!r}")
         _require(not self.share_embeddings or self.src_vocab_size == self.tgt_vocab_size,
                  "share_embeddings",
                  f"needs src_vocab_size == tgt_vocab_size, got "
@@ -169,6 +181,12 @@ class TransformerConfig(ConfigMixin):
     @property
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
+
+    def has_attention_bias(self, projection: str) -> bool:
+        """Whether attention projection "q", "k", "v" or "o" has a bias."""
+        if self.attention_biases is None:
+            return self.attention_bias
+        return projection in self.attention_biases
 
     @property
     def kv_heads(self) -> int:

@@ -15,7 +15,7 @@ Parameter pytree of a `Transformer` (list-of-layers layout, names mirror modules
     decoder/final_norm/...
     decoder/out_proj/{kernel (D,V), bias (V,)}   unless tie_output_embedding
 
-Biases exist iff attention_bias / ffn_bias / output_bias.
+Biases exist iff attention_bias (per projection: attention_biases) / ffn_bias / output_bias.
 
 Layers are a list (`layers_0`, `layers_1`, ...) rather than one stacked
 (L, ...) array: it mirrors torch state dicts one-to-one (weight import is a
