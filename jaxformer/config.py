@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 Norm = Literal["post", "pre"]
 Activation = Literal["relu", "gelu", "gelu_tanh", "silu"]
-Positions = Literal["sinusoidal", "learned", "none"]
+Positions = Literal["sinusoidal", "learned", "fixed", "none"]
 NormType = Literal["layernorm", "rmsnorm"]
 Rope = Literal["none", "half", "interleaved"]
 AttentionImpl = Literal["einsum", "jax"]
@@ -22,8 +22,8 @@ AttentionImpl = Literal["einsum", "jax"]
 _CHOICES = {
     "norm": ("post", "pre"),
     "activation": ("relu", "gelu", "gelu_tanh", "silu"),
-    "encoder_positions": ("sinusoidal", "learned", "none"),
-    "decoder_positions": ("sinusoidal", "learned", "none"),
+    "encoder_positions": ("sinusoidal", "learned", "fixed", "none"),
+    "decoder_positions": ("sinusoidal", "learned", "fixed", "none"),
     "norm_type": ("layernorm", "rmsnorm"),
     "rope": ("none", "half", "interleaved"),
     "dtype": ("float32", "bfloat16", "float16"),
@@ -86,6 +86,9 @@ class TransformerConfig(ConfigMixin):
     # "gelu"/"gelu_tanh" (Shazeer 2020). Parameters ffn/gate, ffn/wi (up), ffn/wo (down).
     gated_ffn: bool = False
     # Absolute positions added to the embeddings; "none" for RoPE-only models.
+    # "fixed": a (length, D) table held in the parameters (a checkpoint supplies
+    # it, e.g. Whisper's encoder sinusoids of another formula) and not trained
+    # (stop_gradient); initialised to the sinusoidal table.
     encoder_positions: Positions = "sinusoidal"
     decoder_positions: Positions = "sinusoidal"
     # Rotary position embeddings on the queries and keys of self-attention
@@ -113,6 +116,10 @@ class TransformerConfig(ConfigMixin):
     tie_output_embedding: bool = False
     # One embedding table for source and target (needs equal vocab sizes).
     share_embeddings: bool = False
+    # Positions per stack (the table length and the longest input): None = max_len.
+    # Whisper: encoder 1500 frames, decoder 448 tokens.
+    encoder_max_len: Optional[int] = None
+    decoder_max_len: Optional[int] = None
     pad_id: int = 0
     bos_id: int = 1
     eos_id: int = 2
@@ -129,6 +136,10 @@ class TransformerConfig(ConfigMixin):
                      "d_ff", "max_len"):
             _require(isinstance(getattr(self, name), int) and getattr(self, name) > 0,
                      name, f"must be a positive int, got {getattr(self, name)!r}")
+        for name in ("encoder_max_len", "decoder_max_len"):
+            value = getattr(self, name)
+            _require(value is None or (isinstance(value, int) and value > 0), name,
+                     f"must be None or a positive int, got {value!r}")
         for name in ("num_encoder_layers", "num_decoder_layers"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value >= 0, name,
@@ -181,6 +192,16 @@ class TransformerConfig(ConfigMixin):
     @property
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
+
+    @property
+    def encoder_len(self) -> int:
+        """Positions of the encoder: encoder_max_len, or max_len."""
+        return self.max_len if self.encoder_max_len is None else self.encoder_max_len
+
+    @property
+    def decoder_len(self) -> int:
+        """Positions of the decoder (and a decode cache's slots): decoder_max_len, or max_len."""
+        return self.max_len if self.decoder_max_len is None else self.decoder_max_len
 
     def has_attention_bias(self, projection: str) -> bool:
         """Whether attention projection "q", "k", "v" or "o" has a bias."""

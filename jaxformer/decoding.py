@@ -331,7 +331,8 @@ def check_prefix(prefix_BP, prefix_lengths, *, batch: int, vocab_size: int,
     longest = int(lengths.max())
     if longest >= max_len:
         raise ValueError(f"prefix of {longest} tokens is too long: BOS + prefix needs "
-                         f"{longest + 1} decoder positions, config.max_len={max_len}")
+                         f"{longest + 1} decoder positions, the decoder has {max_len} "
+                         f"(config.decoder_max_len or max_len)")
     if longest > max_new_tokens:
         raise ValueError(f"prefix of {longest} tokens is longer than max_new_tokens="
                          f"{max_new_tokens} (forced tokens count towards it)")
@@ -356,9 +357,9 @@ def _check_encdec_inputs(model, src, src_mask, max_new_tokens, loop) -> None:
         raise ValueError("src_BS must be (batch, length) token ids or (batch, length, d_model) "
                          f"embeddings, got shape {getattr(src, 'shape', None)}")
     if src.ndim == 3:
-        checks.check_embedded("src_BS", src, c.d_model, c.max_len)
+        checks.check_embedded("src_BS", src, c.d_model, c.encoder_len)
     else:
-        checks.check_tokens("src_BS", src, c.src_vocab_size, c.max_len)
+        checks.check_tokens("src_BS", src, c.src_vocab_size, c.encoder_len)
     if src.shape[0] < 1 or src.shape[1] < 1:
         raise ValueError(f"src_BS must be non-empty, got shape {src.shape}")
     if src_mask is not None:
@@ -367,9 +368,9 @@ def _check_encdec_inputs(model, src, src_mask, max_new_tokens, loop) -> None:
             raise ValueError(f"src_mask has key size {src_mask.shape[3]}, expected "
                              f"{src.shape[1]} (the source length)")
     # The decoder feeds BOS and the first N-1 picks at positions 0..N-1.
-    _check_max_new_tokens(max_new_tokens, c.max_len,
+    _check_max_new_tokens(max_new_tokens, c.decoder_len,
                           f"decoder positions 0..{max_new_tokens - 1} must stay below "
-                          f"config.max_len={c.max_len}")
+                          f"the decoder's max_len={c.decoder_len}")
     if loop not in ("scan", "while"):
         raise ValueError(f"loop must be 'scan' or 'while', got {loop!r}")
 
@@ -382,7 +383,7 @@ def greedy_decode(model: Transformer, params, src_BS, *, max_new_tokens: int,
     Args:
       model: a `Transformer`; params: its parameters (or `{"params": ...}`).
       src_BS: (B, S) source ids (or (B, S, D) embedded sources).
-      max_new_tokens: N >= 1, tokens to generate after BOS (<= config.max_len).
+      max_new_tokens: N >= 1, tokens to generate after BOS (<= config.decoder_len).
       src_mask: (B|1, 1, 1, S) bool, True = visible; default hides PAD ids.
       loop: "scan" (N steps) or "while" (early exit once every row emitted EOS).
       return_logits: also return the (B, N, V) logits each token was picked from
@@ -401,7 +402,7 @@ def greedy_decode(model: Transformer, params, src_BS, *, max_new_tokens: int,
     procs = processors_lib.normalize(processors, c.tgt_vocab_size)
     prefix_BP, prefix_len_B = check_prefix(
         prefix, prefix_lengths, batch=src_BS.shape[0], vocab_size=c.tgt_vocab_size,
-        max_new_tokens=int(max_new_tokens), max_len=c.max_len)
+        max_new_tokens=int(max_new_tokens), max_len=c.decoder_len)
     return _encdec_jit(model, _unwrap(params), jnp.asarray(src_BS), src_mask,
                        jax.random.PRNGKey(0), prefix_BP, prefix_len_B,
                        max_new_tokens=int(max_new_tokens), select=sampling.greedy, loop=loop,
@@ -425,7 +426,7 @@ def sample(model: Transformer, params, src_BS, *, max_new_tokens: int, rng: jax.
     procs = processors_lib.normalize(processors, c.tgt_vocab_size)
     prefix_BP, prefix_len_B = check_prefix(
         prefix, prefix_lengths, batch=src_BS.shape[0], vocab_size=c.tgt_vocab_size,
-        max_new_tokens=int(max_new_tokens), max_len=c.max_len)
+        max_new_tokens=int(max_new_tokens), max_len=c.decoder_len)
     return _encdec_jit(model, _unwrap(params), jnp.asarray(src_BS), src_mask, rng,
                        prefix_BP, prefix_len_B, max_new_tokens=int(max_new_tokens),
                        select=select, loop=loop, return_logits=False, processors=procs)
@@ -452,7 +453,7 @@ def greedy_decode_one(model: Transformer, params, src_S: jnp.ndarray, *, max_new
     if jnp.issubdtype(src_S.dtype, jnp.integer):
         c = model.config
         checks.check_rank("src_S", src_S, 1, "(length,) token ids: one example")
-        checks.check_tokens("src_S", src_S[None], c.src_vocab_size, c.max_len)
+        checks.check_tokens("src_S", src_S[None], c.src_vocab_size, c.encoder_len)
     mask = None if src_mask_S is None else src_mask_S[None, None, None, :]
     result = _encdec_core(model, _unwrap(params), src_S[None], mask, jax.random.PRNGKey(0),
                           max_new_tokens=max_new_tokens, select=sampling.greedy, loop=loop,
@@ -568,7 +569,7 @@ def generate(model: DecoderOnlyLM, params, prompt_BP, *, max_new_tokens: int,
     Args:
       model: a `DecoderOnlyLM`; params: its parameters.
       prompt_BP: (B, P) ids, row b = its prompt then PAD (right padding).
-      max_new_tokens: N >= 1; needs P + N - 1 <= config.max_len.
+      max_new_tokens: N >= 1; needs P + N - 1 <= config.decoder_len.
       prompt_lengths: (B,) ints in 1..P; default: the number of non-PAD ids
         (PAD must then only trail).
       rng: key for sampling; needed iff temperature > 0.
@@ -603,9 +604,9 @@ def generate(model: DecoderOnlyLM, params, prompt_BP, *, max_new_tokens: int,
     if np.any(lengths < 1) or np.any(lengths > width):
         raise ValueError(f"prompt_lengths must be in 1..{width} (every row needs a prompt "
                          f"token), got {lengths.tolist()}")
-    _check_max_new_tokens(max_new_tokens, c.max_len - width + 1,
+    _check_max_new_tokens(max_new_tokens, c.decoder_len - width + 1,
                           f"prompt width {width} + {max_new_tokens} new tokens - 1 exceeds "
-                          f"config.max_len={c.max_len}")
+                          f"the decoder's max_len={c.decoder_len}")
     if loop not in ("scan", "while"):
         raise ValueError(f"loop must be 'scan' or 'while', got {loop!r}")
     return _lm_jit(model, _unwrap(params), jnp.asarray(prompt, jnp.int32),

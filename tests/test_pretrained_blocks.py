@@ -88,3 +88,56 @@ def test_pad_may_equal_eos_and_decoding_still_matches_recomputation():
 def test_bos_must_still_differ(ids):
     with pytest.raises(ValueError, match="BOS must differ"):
         jf.tiny(**ids)
+
+
+# -- per-stack positions ---------------------------------------------------------------
+
+
+def test_per_stack_lengths_shape_the_tables_and_the_checks(make_transformer):
+    config = jf.tiny(encoder_positions="learned", decoder_positions="learned",
+                     encoder_max_len=40, decoder_max_len=8, norm="pre")
+    model, params = make_transformer(config)
+    assert params["encoder"]["positions"]["embedding"].shape == (40, 32)
+    assert params["decoder"]["positions"]["embedding"].shape == (8, 32)
+    src = jnp.asarray(np.random.default_rng(0).integers(3, 16, (2, 40)), jnp.int32)  # > max_len
+    got = decoding.greedy_decode(model, params, src, max_new_tokens=8)
+    tokens, lengths, _ = reference_greedy(model, params, src, 8)
+    np.testing.assert_array_equal(got.tokens, tokens)
+    with pytest.raises(ValueError, match="max_len=8"):
+        decoding.greedy_decode(model, params, src, max_new_tokens=9)
+    with pytest.raises(ValueError, match="max_len"):
+        decoding.greedy_decode(model, params, jnp.concatenate([src, src[:, :1]], 1),
+                               max_new_tokens=4)
+
+
+def test_default_lengths_keep_todays_tree(make_transformer):
+    learned = dict(encoder_positions="learned", decoder_positions="learned")
+    _, today = make_transformer(jf.tiny(**learned))
+    _, explicit = make_transformer(jf.tiny(encoder_max_len=32, decoder_max_len=32, **learned))
+    assert _leaves(today) == _leaves(explicit)
+
+
+def test_fixed_table_is_the_checkpoints_and_is_not_trained(make_transformer, tokens):
+    fixed_model, fixed = make_transformer(jf.tiny(encoder_positions="fixed", norm="pre"))
+    learned_model = jf.Transformer(jf.tiny(encoder_positions="learned", norm="pre"))
+    table = fixed["encoder"]["positions"]["embedding"]
+    # Initialised to the sinusoidal table, so a fresh "fixed" model is today's default.
+    init = jax.eval_shape(fixed_model.init, jax.random.PRNGKey(0), tokens(0, (1, 2)),
+                          tokens(0, (1, 2)))
+    assert init["params"]["encoder"]["positions"]["embedding"].shape == (32, 32)
+    real = fixed_model.init(jax.random.PRNGKey(0), tokens(0, (1, 2)), tokens(0, (1, 2)))
+    np.testing.assert_allclose(real["params"]["encoder"]["positions"]["embedding"],
+                               jf.sinusoidal_table(32, 32))
+    src, tgt = tokens(2, (2, 6)), tokens(3, (2, 5))
+
+    def loss(model, params):
+        return jnp.sum(model.apply({"params": params}, src, tgt, None, jf.causal_mask(5)) ** 2)
+
+    # Same table in the same place: same outputs as "learned" ...
+    np.testing.assert_allclose(loss(fixed_model, fixed), loss(learned_model, fixed), rtol=1e-6)
+    # ... but no gradient flows into it.
+    g_fixed = jax.grad(lambda p: loss(fixed_model, p))(fixed)
+    g_learned = jax.grad(lambda p: loss(learned_model, p))(fixed)
+    assert not np.asarray(g_fixed["encoder"]["positions"]["embedding"]).any()
+    assert np.asarray(g_learned["encoder"]["positions"]["embedding"]).any()
+    assert table.shape == (32, 32)
