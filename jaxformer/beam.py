@@ -122,8 +122,7 @@ def _beam_jit(model, params, src, src_mask, prefix_BP=None, prefix_len_B=None, *
     decoding.TRACE_COUNTS["beam"] += 1
     c = model.config
     batch, width = src.shape[0], beam_size
-    src_mask = decoding._src_mask(src, src_mask, c.pad_id)
-    memory_BSD = model.apply({"params": params}, src, src_mask, method=Transformer.encode)
+    memory_BSD, src_mask = decoding._encode(model, params, src, src_mask)
     # Row b * W + w is beam w of example b. Repeating the memory costs W times
     # one cross projection, once; the loop never re-projects it.
     repeat = functools.partial(jnp.repeat, repeats=width, axis=0)

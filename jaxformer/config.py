@@ -29,6 +29,7 @@ _CHOICES = {
     "dtype": ("float32", "bfloat16", "float16"),
     "param_dtype": ("float32", "bfloat16", "float16"),
     "attention_impl": ("einsum", "jax"),
+    "encoder_input": ("tokens", "embedded"),
 }
 
 
@@ -114,6 +115,10 @@ class TransformerConfig(ConfigMixin):
     scale_embeddings: bool = True
     # Output projection = target embedding transposed (no separate matrix).
     tie_output_embedding: bool = False
+    # What the encoder reads: "tokens" (ids through src_embed) or "embedded"
+    # ((B, S, D) vectors, or features through the Transformer's `stem`): then
+    # there is no source token table in the parameters.
+    encoder_input: str = "tokens"
     # One embedding table for source and target (needs equal vocab sizes).
     share_embeddings: bool = False
     # Positions per stack (the table length and the longest input): None = max_len.
@@ -183,6 +188,8 @@ class TransformerConfig(ConfigMixin):
             and len(set(self.attention_biases)) == len(self.attention_biases)),
             "attention_biases", f'must be None or distinct letters of "qkvo", '
             f"got {self.attention_biases!r}")
+        _require(not self.share_embeddings or self.encoder_input == "tokens",
+                 "share_embeddings", 'needs encoder_input="tokens" (a source token table)')
         _require(not self.share_embeddings or self.src_vocab_size == self.tgt_vocab_size,
                  "share_embeddings",
                  f"needs src_vocab_size == tgt_vocab_size, got "

@@ -258,11 +258,20 @@ def _unwrap(params):
     return params
 
 
-def _src_mask(src, src_mask, pad_id):
+def _memory_mask(src, src_mask, memory_BSD, pad_id):
+    """(B, 1, 1, S) mask of the memory: given, PAD ids hidden, or all visible
+    (embedded or stem inputs, whose S is the memory's length)."""
+    batch, length = memory_BSD.shape[:2]
     if src_mask is None:
         src_mask = (padding_mask(src, pad_id) if jnp.issubdtype(src.dtype, jnp.integer)
-                    else jnp.ones((src.shape[0], 1, 1, src.shape[1]), bool))
-    return jnp.broadcast_to(src_mask, (src.shape[0], 1, 1, src.shape[1]))
+                    else jnp.ones((batch, 1, 1, length), bool))
+    return jnp.broadcast_to(src_mask, (batch, 1, 1, length))
+
+
+def _encode(model, params, src, src_mask):
+    """Memory (B, S, D) and its (B, 1, 1, S) mask."""
+    memory_BSD = model.apply({"params": params}, src, src_mask, method=Transformer.encode)
+    return memory_BSD, _memory_mask(src, src_mask, memory_BSD, model.config.pad_id)
 
 
 def _encdec_core(model: Transformer, params, src, src_mask, rng, *, max_new_tokens: int,
@@ -270,8 +279,7 @@ def _encdec_core(model: Transformer, params, src, src_mask, rng, *, max_new_toke
                  prefix_BP=None, prefix_len_B=None) -> DecodeResult:
     """Traceable encoder-decoder decode of a batch (no host checks)."""
     c = model.config
-    src_mask = _src_mask(src, src_mask, c.pad_id)
-    memory_BSD = model.apply({"params": params}, src, src_mask, method=Transformer.encode)
+    memory_BSD, src_mask = _encode(model, params, src, src_mask)
     cache = cache_lib.init_cache(c, src.shape[0], max_new_tokens)
     cache = cache_lib.with_memory(model, params, cache, memory_BSD, src_mask)
     state = init_state(jnp.full((src.shape[0],), c.bos_id, jnp.int32), cache, max_new_tokens,
@@ -356,15 +364,22 @@ def _check_encdec_inputs(model, src, src_mask, max_new_tokens, loop) -> None:
     if not hasattr(src, "ndim") or src.ndim not in (2, 3):
         raise ValueError("src_BS must be (batch, length) token ids or (batch, length, d_model) "
                          f"embeddings, got shape {getattr(src, 'shape', None)}")
-    if src.ndim == 3:
+    if model.stem is not None:  # the stem's input: its own channels and length
+        if src.ndim != 3:
+            raise ValueError(f"src_BS must be (batch, length, channels) for the model's stem, "
+                             f"got shape {src.shape}")
+    elif src.ndim == 3:
         checks.check_embedded("src_BS", src, c.d_model, c.encoder_len)
+    elif c.encoder_input != "tokens":
+        raise ValueError('src_BS: this encoder reads embedded inputs (config.encoder_input='
+                         f'"embedded"), got token ids of shape {src.shape}')
     else:
         checks.check_tokens("src_BS", src, c.src_vocab_size, c.encoder_len)
     if src.shape[0] < 1 or src.shape[1] < 1:
         raise ValueError(f"src_BS must be non-empty, got shape {src.shape}")
     if src_mask is not None:
         checks.check_mask("src_mask", src_mask, src.shape[0], 1, src.shape[1])
-        if src_mask.shape[3] != src.shape[1]:
+        if model.stem is None and src_mask.shape[3] != src.shape[1]:
             raise ValueError(f"src_mask has key size {src_mask.shape[3]}, expected "
                              f"{src.shape[1]} (the source length)")
     # The decoder feeds BOS and the first N-1 picks at positions 0..N-1.
@@ -482,8 +497,7 @@ class RecomputeCarry:
 def _recompute_jit(model, params, src, src_mask, *, max_new_tokens):
     TRACE_COUNTS["recompute"] += 1
     c = model.config
-    src_mask = _src_mask(src, src_mask, c.pad_id)
-    memory_BSD = model.apply({"params": params}, src, src_mask, method=Transformer.encode)
+    memory_BSD, src_mask = _encode(model, params, src, src_mask)
     tgt_mask = causal_mask(max_new_tokens)  # generated PAD ids are tokens, not padding
 
     def logits_fn(token_B, carry: RecomputeCarry, step):

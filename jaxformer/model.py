@@ -134,13 +134,21 @@ class Transformer(nn.Module):
     Masks are boolean, True = may attend (see `jaxformer.masks`). When omitted
     they are derived from `config.pad_id`: the source mask hides PAD keys
     (B, 1, 1, S), the target mask is causal and hides PAD keys (B, 1, T, T).
+
+    An input stem (`stem`, any Flax module, e.g. `stems.ConvStem` over audio
+    features) maps the raw source (B, S_in, C) to (B, S, D) before the encoder;
+    its parameters live in the same tree, under "stem", and train with the rest.
+    Masks and lengths then refer to the stem's output positions.
     """
 
     config: TransformerConfig
+    stem: Optional[nn.Module] = None
 
     def setup(self):
         c = self.config
-        self.src_embed = TokenEmbedding(c.src_vocab_size, c)
+        # An encoder of embedded inputs (config.encoder_input) owns no source table.
+        self.src_embed = (TokenEmbedding(c.src_vocab_size, c)
+                          if c.encoder_input == "tokens" else None)
         self.tgt_embed = self.src_embed if c.share_embeddings else TokenEmbedding(
             c.tgt_vocab_size, c)
         self.encoder = Encoder(c, embed=self.src_embed)
@@ -148,8 +156,15 @@ class Transformer(nn.Module):
 
     def encode(self, src: jnp.ndarray, src_mask: Optional[jnp.ndarray] = None, *,
                deterministic: bool = True) -> jnp.ndarray:
-        """src: ids (B, S) or embedded (B, S, D); src_mask (B, 1, 1|S, S) -> memory (B, S, D)."""
+        """src: ids (B, S) or embedded (B, S, D) (or the stem's input (B, S_in, C));
+        src_mask (B, 1, 1|S, S) -> memory (B, S, D)."""
         c = self.config
+        if self.stem is not None:
+            checks.check_rank("src", src, 3, "(batch, length, channels): the stem's input")
+            src = self.stem(src)
+        if src.ndim == 2 and c.encoder_input != "tokens":
+            raise ValueError('src: this encoder reads embedded inputs (config.encoder_input='
+                             '"embedded"), got token ids of shape ' f"{src.shape}")
         if src.ndim == 3:
             checks.check_embedded("src", src, c.d_model, c.encoder_len)
         else:
