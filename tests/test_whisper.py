@@ -127,3 +127,36 @@ def test_a_damaged_checkpoint_lists_every_problem(whisper):
     assert info.value.missing == ["decoder/layers_1/ffn/wi/bias"]
     assert info.value.unexpected == ["decoder/out_proj/kernel"]
     assert list(info.value.wrong_shape) == ["stem/conv_0/kernel"]
+
+
+def test_example_transcribes_speech_as_ctranslate2_and_refuses_stereo(whisper, tmp_path, capsys):
+    import importlib.util  # noqa: PLC0415
+    import os  # noqa: PLC0415
+
+    import ctranslate2  # noqa: PLC0415
+
+    _, _, vocab, model_dir, runtime = whisper
+    spec = importlib.util.spec_from_file_location(
+        "whisper_transcribe", os.path.join(os.path.dirname(__file__), "..", "examples",
+                                           "whisper_transcribe.py"))
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    # Real (synthetic) speech committed with its source: tests/data/README.md.
+    clip = os.path.join(os.path.dirname(__file__), "data", "fox_espeak.wav")
+    text = example.main([clip, "--max-new-tokens", "32"])
+    # The same text as ctranslate2 on the same samples, decoded by the same tokenizer.
+    from tokenizers import Tokenizer  # noqa: PLC0415
+
+    features = np.asarray(audio.log_mel_spectrogram(audio.read_wav(clip)[None]))
+    from jaxformer.models import whisper as whisper_lib  # noqa: PLC0415
+
+    result = runtime.generate(ctranslate2.StorageView.from_array(
+        np.ascontiguousarray(features.transpose(0, 2, 1))), [whisper_lib.prompt_ids(vocab)],
+        beam_size=1, max_length=32)[0]
+    tokenizer = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+    assert text == tokenizer.decode(result.sequences_ids[0])
+    assert "lazy dog" in text.lower()  # it heard the sentence
+    assert capsys.readouterr().out.strip() == text.strip()
+    _write_wav(tmp_path / "stereo.wav", 16000, 2)
+    with pytest.raises(SystemExit, match="2 channels"):
+        example.main([str(tmp_path / "stereo.wav")])
