@@ -19,6 +19,7 @@ from jaxformer.beam import beam_search
 from jaxformer.cache import DecodeCache, init_cache
 from jaxformer.decoding import (DecodeResult, DecodeState, generate, greedy_decode,
                                 greedy_decode_one, sample)
+from jaxformer.processors import force_token, min_length, suppress_at_step, suppress_tokens
 from jaxformer.sampling import make_sampler
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "Encoder",
     "EncoderLayer",
     "FeedForward",
+    "force_token",
     "generate",
     "greedy_decode",
     "greedy_decode_one",
@@ -48,11 +50,14 @@ __all__ = [
     "KV",
     "llama",
     "make_sampler",
+    "min_length",
     "MultiHeadAttention",
     "padding_mask",
     "PRESETS",
     "sample",
     "sinusoidal_table",
+    "suppress_at_step",
+    "suppress_tokens",
     "tiny",
     "Transformer",
     "TransformerConfig",

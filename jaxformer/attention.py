@@ -112,7 +112,8 @@ class MultiHeadAttention(nn.Module):
     """Multi-head attention with separate query/key/value/output projections.
 
     Parameters: `query` kernel (D, H, K), `key` and `value` kernels (D, G, K),
-    `out` kernel (H, K, D), plus biases if `config.attention_bias`.
+    `out` kernel (H, K, D), plus each projection's bias if
+    `config.has_attention_bias("q" | "k" | "v" | "o")`.
     `rotary=True` (self-attention of a `config.rope` model) rotates queries
     and keys by their positions.
     """
@@ -123,11 +124,16 @@ class MultiHeadAttention(nn.Module):
     def setup(self):
         c = self.config
         common = dict(dtype=c.compute_dtype, param_dtype=c.params_dtype,
-                      use_bias=c.attention_bias, kernel_init=dense_init())
-        self.query = nn.DenseGeneral(features=(c.num_heads, c.head_dim), **common)
-        self.key = nn.DenseGeneral(features=(c.kv_heads, c.head_dim), **common)
-        self.value = nn.DenseGeneral(features=(c.kv_heads, c.head_dim), **common)
-        self.out = nn.DenseGeneral(features=c.d_model, axis=(-2, -1), **common)
+                      kernel_init=dense_init())
+        bias = c.has_attention_bias
+        self.query = nn.DenseGeneral(features=(c.num_heads, c.head_dim), use_bias=bias("q"),
+                                     **common)
+        self.key = nn.DenseGeneral(features=(c.kv_heads, c.head_dim), use_bias=bias("k"),
+                                   **common)
+        self.value = nn.DenseGeneral(features=(c.kv_heads, c.head_dim), use_bias=bias("v"),
+                                     **common)
+        self.out = nn.DenseGeneral(features=c.d_model, axis=(-2, -1), use_bias=bias("o"),
+                                   **common)
 
     def _rotate(self, x_BHTK: jnp.ndarray, positions_BT: Optional[jnp.ndarray]) -> jnp.ndarray:
         if not self.rotary:

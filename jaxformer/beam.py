@@ -16,6 +16,12 @@ raw log-probability. A beam that emitted EOS stays in the pool, extended only
 by PAD at no cost, so its score is frozen and it competes with the live beams
 at every step (finished and live beams share the W slots). With W = 1 this is
 exactly greedy decoding.
+
+Processors and forced prefixes act on the logits before the log-softmax: a
+processor sees every beam as a row (tokens (B*W, N)); a beam inside its row's
+forced prefix may only take the prefix token, at no cost. With either one set,
+step log-probabilities are floored at DEAD so that repeated suppressions stay
+finite.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer import cache as cache_lib
-from jaxformer import decoding
+from jaxformer import decoding, processors as processors_lib
 from jaxformer.attention import KV
 from jaxformer.model import Transformer
 
@@ -100,13 +106,23 @@ def beam_step(state: BeamState, logits_RV: jnp.ndarray, cache, *, beam_size: int
         finished_BW=was_finished_BW | (token_BW == eos_id))
 
 
-@decoding.decode_jit(static_argnames=("model", "max_new_tokens", "beam_size", "length_penalty"))
-def _beam_jit(model, params, src, src_mask, *, max_new_tokens, beam_size, length_penalty):
+def force_prefix_logits(logits_RV, step, prefix_RP, prefix_len_R):
+    """Rows still inside their prefix: only the prefix token is possible (logit 0)."""
+    column = jnp.minimum(step, prefix_RP.shape[1] - 1)
+    forced_R = jax.lax.dynamic_index_in_dim(prefix_RP, column, axis=1, keepdims=False)
+    only_RV = jnp.arange(logits_RV.shape[-1])[None, :] == forced_R[:, None]
+    forced_RV = jnp.where(only_RV, 0.0, processors_lib.NEG).astype(logits_RV.dtype)
+    return jnp.where((step < prefix_len_R)[:, None], forced_RV, logits_RV)
+
+
+@decoding.decode_jit(static_argnames=("model", "max_new_tokens", "beam_size", "length_penalty",
+                                      "processors"))
+def _beam_jit(model, params, src, src_mask, prefix_BP=None, prefix_len_B=None, *,
+              max_new_tokens, beam_size, length_penalty, processors=()):
     decoding.TRACE_COUNTS["beam"] += 1
     c = model.config
     batch, width = src.shape[0], beam_size
-    src_mask = decoding._src_mask(src, src_mask, c.pad_id)
-    memory_BSD = model.apply({"params": params}, src, src_mask, method=Transformer.encode)
+    memory_BSD, src_mask = decoding._encode(model, params, src, src_mask)
     # Row b * W + w is beam w of example b. Repeating the memory costs W times
     # one cross projection, once; the loop never re-projects it.
     repeat = functools.partial(jnp.repeat, repeats=width, axis=0)
@@ -123,9 +139,20 @@ def _beam_jit(model, params, src, src_mask, *, max_new_tokens, beam_size, length
         lengths_BW=jnp.zeros((batch, width), jnp.int32),
         finished_BW=jnp.zeros((batch, width), bool))
     logits_fn = decoding.cached_logits_fn(model, params)
+    edits = bool(processors) or prefix_BP is not None
+    if prefix_BP is not None:
+        prefix_RP, prefix_len_R = repeat(prefix_BP), repeat(prefix_len_B)
 
     def body(state, _):
         logits_RV, cache = logits_fn(state.token_R, state.cache, state.step)
+        if edits:
+            tokens_RN = state.tokens_BWN.reshape(batch * width, -1)
+            logits_RV = processors_lib.apply(processors, logits_RV.astype(jnp.float32),
+                                             state.step, tokens_RN)
+            if prefix_BP is not None:
+                logits_RV = force_prefix_logits(logits_RV, state.step, prefix_RP, prefix_len_R)
+            # Floor at DEAD (after log-softmax) so sums of suppressed steps stay finite.
+            logits_RV = jnp.maximum(jax.nn.log_softmax(logits_RV), DEAD)
         return beam_step(state, logits_RV, cache, beam_size=width,
                          length_penalty=length_penalty, eos_id=c.eos_id,
                          pad_id=c.pad_id), None
@@ -140,13 +167,16 @@ def _beam_jit(model, params, src, src_mask, *, max_new_tokens, beam_size, length
 
 
 def beam_search(model: Transformer, params, src_BS, *, max_new_tokens: int, beam_size: int,
-                length_penalty: float = 0.6, src_mask=None) -> decoding.DecodeResult:
+                length_penalty: float = 0.6, src_mask=None, processors=None, prefix=None,
+                prefix_lengths=None) -> decoding.DecodeResult:
     """Beam search decoding of an encoder-decoder `Transformer`.
 
     Args:
       model, params, src_BS, max_new_tokens, src_mask: as `decoding.greedy_decode`.
       beam_size: W >= 1 beams per example (W <= target vocabulary).
       length_penalty: alpha >= 0 of the GNMT penalty (0 = raw log-probability).
+      processors, prefix, prefix_lengths: as `decoding.greedy_decode`; forced
+        prefix tokens add 0 to the log-probability.
     Returns:
       DecodeResult(tokens (B, N) of the best beam, lengths (B,), scores (B,) its
       length-normalised log-probability).
@@ -158,6 +188,12 @@ def beam_search(model: Transformer, params, src_BS, *, max_new_tokens: int, beam
                          f"got {beam_size!r}")
     if not isinstance(length_penalty, (int, float)) or length_penalty < 0:
         raise ValueError(f"length_penalty must be a number >= 0, got {length_penalty!r}")
+    c = model.config
+    procs = processors_lib.normalize(processors, vocab)
+    prefix_BP, prefix_len_B = decoding.check_prefix(
+        prefix, prefix_lengths, batch=src_BS.shape[0], vocab_size=vocab,
+        max_new_tokens=int(max_new_tokens), max_len=c.decoder_len)
     return _beam_jit(model, decoding._unwrap(params), jnp.asarray(src_BS), src_mask,
-                     max_new_tokens=int(max_new_tokens), beam_size=beam_size,
-                     length_penalty=float(length_penalty))
+                     prefix_BP, prefix_len_B, max_new_tokens=int(max_new_tokens),
+                     beam_size=beam_size, length_penalty=float(length_penalty),
+                     processors=procs)

@@ -79,9 +79,10 @@ def init_cache(config: TransformerConfig, batch: int, max_len: int,
     for name, value in (("batch", batch), ("max_len", max_len)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"init_cache: {name} must be a positive int, got {value!r}")
-    if max_len > config.max_len:
-        raise ValueError(f"init_cache: max_len={max_len} exceeds the model's "
-                         f"config.max_len={config.max_len} (positions would run off the table)")
+    if max_len > config.decoder_len:
+        raise ValueError(f"init_cache: max_len={max_len} exceeds the model's decoder "
+                         f"max_len={config.decoder_len} (config.decoder_max_len or max_len; positions "
+                         f"would run off the table)")
     dtype = config.compute_dtype if dtype is None else jnp.dtype(dtype)
     shape = (batch, config.kv_heads, max_len, config.head_dim)
     layers = tuple(KV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))

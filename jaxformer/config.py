@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 Norm = Literal["post", "pre"]
 Activation = Literal["relu", "gelu", "gelu_tanh", "silu"]
-Positions = Literal["sinusoidal", "learned", "none"]
+Positions = Literal["sinusoidal", "learned", "fixed", "none"]
 NormType = Literal["layernorm", "rmsnorm"]
 Rope = Literal["none", "half", "interleaved"]
 AttentionImpl = Literal["einsum", "jax"]
@@ -22,13 +22,14 @@ AttentionImpl = Literal["einsum", "jax"]
 _CHOICES = {
     "norm": ("post", "pre"),
     "activation": ("relu", "gelu", "gelu_tanh", "silu"),
-    "encoder_positions": ("sinusoidal", "learned", "none"),
-    "decoder_positions": ("sinusoidal", "learned", "none"),
+    "encoder_positions": ("sinusoidal", "learned", "fixed", "none"),
+    "decoder_positions": ("sinusoidal", "learned", "fixed", "none"),
     "norm_type": ("layernorm", "rmsnorm"),
     "rope": ("none", "half", "interleaved"),
     "dtype": ("float32", "bfloat16", "float16"),
     "param_dtype": ("float32", "bfloat16", "float16"),
     "attention_impl": ("einsum", "jax"),
+    "encoder_input": ("tokens", "embedded"),
 }
 
 
@@ -86,6 +87,9 @@ class TransformerConfig(ConfigMixin):
     # "gelu"/"gelu_tanh" (Shazeer 2020). Parameters ffn/gate, ffn/wi (up), ffn/wo (down).
     gated_ffn: bool = False
     # Absolute positions added to the embeddings; "none" for RoPE-only models.
+    # "fixed": a (length, D) table held in the parameters (a checkpoint supplies
+    # it, e.g. Whisper's encoder sinusoids of another formula) and not trained
+    # (stop_gradient); initialised to the sinusoidal table.
     encoder_positions: Positions = "sinusoidal"
     decoder_positions: Positions = "sinusoidal"
     # Rotary position embeddings on the queries and keys of self-attention
@@ -102,14 +106,25 @@ class TransformerConfig(ConfigMixin):
     # KV cache holds G heads.
     num_kv_heads: Optional[int] = None
     attention_bias: bool = True
+    # Which attention projections have a bias, as letters of "qkvo" (query, key,
+    # value, out); None = all four iff attention_bias. Whisper: "qvo" (no key bias).
+    attention_biases: Optional[str] = None
     ffn_bias: bool = True
     output_bias: bool = True  # bias of decoder/out_proj (when not tied)
     # Multiply token embeddings by sqrt(d_model) (paper, seeds 000/002).
     scale_embeddings: bool = True
     # Output projection = target embedding transposed (no separate matrix).
     tie_output_embedding: bool = False
+    # What the encoder reads: "tokens" (ids through src_embed) or "embedded"
+    # ((B, S, D) vectors, or features through the Transformer's `stem`): then
+    # there is no source token table in the parameters.
+    encoder_input: str = "tokens"
     # One embedding table for source and target (needs equal vocab sizes).
     share_embeddings: bool = False
+    # Positions per stack (the table length and the longest input): None = max_len.
+    # Whisper: encoder 1500 frames, decoder 448 tokens.
+    encoder_max_len: Optional[int] = None
+    decoder_max_len: Optional[int] = None
     pad_id: int = 0
     bos_id: int = 1
     eos_id: int = 2
@@ -126,6 +141,10 @@ class TransformerConfig(ConfigMixin):
                      "d_ff", "max_len"):
             _require(isinstance(getattr(self, name), int) and getattr(self, name) > 0,
                      name, f"must be a positive int, got {getattr(self, name)!r}")
+        for name in ("encoder_max_len", "decoder_max_len"):
+            value = getattr(self, name)
+            _require(value is None or (isinstance(value, int) and value > 0), name,
+                     f"must be None or a positive int, got {value!r}")
         for name in ("num_encoder_layers", "num_decoder_layers"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value >= 0, name,
@@ -158,8 +177,19 @@ class TransformerConfig(ConfigMixin):
             _require(0 <= value < min(self.src_vocab_size, self.tgt_vocab_size), name,
                      f"{value} is outside the vocabularies "
                      f"(src {self.src_vocab_size}, tgt {self.tgt_vocab_size})")
-        _require(len({self.pad_id, self.bos_id, self.eos_id}) == 3, "pad_id",
-                 f"pad/bos/eos ids must differ, got {self.pad_id}/{self.bos_id}/{self.eos_id}")
+        # PAD may be EOS (many tokenizers reuse it): decoding never reads a token
+        # after EOS. BOS must differ from both: it starts every decode.
+        _require(self.bos_id not in (self.pad_id, self.eos_id), "pad_id",
+                 f"pad/bos/eos ids: BOS must differ from PAD and EOS (PAD may equal EOS), "
+                 f"got {self.pad_id}/{self.bos_id}/{self.eos_id}")
+        _require(self.attention_biases is None or (
+            isinstance(self.attention_biases, str)
+            and set(self.attention_biases) <= set("qkvo")
+            and len(set(self.attention_biases)) == len(self.attention_biases)),
+            "attention_biases", f'must be None or distinct letters of "qkvo", '
+            f"got {self.attention_biases!r}")
+        _require(not self.share_embeddings or self.encoder_input == "tokens",
+                 "share_embeddings", 'needs encoder_input="tokens" (a source token table)')
         _require(not self.share_embeddings or self.src_vocab_size == self.tgt_vocab_size,
                  "share_embeddings",
                  f"needs src_vocab_size == tgt_vocab_size, got "
@@ -169,6 +199,22 @@ class TransformerConfig(ConfigMixin):
     @property
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
+
+    @property
+    def encoder_len(self) -> int:
+        """Positions of the encoder: encoder_max_len, or max_len."""
+        return self.max_len if self.encoder_max_len is None else self.encoder_max_len
+
+    @property
+    def decoder_len(self) -> int:
+        """Positions of the decoder (and a decode cache's slots): decoder_max_len, or max_len."""
+        return self.max_len if self.decoder_max_len is None else self.decoder_max_len
+
+    def has_attention_bias(self, projection: str) -> bool:
+        """Whether attention projection "q", "k", "v" or "o" has a bias."""
+        if self.attention_biases is None:
+            return self.attention_bias
+        return projection in self.attention_biases
 
     @property
     def kv_heads(self) -> int:

@@ -60,7 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer import cache as cache_lib
-from jaxformer import checks, sampling
+from jaxformer import checks, processors as processors_lib, sampling
 from jaxformer.cache import DecodeCache
 from jaxformer.masks import causal_mask, padding_mask
 from jaxformer.model import DecoderOnlyLM, Transformer
@@ -136,6 +136,9 @@ class DecodeState:
       finished_B: (B,) bool, True once the row emitted EOS.
       rng: PRNG key; step t draws with `fold_in(rng, t)` (reproducible, loop-agnostic).
       logits_BNV: (B, N, V) float32 buffer of the logits each pick was made from, or None.
+      prefix_BP: (B, P) int32 forced tokens: row b's first prefix_len_B[b] picks are
+        prefix_BP[b, :prefix_len_B[b]] whatever the model says; or None.
+      prefix_len_B: (B,) int32 forced prefix length of each row (ragged), or None.
     """
 
     step: jax.Array
@@ -146,12 +149,16 @@ class DecodeState:
     finished_B: jax.Array
     rng: jax.Array
     logits_BNV: Optional[jax.Array] = None
+    prefix_BP: Optional[jax.Array] = None
+    prefix_len_B: Optional[jax.Array] = None
 
 
 def init_state(first_token_B: jnp.ndarray, cache: Any, max_new_tokens: int, *,
-               pad_id: int, rng: Optional[jax.Array] = None, vocab_size: Optional[int] = None
+               pad_id: int, rng: Optional[jax.Array] = None, vocab_size: Optional[int] = None,
+               prefix_BP: Optional[jax.Array] = None, prefix_len_B: Optional[jax.Array] = None
                ) -> DecodeState:
-    """A fresh state: nothing generated; `vocab_size` set = also record logits."""
+    """A fresh state: nothing generated; `vocab_size` set = also record logits;
+    `prefix_BP`/`prefix_len_B` set = force each row's first picks."""
     batch = first_token_B.shape[0]
     return DecodeState(
         step=jnp.zeros((), jnp.int32),
@@ -162,18 +169,32 @@ def init_state(first_token_B: jnp.ndarray, cache: Any, max_new_tokens: int, *,
         finished_B=jnp.zeros((batch,), bool),
         rng=jax.random.PRNGKey(0) if rng is None else rng,
         logits_BNV=(None if vocab_size is None else
-                    jnp.zeros((batch, max_new_tokens, vocab_size), jnp.float32)))
+                    jnp.zeros((batch, max_new_tokens, vocab_size), jnp.float32)),
+        prefix_BP=None if prefix_BP is None else prefix_BP.astype(jnp.int32),
+        prefix_len_B=None if prefix_len_B is None else prefix_len_B.astype(jnp.int32))
+
+
+def forced_prefix(state, token_B: jnp.ndarray) -> jnp.ndarray:
+    """`token_B` with the rows still inside their forced prefix replaced by it."""
+    if state.prefix_BP is None:
+        return token_B
+    column = jnp.minimum(state.step, state.prefix_BP.shape[1] - 1)
+    forced_B = jax.lax.dynamic_index_in_dim(state.prefix_BP, column, axis=1, keepdims=False)
+    return jnp.where(state.step < state.prefix_len_B, forced_B, token_B)
 
 
 def advance(state: DecodeState, logits_BV: jnp.ndarray, cache: Any, *,
-            select: sampling.Selector, eos_id: int, pad_id: int) -> DecodeState:
+            select: sampling.Selector, eos_id: int, pad_id: int,
+            processors: tuple = ()) -> DecodeState:
     """Pick the next token of every row from `logits_BV` and record it.
 
-    Finished rows get PAD and keep their length; a row whose pick is EOS
-    becomes finished (its length includes the EOS).
+    The processors edit the logits first; a row inside its forced prefix takes
+    the prefix token instead of the pick. Finished rows get PAD and keep their
+    length; a row whose pick is EOS becomes finished (its length includes the EOS).
     """
     step = state.step
-    token_B = select(logits_BV, jax.random.fold_in(state.rng, step))
+    logits_BV = processors_lib.apply(processors, logits_BV, step, state.tokens_BN)
+    token_B = forced_prefix(state, select(logits_BV, jax.random.fold_in(state.rng, step)))
     token_B = jnp.where(state.finished_B, pad_id, token_B).astype(jnp.int32)
     tokens_BN = jax.lax.dynamic_update_slice(state.tokens_BN, token_B[:, None], (0, step))
     logits_BNV = state.logits_BNV
@@ -188,7 +209,7 @@ def advance(state: DecodeState, logits_BV: jnp.ndarray, cache: Any, *,
 
 def decode_loop(logits_fn: LogitsFn, state: DecodeState, num_steps: int, *,
                 select: sampling.Selector = sampling.greedy, eos_id: int, pad_id: int,
-                loop: str = "scan") -> DecodeState:
+                loop: str = "scan", processors: tuple = ()) -> DecodeState:
     """Run `num_steps` (static) decode steps from `state`: feed, pick, record.
 
     Args:
@@ -197,11 +218,13 @@ def decode_loop(logits_fn: LogitsFn, state: DecodeState, num_steps: int, *,
       num_steps: steps for "scan"; the upper bound for "while".
       select: `(logits_BV, rng) -> token_B`.
       loop: "scan" (always num_steps) or "while" (stops when all rows finished).
+      processors: logits processors applied before `select` (see `processors.py`).
     """
 
     def body(state: DecodeState) -> DecodeState:
         logits_BV, cache = logits_fn(state.token_B, state.cache, state.step)
-        return advance(state, logits_BV, cache, select=select, eos_id=eos_id, pad_id=pad_id)
+        return advance(state, logits_BV, cache, select=select, eos_id=eos_id, pad_id=pad_id,
+                       processors=processors)
 
     if loop == "scan":
         state, _ = jax.lax.scan(lambda s, _: (body(s), None), state, None, length=num_steps)
@@ -235,35 +258,93 @@ def _unwrap(params):
     return params
 
 
-def _src_mask(src, src_mask, pad_id):
+def _memory_mask(src, src_mask, memory_BSD, pad_id):
+    """(B, 1, 1, S) mask of the memory: given, PAD ids hidden, or all visible
+    (embedded or stem inputs, whose S is the memory's length)."""
+    batch, length = memory_BSD.shape[:2]
     if src_mask is None:
         src_mask = (padding_mask(src, pad_id) if jnp.issubdtype(src.dtype, jnp.integer)
-                    else jnp.ones((src.shape[0], 1, 1, src.shape[1]), bool))
-    return jnp.broadcast_to(src_mask, (src.shape[0], 1, 1, src.shape[1]))
+                    else jnp.ones((batch, 1, 1, length), bool))
+    return jnp.broadcast_to(src_mask, (batch, 1, 1, length))
+
+
+def _encode(model, params, src, src_mask):
+    """Memory (B, S, D) and its (B, 1, 1, S) mask."""
+    memory_BSD = model.apply({"params": params}, src, src_mask, method=Transformer.encode)
+    return memory_BSD, _memory_mask(src, src_mask, memory_BSD, model.config.pad_id)
 
 
 def _encdec_core(model: Transformer, params, src, src_mask, rng, *, max_new_tokens: int,
-                 select, loop: str, return_logits: bool) -> DecodeResult:
+                 select, loop: str, return_logits: bool, processors: tuple = (),
+                 prefix_BP=None, prefix_len_B=None) -> DecodeResult:
     """Traceable encoder-decoder decode of a batch (no host checks)."""
     c = model.config
-    src_mask = _src_mask(src, src_mask, c.pad_id)
-    memory_BSD = model.apply({"params": params}, src, src_mask, method=Transformer.encode)
+    memory_BSD, src_mask = _encode(model, params, src, src_mask)
     cache = cache_lib.init_cache(c, src.shape[0], max_new_tokens)
     cache = cache_lib.with_memory(model, params, cache, memory_BSD, src_mask)
     state = init_state(jnp.full((src.shape[0],), c.bos_id, jnp.int32), cache, max_new_tokens,
                        pad_id=c.pad_id, rng=rng,
-                       vocab_size=c.tgt_vocab_size if return_logits else None)
+                       vocab_size=c.tgt_vocab_size if return_logits else None,
+                       prefix_BP=prefix_BP, prefix_len_B=prefix_len_B)
     state = decode_loop(cached_logits_fn(model, params), state, max_new_tokens, select=select,
-                        eos_id=c.eos_id, pad_id=c.pad_id, loop=loop)
+                        eos_id=c.eos_id, pad_id=c.pad_id, loop=loop, processors=processors)
     return DecodeResult(tokens=state.tokens_BN, lengths=state.lengths_B, logits=state.logits_BNV)
 
 
-@decode_jit(static_argnames=("model", "max_new_tokens", "select", "loop", "return_logits"))
-def _encdec_jit(model, params, src, src_mask, rng, *, max_new_tokens, select, loop,
-                return_logits):
+@decode_jit(static_argnames=("model", "max_new_tokens", "select", "loop", "return_logits",
+                             "processors"))
+def _encdec_jit(model, params, src, src_mask, rng, prefix_BP=None, prefix_len_B=None, *,
+                max_new_tokens, select, loop, return_logits, processors=()):
     TRACE_COUNTS["encdec"] += 1
     return _encdec_core(model, params, src, src_mask, rng, max_new_tokens=max_new_tokens,
-                        select=select, loop=loop, return_logits=return_logits)
+                        select=select, loop=loop, return_logits=return_logits,
+                        processors=processors, prefix_BP=prefix_BP, prefix_len_B=prefix_len_B)
+
+
+def check_prefix(prefix_BP, prefix_lengths, *, batch: int, vocab_size: int,
+                 max_new_tokens: int, max_len: int):
+    """Host check of a forced decoder prefix -> (prefix (B, P) int32, lengths (B,) int32),
+    or (None, None) when `prefix_BP` is None.
+
+    A prefix is the first tokens after BOS, forced row by row; rows may be
+    ragged (`prefix_lengths`, default: P for every row; values past a row's
+    length are ignored). The forced tokens are part of the output and count
+    towards `max_new_tokens`.
+    """
+    if prefix_BP is None:
+        if prefix_lengths is not None:
+            raise ValueError("prefix_lengths given without a prefix")
+        return None, None
+    prefix = np.asarray(prefix_BP)
+    if prefix.ndim == 1:
+        prefix = np.broadcast_to(prefix[None], (batch, prefix.shape[0]))
+    if prefix.ndim != 2 or prefix.shape[0] != batch or prefix.shape[1] < 1:
+        raise ValueError(f"prefix must be (P,) or ({batch}, P) token ids with P >= 1, got "
+                         f"shape {prefix.shape}")
+    if not np.issubdtype(prefix.dtype, np.integer):
+        raise ValueError(f"prefix must hold integer token ids, got {prefix.dtype}")
+    width = prefix.shape[1]
+    lengths = (np.full((batch,), width) if prefix_lengths is None
+               else np.asarray(prefix_lengths))
+    if lengths.shape != (batch,) or not np.issubdtype(lengths.dtype, np.integer):
+        raise ValueError(f"prefix_lengths must be ({batch},) ints, got {lengths.dtype} "
+                         f"{lengths.shape}")
+    if np.any(lengths < 0) or np.any(lengths > width):
+        raise ValueError(f"prefix_lengths must be in 0..{width}, got {lengths.tolist()}")
+    used = np.arange(width)[None, :] < lengths[:, None]
+    bad = prefix[used & ((prefix < 0) | (prefix >= vocab_size))]
+    if bad.size:
+        raise ValueError(f"prefix has token id(s) {sorted(set(bad.tolist()))} outside the "
+                         f"target vocabulary 0..{vocab_size - 1}")
+    longest = int(lengths.max())
+    if longest >= max_len:
+        raise ValueError(f"prefix of {longest} tokens is too long: BOS + prefix needs "
+                         f"{longest + 1} decoder positions, the decoder has {max_len} "
+                         f"(config.decoder_max_len or max_len)")
+    if longest > max_new_tokens:
+        raise ValueError(f"prefix of {longest} tokens is longer than max_new_tokens="
+                         f"{max_new_tokens} (forced tokens count towards it)")
+    return jnp.asarray(prefix, jnp.int32), jnp.asarray(lengths, jnp.int32)
 
 
 def _check_max_new_tokens(max_new_tokens, limit: int, what: str) -> None:
@@ -283,62 +364,87 @@ def _check_encdec_inputs(model, src, src_mask, max_new_tokens, loop) -> None:
     if not hasattr(src, "ndim") or src.ndim not in (2, 3):
         raise ValueError("src_BS must be (batch, length) token ids or (batch, length, d_model) "
                          f"embeddings, got shape {getattr(src, 'shape', None)}")
-    if src.ndim == 3:
-        checks.check_embedded("src_BS", src, c.d_model, c.max_len)
+    if model.stem is not None:  # the stem's input: its own channels and length
+        if src.ndim != 3:
+            raise ValueError(f"src_BS must be (batch, length, channels) for the model's stem, "
+                             f"got shape {src.shape}")
+    elif src.ndim == 3:
+        checks.check_embedded("src_BS", src, c.d_model, c.encoder_len)
+    elif c.encoder_input != "tokens":
+        raise ValueError('src_BS: this encoder reads embedded inputs (config.encoder_input='
+                         f'"embedded"), got token ids of shape {src.shape}')
     else:
-        checks.check_tokens("src_BS", src, c.src_vocab_size, c.max_len)
+        checks.check_tokens("src_BS", src, c.src_vocab_size, c.encoder_len)
     if src.shape[0] < 1 or src.shape[1] < 1:
         raise ValueError(f"src_BS must be non-empty, got shape {src.shape}")
     if src_mask is not None:
         checks.check_mask("src_mask", src_mask, src.shape[0], 1, src.shape[1])
-        if src_mask.shape[3] != src.shape[1]:
+        if model.stem is None and src_mask.shape[3] != src.shape[1]:
             raise ValueError(f"src_mask has key size {src_mask.shape[3]}, expected "
                              f"{src.shape[1]} (the source length)")
     # The decoder feeds BOS and the first N-1 picks at positions 0..N-1.
-    _check_max_new_tokens(max_new_tokens, c.max_len,
+    _check_max_new_tokens(max_new_tokens, c.decoder_len,
                           f"decoder positions 0..{max_new_tokens - 1} must stay below "
-                          f"config.max_len={c.max_len}")
+                          f"the decoder's max_len={c.decoder_len}")
     if loop not in ("scan", "while"):
         raise ValueError(f"loop must be 'scan' or 'while', got {loop!r}")
 
 
 def greedy_decode(model: Transformer, params, src_BS, *, max_new_tokens: int,
-                  src_mask=None, loop: str = "scan", return_logits: bool = False
-                  ) -> DecodeResult:
+                  src_mask=None, loop: str = "scan", return_logits: bool = False,
+                  processors=None, prefix=None, prefix_lengths=None) -> DecodeResult:
     """Greedy decoding of an encoder-decoder `Transformer`, compiled once per shape.
 
     Args:
       model: a `Transformer`; params: its parameters (or `{"params": ...}`).
       src_BS: (B, S) source ids (or (B, S, D) embedded sources).
-      max_new_tokens: N >= 1, tokens to generate after BOS (<= config.max_len).
+      max_new_tokens: N >= 1, tokens to generate after BOS (<= config.decoder_len).
       src_mask: (B|1, 1, 1, S) bool, True = visible; default hides PAD ids.
       loop: "scan" (N steps) or "while" (early exit once every row emitted EOS).
-      return_logits: also return the (B, N, V) logits each token was picked from.
+      return_logits: also return the (B, N, V) logits each token was picked from
+        (after the processors).
+      processors: logits processors (`jaxformer.processors`), applied in order.
+      prefix: (P,) or (B, P) ids forced as the first tokens after BOS (per row;
+        ragged with `prefix_lengths` (B,)); they appear in the output and count
+        towards max_new_tokens. See `check_prefix`.
     Returns:
       DecodeResult(tokens (B, N) int32, lengths (B,) int32[, logits]).
     Raises:
       TypeError/ValueError on bad inputs, before anything is compiled.
     """
     _check_encdec_inputs(model, src_BS, src_mask, max_new_tokens, loop)
+    c = model.config
+    procs = processors_lib.normalize(processors, c.tgt_vocab_size)
+    prefix_BP, prefix_len_B = check_prefix(
+        prefix, prefix_lengths, batch=src_BS.shape[0], vocab_size=c.tgt_vocab_size,
+        max_new_tokens=int(max_new_tokens), max_len=c.decoder_len)
     return _encdec_jit(model, _unwrap(params), jnp.asarray(src_BS), src_mask,
-                       jax.random.PRNGKey(0), max_new_tokens=int(max_new_tokens),
-                       select=sampling.greedy, loop=loop, return_logits=return_logits)
+                       jax.random.PRNGKey(0), prefix_BP, prefix_len_B,
+                       max_new_tokens=int(max_new_tokens), select=sampling.greedy, loop=loop,
+                       return_logits=return_logits, processors=procs)
 
 
 def sample(model: Transformer, params, src_BS, *, max_new_tokens: int, rng: jax.Array,
            temperature: float = 1.0, top_k: Optional[int] = None,
-           top_p: Optional[float] = None, src_mask=None, loop: str = "scan") -> DecodeResult:
+           top_p: Optional[float] = None, src_mask=None, loop: str = "scan",
+           processors=None, prefix=None, prefix_lengths=None) -> DecodeResult:
     """Ancestral sampling (temperature, then top-k, then top-p) with an explicit key.
 
     The same `rng` gives the same tokens (step t uses `fold_in(rng, t)`);
-    `temperature=0` or `top_k=1` is greedy. Other arguments as `greedy_decode`.
+    `temperature=0` or `top_k=1` is greedy. The processors edit the logits before
+    temperature. Other arguments as `greedy_decode`.
     """
     select = sampling.make_sampler(temperature, top_k, top_p)
     _check_encdec_inputs(model, src_BS, src_mask, max_new_tokens, loop)
     _check_rng(rng)
+    c = model.config
+    procs = processors_lib.normalize(processors, c.tgt_vocab_size)
+    prefix_BP, prefix_len_B = check_prefix(
+        prefix, prefix_lengths, batch=src_BS.shape[0], vocab_size=c.tgt_vocab_size,
+        max_new_tokens=int(max_new_tokens), max_len=c.decoder_len)
     return _encdec_jit(model, _unwrap(params), jnp.asarray(src_BS), src_mask, rng,
-                       max_new_tokens=int(max_new_tokens), select=select, loop=loop,
-                       return_logits=False)
+                       prefix_BP, prefix_len_B, max_new_tokens=int(max_new_tokens),
+                       select=select, loop=loop, return_logits=False, processors=procs)
 
 
 def _check_rng(rng) -> None:
@@ -362,7 +468,7 @@ def greedy_decode_one(model: Transformer, params, src_S: jnp.ndarray, *, max_new
     if jnp.issubdtype(src_S.dtype, jnp.integer):
         c = model.config
         checks.check_rank("src_S", src_S, 1, "(length,) token ids: one example")
-        checks.check_tokens("src_S", src_S[None], c.src_vocab_size, c.max_len)
+        checks.check_tokens("src_S", src_S[None], c.src_vocab_size, c.encoder_len)
     mask = None if src_mask_S is None else src_mask_S[None, None, None, :]
     result = _encdec_core(model, _unwrap(params), src_S[None], mask, jax.random.PRNGKey(0),
                           max_new_tokens=max_new_tokens, select=sampling.greedy, loop=loop,
@@ -391,8 +497,7 @@ class RecomputeCarry:
 def _recompute_jit(model, params, src, src_mask, *, max_new_tokens):
     TRACE_COUNTS["recompute"] += 1
     c = model.config
-    src_mask = _src_mask(src, src_mask, c.pad_id)
-    memory_BSD = model.apply({"params": params}, src, src_mask, method=Transformer.encode)
+    memory_BSD, src_mask = _encode(model, params, src, src_mask)
     tgt_mask = causal_mask(max_new_tokens)  # generated PAD ids are tokens, not padding
 
     def logits_fn(token_B, carry: RecomputeCarry, step):
@@ -439,7 +544,7 @@ def left_align(prompt_BP: jnp.ndarray, lengths_B: jnp.ndarray, pad_id: int) -> j
 
 
 def _lm_core(model: DecoderOnlyLM, params, prompt_BP, lengths_B, rng, *, max_new_tokens: int,
-             select, loop: str, return_logits: bool) -> DecodeResult:
+             select, loop: str, return_logits: bool, processors: tuple = ()) -> DecodeResult:
     c = model.config
     batch, width = prompt_BP.shape
     cache = cache_lib.init_cache(c, batch, width + max_new_tokens - 1)
@@ -452,35 +557,38 @@ def _lm_core(model: DecoderOnlyLM, params, prompt_BP, lengths_B, rng, *, max_new
                        vocab_size=c.tgt_vocab_size if return_logits else None)
     # Every row's last prompt token sits in the last prompt slot after left alignment.
     state = advance(state, logits_BPV[:, -1], cache, select=select, eos_id=c.eos_id,
-                    pad_id=c.pad_id)
+                    pad_id=c.pad_id, processors=processors)
     state = decode_loop(cached_logits_fn(model, params), state, max_new_tokens - 1,
-                        select=select, eos_id=c.eos_id, pad_id=c.pad_id, loop=loop)
+                        select=select, eos_id=c.eos_id, pad_id=c.pad_id, loop=loop,
+                        processors=processors)
     return DecodeResult(tokens=state.tokens_BN, lengths=state.lengths_B, logits=state.logits_BNV)
 
 
-@decode_jit(static_argnames=("model", "max_new_tokens", "select", "loop", "return_logits"))
+@decode_jit(static_argnames=("model", "max_new_tokens", "select", "loop", "return_logits",
+                             "processors"))
 def _lm_jit(model, params, prompt_BP, lengths_B, rng, *, max_new_tokens, select, loop,
-            return_logits):
+            return_logits, processors=()):
     TRACE_COUNTS["lm"] += 1
     return _lm_core(model, params, prompt_BP, lengths_B, rng, max_new_tokens=max_new_tokens,
-                    select=select, loop=loop, return_logits=return_logits)
+                    select=select, loop=loop, return_logits=return_logits,
+                    processors=processors)
 
 
 def generate(model: DecoderOnlyLM, params, prompt_BP, *, max_new_tokens: int,
              prompt_lengths=None, rng: Optional[jax.Array] = None, temperature: float = 0.0,
              top_k: Optional[int] = None, top_p: Optional[float] = None, loop: str = "scan",
-             return_logits: bool = False) -> DecodeResult:
+             return_logits: bool = False, processors=None) -> DecodeResult:
     """Continue right-padded prompts with a decoder-only LM: prefill once, then loop.
 
     Args:
       model: a `DecoderOnlyLM`; params: its parameters.
       prompt_BP: (B, P) ids, row b = its prompt then PAD (right padding).
-      max_new_tokens: N >= 1; needs P + N - 1 <= config.max_len.
+      max_new_tokens: N >= 1; needs P + N - 1 <= config.decoder_len.
       prompt_lengths: (B,) ints in 1..P; default: the number of non-PAD ids
         (PAD must then only trail).
       rng: key for sampling; needed iff temperature > 0.
       temperature, top_k, top_p: as `sample`; temperature 0 (default) = greedy.
-      loop, return_logits: as `greedy_decode`.
+      loop, return_logits, processors: as `greedy_decode` (step 0 = the first new token).
     Returns:
       DecodeResult of the new tokens only (B, N).
     """
@@ -490,6 +598,7 @@ def generate(model: DecoderOnlyLM, params, prompt_BP, *, max_new_tokens: int,
     select = sampling.make_sampler(temperature, top_k, top_p)
     if select is not sampling.greedy:
         _check_rng(rng)
+    procs = processors_lib.normalize(processors, c.tgt_vocab_size)
     checks.check_tokens("prompt_BP", prompt_BP, c.tgt_vocab_size)
     prompt = np.asarray(prompt_BP)
     batch, width = prompt.shape
@@ -509,13 +618,13 @@ def generate(model: DecoderOnlyLM, params, prompt_BP, *, max_new_tokens: int,
     if np.any(lengths < 1) or np.any(lengths > width):
         raise ValueError(f"prompt_lengths must be in 1..{width} (every row needs a prompt "
                          f"token), got {lengths.tolist()}")
-    _check_max_new_tokens(max_new_tokens, c.max_len - width + 1,
+    _check_max_new_tokens(max_new_tokens, c.decoder_len - width + 1,
                           f"prompt width {width} + {max_new_tokens} new tokens - 1 exceeds "
-                          f"config.max_len={c.max_len}")
+                          f"the decoder's max_len={c.decoder_len}")
     if loop not in ("scan", "while"):
         raise ValueError(f"loop must be 'scan' or 'while', got {loop!r}")
     return _lm_jit(model, _unwrap(params), jnp.asarray(prompt, jnp.int32),
                    jnp.asarray(lengths, jnp.int32),
                    jax.random.PRNGKey(0) if rng is None else rng,
                    max_new_tokens=int(max_new_tokens), select=select, loop=loop,
-                   return_logits=return_logits)
+                   return_logits=return_logits, processors=procs)

@@ -84,13 +84,16 @@ class PositionEmbedding(nn.Module):
     """Adds positions to (B, T, D) inputs, then embedding dropout.
 
     "sinusoidal" is a constant table; "learned" has a parameter `embedding`
-    (max_len, D); "none" adds nothing (RoPE models rotate inside attention).
+    (length, D); "fixed" too, but it is not trained (a checkpoint's table);
+    "none" adds nothing (RoPE models rotate inside attention). `length` is the
+    stack's `config.encoder_len` / `config.decoder_len`.
     `positions_BT` (default 0..T-1) lets a decode step or a left-padded prompt
     put each token at its own position.
     """
 
     kind: str
     config: TransformerConfig
+    length: Optional[int] = None  # None: config.max_len
 
     @nn.compact
     def __call__(self, x_BTD: jnp.ndarray, positions_BT: Optional[jnp.ndarray] = None,
@@ -100,11 +103,16 @@ class PositionEmbedding(nn.Module):
             positions_BT = jnp.arange(x_BTD.shape[1])[None, :]
         if self.kind == "none":
             return nn.Dropout(c.embedding_dropout)(x_BTD, deterministic=deterministic)
+        length = c.max_len if self.length is None else self.length
         if self.kind == "learned":
             table = self.param("embedding", nn.initializers.normal(0.02),
-                               (c.max_len, c.d_model), c.params_dtype)
+                               (length, c.d_model), c.params_dtype)
+        elif self.kind == "fixed":
+            table = jax.lax.stop_gradient(self.param(
+                "embedding", lambda _, shape, dtype: jnp.asarray(
+                    sinusoidal_table(*shape), dtype), (length, c.d_model), c.params_dtype))
         else:
-            table = jnp.asarray(sinusoidal_table(c.max_len, c.d_model))
+            table = jnp.asarray(sinusoidal_table(length, c.d_model))
         x_BTD = x_BTD + jnp.take(table, positions_BT, axis=0).astype(x_BTD.dtype)
         return nn.Dropout(c.embedding_dropout)(x_BTD, deterministic=deterministic)
 

