@@ -158,6 +158,6 @@ def beam_search(model: Transformer, params, src_BS, *, max_new_tokens: int, beam
                          f"got {beam_size!r}")
     if not isinstance(length_penalty, (int, float)) or length_penalty < 0:
         raise ValueError(f"length_penalty must be a number >= 0, got {length_penalty!r}")
-    return _beam_jit(model, decoding._unwrap(params), jnp.asarray(src_BS), src_mask,
+    return _beam_jit(*decoding._decodable(model, params), jnp.asarray(src_BS), src_mask,
                      max_new_tokens=int(max_new_tokens), beam_size=beam_size,
                      length_penalty=float(length_penalty))

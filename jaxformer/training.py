@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxformer import checks
+from jaxformer import checks, stacking
 from jaxformer.config import ConfigMixin, TransformerConfig
 from jaxformer.data import LMBatch, TextData, segment_mask
 from jaxformer.decoding import greedy_decode
@@ -238,8 +238,14 @@ def learning_rate_schedule(tc: TrainConfig) -> optax.Schedule:
 
 
 def decay_mask(params) -> Any:
-    """True for matrices (ndim >= 2: kernels, embeddings); biases and LayerNorm are not decayed."""
-    return jax.tree_util.tree_map(lambda p: p.ndim >= 2, params)
+    """True for matrices (ndim >= 2: kernels, embeddings); biases and LayerNorm are not decayed.
+
+    A stacked (scanned) layer's leaves carry a leading layer axis, not counted.
+    """
+    def is_matrix(path, p):
+        stacked = any(getattr(k, "key", None) == stacking.STACKED for k in path)
+        return p.ndim - stacked >= 2
+    return jax.tree_util.tree_map_with_path(is_matrix, params)
 
 
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
