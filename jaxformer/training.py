@@ -52,6 +52,7 @@ from jaxformer.config import ConfigMixin, TransformerConfig
 from jaxformer.data import LMBatch, TextData, segment_mask
 from jaxformer.decoding import greedy_decode
 from jaxformer.model import DecoderOnlyLM, Transformer
+from jaxformer.precision import check_backend as check_precision_backend
 from jaxformer.sharding import (check_divisible, data_sharding, make_mesh, replicate,
                                 replicated, shard_batch)
 from jaxformer.tasks import Batch, Task, make_task
@@ -509,6 +510,7 @@ def train_functions(model_config: TransformerConfig, train_config: TrainConfig,
     """The (cached) `TrainFunctions` of a run; the seed is an argument, not part of the key."""
     mesh = make_mesh() if mesh is None else mesh
     check_divisible(train_config.batch_size, mesh)
+    check_precision_backend(model_config, mesh.devices.flat)
     if mesh.devices.size > 1 and not jax.config.jax_threefry_partitionable:
         raise ValueError("jax_threefry_partitionable is off: dropout masks would depend on "
                          "how the batch is split over devices. Turn it back on with "
