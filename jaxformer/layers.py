@@ -149,7 +149,9 @@ def _residual(config: TransformerConfig, norm: nn.Module, dropout: nn.Dropout,
         out_BTD, aux = sublayer(norm(x_BTD))
         return x_BTD + dropout(out_BTD, deterministic=deterministic), aux
     out_BTD, aux = sublayer(x_BTD)
-    return norm(x_BTD + dropout(out_BTD, deterministic=deterministic)), aux
+    # The residual stream keeps its dtype (a no-op unless precision="mixed", whose
+    # norms compute and return float32): a scanned layer's carry must not change type.
+    return norm(x_BTD + dropout(out_BTD, deterministic=deterministic)).astype(x_BTD.dtype), aux
 
 
 class EncoderLayer(nn.Module):
