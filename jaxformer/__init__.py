@@ -20,6 +20,7 @@ from jaxformer.cache import DecodeCache, init_cache
 from jaxformer.decoding import (DecodeResult, DecodeState, generate, greedy_decode,
                                 greedy_decode_one, sample)
 from jaxformer.sampling import make_sampler
+from jaxformer.stacking import stack_layers, unstack_layers
 
 __all__ = [
     "attention_weights",
@@ -53,9 +54,11 @@ __all__ = [
     "PRESETS",
     "sample",
     "sinusoidal_table",
+    "stack_layers",
     "tiny",
     "Transformer",
     "TransformerConfig",
+    "unstack_layers",
 ]
 
 __version__ = "0.1.0"
