@@ -223,3 +223,14 @@ def test_deep_model_flags_are_recorded_and_resumed(tmp_path):
         True, "save_proj", "mixed")
     assert "layers" in state.params["encoder"] and int(state.step) == 6
     assert main(["train", "--out", out, "--resume", "--steps", "6", "--remat", "full"]) == 2
+
+
+def test_mixed_precision_still_learns_the_copy_task(tmp_path, capsys):
+    """Issue 11: bf16 matmuls with f32 params/norms/logits/loss keep the default
+    run's result (the default run, --precision mixed: exact match >= 0.99)."""
+    out = str(tmp_path / "mixed")
+    assert main(["train", "--precision", "mixed", "--out", out, "--no-progress",
+                 "--show", "0"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["steps"] == 800 and summary["eval_examples"] == 1000
+    assert summary["exact_match"] >= 0.99, summary
