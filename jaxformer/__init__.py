@@ -21,6 +21,7 @@ from jaxformer.decoding import (DecodeResult, DecodeState, generate, greedy_deco
                                 greedy_decode_one, sample)
 from jaxformer.processors import force_token, min_length, suppress_at_step, suppress_tokens
 from jaxformer.sampling import make_sampler
+from jaxformer.stacking import stack_layers, unstack_layers
 
 __all__ = [
     "attention_weights",
@@ -58,9 +59,11 @@ __all__ = [
     "sinusoidal_table",
     "suppress_at_step",
     "suppress_tokens",
+    "stack_layers",
     "tiny",
     "Transformer",
     "TransformerConfig",
+    "unstack_layers",
 ]
 
 __version__ = "0.1.0"

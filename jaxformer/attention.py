@@ -33,6 +33,7 @@ from typing import NamedTuple, Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxformer.config import TransformerConfig
 from jaxformer.rope import apply_rope
@@ -147,8 +148,10 @@ class MultiHeadAttention(nn.Module):
 
         Keys are rotated (if `rotary`) by `positions_BS`, default 0..S-1.
         """
-        key_BGSK = self._rotate(_heads_major(self.key(inputs_BSD)), positions_BS)
-        return KV(key_BGSK, _heads_major(self.value(inputs_BSD)))
+        # checkpoint_name: what config.remat="save_proj" keeps (identity otherwise).
+        key_BSGK = checkpoint_name(self.key(inputs_BSD), "key_proj")
+        value_BSGK = checkpoint_name(self.value(inputs_BSD), "value_proj")
+        return KV(self._rotate(_heads_major(key_BSGK), positions_BS), _heads_major(value_BSGK))
 
     def __call__(
         self,
@@ -167,14 +170,15 @@ class MultiHeadAttention(nn.Module):
         collection as `attention_weights`: pass `mutable="intermediates"` to
         `apply` to get them (see `model.attention_weights`).
         """
-        query_BHTK = self._rotate(_heads_major(self.query(inputs_q_BTD)), positions_BT)
+        query_BHTK = self._rotate(
+            _heads_major(checkpoint_name(self.query(inputs_q_BTD), "query_proj")), positions_BT)
         if self.config.attention_impl == "jax":  # wants (B, T, H, K); takes G < H kv heads
             out_BTHK = jax.nn.dot_product_attention(
                 *map(_heads_major, (query_BHTK, kv.key, kv.value)), mask=mask)
-            return self.out(out_BTHK)
+            return checkpoint_name(self.out(out_BTHK), "out_proj")
         rate = self.config.attention_dropout
         dropout_rng = None if deterministic or rate == 0.0 else self.make_rng("dropout")
         out_BHTK, weights_BHTS = dot_product_attention(
             query_BHTK, kv.key, kv.value, mask, dropout_rate=rate, dropout_rng=dropout_rng)
         self.sow("intermediates", "attention_weights", weights_BHTS)
-        return self.out(_heads_major(out_BHTK))
+        return checkpoint_name(self.out(_heads_major(out_BHTK)), "out_proj")

@@ -193,7 +193,7 @@ def beam_search(model: Transformer, params, src_BS, *, max_new_tokens: int, beam
     prefix_BP, prefix_len_B = decoding.check_prefix(
         prefix, prefix_lengths, batch=src_BS.shape[0], vocab_size=vocab,
         max_new_tokens=int(max_new_tokens), max_len=c.decoder_len)
-    return _beam_jit(model, decoding._unwrap(params), jnp.asarray(src_BS), src_mask,
+    return _beam_jit(*decoding._decodable(model, params), jnp.asarray(src_BS), src_mask,
                      prefix_BP, prefix_len_B, max_new_tokens=int(max_new_tokens),
                      beam_size=beam_size, length_penalty=float(length_penalty),
                      processors=procs)

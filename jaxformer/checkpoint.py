@@ -11,6 +11,11 @@ initialised one). Its shapes, dtypes and shardings decide how the arrays come
 back, so a checkpoint restores onto the current mesh. Every failure -- no
 checkpoint, unreadable or corrupt files, a structure that does not match --
 raises `CheckpointError` naming the directory, and writes nothing.
+
+Layer layouts (`config.scan_layers`): a checkpoint of a scanned model holds
+stacked layers (`layers/...`), an unscanned one per-layer layers (`layers_0`,
+...). Restoring into the other layout is refused with the fix named, unless
+`restore(..., convert_layout=True)`, which converts exactly (`stacking`).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from typing import Any, Optional
 
 import jax
 import orbax.checkpoint as ocp
+
+from jaxformer import stacking
 
 
 class CheckpointError(Exception):
@@ -60,8 +67,13 @@ class Checkpoints:
         self._manager.save(int(step), args=ocp.args.StandardSave(state), force=True)
         self._manager.wait_until_finished()
 
-    def restore(self, target: Any, step: Optional[int] = None) -> Any:
-        """Return the state saved at `step` (default: the latest), shaped like `target`."""
+    def restore(self, target: Any, step: Optional[int] = None, *,
+                convert_layout: bool = False) -> Any:
+        """Return the state saved at `step` (default: the latest), shaped like `target`.
+
+        `convert_layout=True` restores a checkpoint of the other layer layout
+        (scanned <-> unscanned) into `target`'s layout.
+        """
         steps = self.steps()
         if not steps:
             raise CheckpointError(f"no checkpoint found in {self.directory}")
@@ -69,8 +81,18 @@ class Checkpoints:
         if step not in steps:
             raise CheckpointError(f"no checkpoint for step {step} in {self.directory} "
                                   f"(available: {steps})")
-        abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, target)
         path = os.path.join(self.directory, str(step))
+        saved, wanted = self._saved_layout(step), stacking.layout(target)
+        if saved and wanted and saved != wanted:
+            if not convert_layout:
+                fix = "stack_layers" if wanted == "stacked" else "unstack_layers"
+                raise CheckpointError(
+                    f"checkpoint {path} holds {saved} layers but the target state is "
+                    f"{wanted} (config.scan_layers={wanted == 'stacked'}): restore with "
+                    f"convert_layout=True, or convert with jaxformer.stacking.{fix}")
+            as_saved = stacking.to_layout(target, saved == "stacked")
+            return stacking.to_layout(self.restore(as_saved, step), wanted == "stacked")
+        abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, target)
         try:
             restored = self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
         except Exception as error:  # orbax/tensorstore raise many types; one message
@@ -89,6 +111,13 @@ class Checkpoints:
                                       f"{saved.dtype} where the train state has "
                                       f"{expected.shape} {expected.dtype}")
         return restored
+
+    def _saved_layout(self, step: int) -> Optional[str]:
+        try:
+            metadata = self._manager.item_metadata(step)
+        except Exception:  # unreadable: restore() below reports it
+            return None
+        return stacking.layout(getattr(metadata, "tree", metadata))
 
     def close(self) -> None:
         self._manager.close()

@@ -49,7 +49,9 @@ _MODEL_FLAGS = {"d_model": ("d_model",), "heads": ("num_heads",), "d_ff": ("d_ff
                 "layers": ("num_encoder_layers", "num_decoder_layers"), "norm": ("norm",),
                 "dtype": ("dtype",), "vocab": ("src_vocab_size", "tgt_vocab_size"),
                 "dropout": ("attention_dropout", "residual_dropout", "embedding_dropout",
-                            "ffn_dropout")}
+                            "ffn_dropout"),
+                "scan_layers": ("scan_layers",), "remat": ("remat",),
+                "precision": ("precision",)}
 _TRAIN_FLAGS = {"task": "task", "min_len": "min_len", "max_len": "max_len", "steps": "steps",
                 "batch": "batch_size", "lr": "learning_rate", "warmup": "warmup_steps",
                 "weight_decay": "weight_decay", "label_smoothing": "label_smoothing",
@@ -99,6 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--dtype", choices=("float32", "bfloat16"),
                        help="compute dtype; parameters stay float32 (default float32)")
     model.add_argument("--dropout", type=float, help="one rate for every dropout site")
+    model.add_argument("--scan-layers", action="store_true", default=None,
+                       help="run each stack as one scanned layer (compile time flat in depth)")
+    model.add_argument("--remat", choices=("none", "full", "save_proj", "save_dots"),
+                       help="rematerialise each layer on the backward pass (default none)")
+    model.add_argument("--precision", choices=("default", "mixed"),
+                       help="mixed: bfloat16 matmuls, float32 params, norms, logits and loss "
+                            "(leave --dtype at float32)")
     model.add_argument("--vocab", type=int, help="vocabulary incl. PAD/BOS/EOS (default 32)")
     data = train.add_argument_group("task and optimisation")
     data.add_argument("--task", choices=TASKS + ("lm",),

@@ -18,6 +18,8 @@ Positions = Literal["sinusoidal", "learned", "fixed", "none"]
 NormType = Literal["layernorm", "rmsnorm"]
 Rope = Literal["none", "half", "interleaved"]
 AttentionImpl = Literal["einsum", "jax"]
+Remat = Literal["none", "full", "save_proj", "save_dots"]
+Precision = Literal["default", "mixed"]
 
 _CHOICES = {
     "norm": ("post", "pre"),
@@ -30,6 +32,8 @@ _CHOICES = {
     "param_dtype": ("float32", "bfloat16", "float16"),
     "attention_impl": ("einsum", "jax"),
     "encoder_input": ("tokens", "embedded"),
+    "remat": ("none", "full", "save_proj", "save_dots"),
+    "precision": ("default", "mixed"),
 }
 
 
@@ -135,6 +139,18 @@ class TransformerConfig(ConfigMixin):
     # kernel (cuDNN flash attention on GPU) where one exists; no attention
     # dropout and no sown weights.
     attention_impl: AttentionImpl = "einsum"
+    # Deep stacks (see layer_stack.py). scan_layers: each stack is one
+    # `nn.scan`ned layer with stacked (L, ...) parameters `layers/...` instead
+    # of `layers_0..layers_{L-1}` (convert with jaxformer.stacking).
+    scan_layers: bool = False
+    # Rematerialisation of each layer on the backward pass: "none", "full",
+    # "save_proj" (keep the projection matmuls) or "save_dots" (keep all matmuls).
+    remat: Remat = "none"
+    # "default": `dtype` / `param_dtype` as given. "mixed": bfloat16 compute
+    # with float32 parameters (so float32 gradients and optimizer state), and
+    # norms, softmax, logits and loss in float32; leave dtype/param_dtype at
+    # float32 (it sets them).
+    precision: Precision = "default"
 
     def __post_init__(self):
         for name in ("src_vocab_size", "tgt_vocab_size", "d_model", "num_heads",
@@ -160,6 +176,12 @@ class TransformerConfig(ConfigMixin):
         for name, choices in _CHOICES.items():
             _require(getattr(self, name) in choices, name,
                      f"must be one of {choices}, got {getattr(self, name)!r}")
+        _require(isinstance(self.scan_layers, bool), "scan_layers",
+                 f"must be a bool, got {self.scan_layers!r}")
+        _require(self.precision != "mixed" or (self.dtype, self.param_dtype)
+                 == ("float32", "float32"), "precision",
+                 '"mixed" sets bfloat16 compute and float32 params itself: leave dtype and '
+                 f"param_dtype at float32 (got {self.dtype}/{self.param_dtype})")
         _require(self.attention_impl == "einsum" or self.attention_dropout == 0.0,
                  "attention_impl", '"jax" has no attention dropout: set attention_dropout=0')
         _require(self.num_kv_heads is None or (
@@ -227,7 +249,13 @@ class TransformerConfig(ConfigMixin):
 
     @property
     def compute_dtype(self) -> jnp.dtype:
-        return jnp.dtype(self.dtype)
+        """Dtype of the matmuls' operands (and of the residual stream)."""
+        return jnp.dtype("bfloat16" if self.precision == "mixed" else self.dtype)
+
+    @property
+    def norm_dtype(self) -> jnp.dtype:
+        """Dtype of the norms' and the output projection's arithmetic ("mixed": float32)."""
+        return jnp.dtype("float32") if self.precision == "mixed" else self.compute_dtype
 
     @property
     def params_dtype(self) -> jnp.dtype:

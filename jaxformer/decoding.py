@@ -60,7 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer import cache as cache_lib
-from jaxformer import checks, processors as processors_lib, sampling
+from jaxformer import checks, processors as processors_lib, sampling, stacking
 from jaxformer.cache import DecodeCache
 from jaxformer.masks import causal_mask, padding_mask
 from jaxformer.model import DecoderOnlyLM, Transformer
@@ -258,6 +258,11 @@ def _unwrap(params):
     return params
 
 
+def _decodable(model, params):
+    """(model, params) unwrapped and, for a scanned/rematted model, unrolled (`stacking`)."""
+    return stacking.for_decoding(model, _unwrap(params))
+
+
 def _memory_mask(src, src_mask, memory_BSD, pad_id):
     """(B, 1, 1, S) mask of the memory: given, PAD ids hidden, or all visible
     (embedded or stem inputs, whose S is the memory's length)."""
@@ -418,7 +423,7 @@ def greedy_decode(model: Transformer, params, src_BS, *, max_new_tokens: int,
     prefix_BP, prefix_len_B = check_prefix(
         prefix, prefix_lengths, batch=src_BS.shape[0], vocab_size=c.tgt_vocab_size,
         max_new_tokens=int(max_new_tokens), max_len=c.decoder_len)
-    return _encdec_jit(model, _unwrap(params), jnp.asarray(src_BS), src_mask,
+    return _encdec_jit(*_decodable(model, params), jnp.asarray(src_BS), src_mask,
                        jax.random.PRNGKey(0), prefix_BP, prefix_len_B,
                        max_new_tokens=int(max_new_tokens), select=sampling.greedy, loop=loop,
                        return_logits=return_logits, processors=procs)
@@ -442,7 +447,7 @@ def sample(model: Transformer, params, src_BS, *, max_new_tokens: int, rng: jax.
     prefix_BP, prefix_len_B = check_prefix(
         prefix, prefix_lengths, batch=src_BS.shape[0], vocab_size=c.tgt_vocab_size,
         max_new_tokens=int(max_new_tokens), max_len=c.decoder_len)
-    return _encdec_jit(model, _unwrap(params), jnp.asarray(src_BS), src_mask, rng,
+    return _encdec_jit(*_decodable(model, params), jnp.asarray(src_BS), src_mask, rng,
                        prefix_BP, prefix_len_B, max_new_tokens=int(max_new_tokens),
                        select=select, loop=loop, return_logits=False, processors=procs)
 
@@ -470,7 +475,7 @@ def greedy_decode_one(model: Transformer, params, src_S: jnp.ndarray, *, max_new
         checks.check_rank("src_S", src_S, 1, "(length,) token ids: one example")
         checks.check_tokens("src_S", src_S[None], c.src_vocab_size, c.encoder_len)
     mask = None if src_mask_S is None else src_mask_S[None, None, None, :]
-    result = _encdec_core(model, _unwrap(params), src_S[None], mask, jax.random.PRNGKey(0),
+    result = _encdec_core(*_decodable(model, params), src_S[None], mask, jax.random.PRNGKey(0),
                           max_new_tokens=max_new_tokens, select=sampling.greedy, loop=loop,
                           return_logits=False)
     return jax.tree_util.tree_map(lambda x: x[0], result)
@@ -526,7 +531,7 @@ def greedy_decode_recompute(model: Transformer, params, src_BS, *, max_new_token
     `greedy_decode`.
     """
     _check_encdec_inputs(model, src_BS, src_mask, max_new_tokens, "scan")
-    return _recompute_jit(model, _unwrap(params), jnp.asarray(src_BS), src_mask,
+    return _recompute_jit(*_decodable(model, params), jnp.asarray(src_BS), src_mask,
                           max_new_tokens=int(max_new_tokens))
 
 
@@ -623,7 +628,7 @@ def generate(model: DecoderOnlyLM, params, prompt_BP, *, max_new_tokens: int,
                           f"the decoder's max_len={c.decoder_len}")
     if loop not in ("scan", "while"):
         raise ValueError(f"loop must be 'scan' or 'while', got {loop!r}")
-    return _lm_jit(model, _unwrap(params), jnp.asarray(prompt, jnp.int32),
+    return _lm_jit(*_decodable(model, params), jnp.asarray(prompt, jnp.int32),
                    jnp.asarray(lengths, jnp.int32),
                    jax.random.PRNGKey(0) if rng is None else rng,
                    max_new_tokens=int(max_new_tokens), select=select, loop=loop,

@@ -16,6 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxformer.attention import KV, MultiHeadAttention, dense_init
 from jaxformer.config import TransformerConfig
@@ -43,7 +44,8 @@ def activation_fn(name: str) -> Callable[[jnp.ndarray], jnp.ndarray]:
 
 def layer_norm(config: TransformerConfig, name: Optional[str] = None) -> nn.Module:
     """The configured norm: LayerNorm (scale, bias) or RMSNorm (scale only)."""
-    common = dict(epsilon=config.layer_norm_epsilon, dtype=config.compute_dtype,
+    # norm_dtype: float32 under precision="mixed" (statistics and output).
+    common = dict(epsilon=config.layer_norm_epsilon, dtype=config.norm_dtype,
                   param_dtype=config.params_dtype, name=name)
     if config.norm_type == "rmsnorm":
         return nn.RMSNorm(**common)
@@ -132,13 +134,16 @@ class FeedForward(nn.Module):
         c = self.config
         dense = functools.partial(nn.Dense, dtype=c.compute_dtype, use_bias=c.ffn_bias,
                                   param_dtype=c.params_dtype, kernel_init=dense_init())
+        # checkpoint_name: what config.remat="save_proj" keeps (identity otherwise).
         if c.gated_ffn:
-            h_BTF = (activation_fn(c.activation)(dense(c.d_ff, name="gate")(x_BTD))
-                     * dense(c.d_ff, name="wi")(x_BTD))
+            gate_BTF = checkpoint_name(dense(c.d_ff, name="gate")(x_BTD), "ffn_gate")
+            up_BTF = checkpoint_name(dense(c.d_ff, name="wi")(x_BTD), "ffn_wi")
+            h_BTF = activation_fn(c.activation)(gate_BTF) * up_BTF
         else:
-            h_BTF = activation_fn(c.activation)(dense(c.d_ff, name="wi")(x_BTD))
+            h_BTF = activation_fn(c.activation)(
+                checkpoint_name(dense(c.d_ff, name="wi")(x_BTD), "ffn_wi"))
         h_BTF = nn.Dropout(c.ffn_dropout)(h_BTF, deterministic=deterministic)
-        return dense(c.d_model, name="wo")(h_BTF)
+        return checkpoint_name(dense(c.d_model, name="wo")(h_BTF), "ffn_wo")
 
 
 def _residual(config: TransformerConfig, norm: nn.Module, dropout: nn.Dropout,
@@ -152,7 +157,9 @@ def _residual(config: TransformerConfig, norm: nn.Module, dropout: nn.Dropout,
         out_BTD, aux = sublayer(norm(x_BTD))
         return x_BTD + dropout(out_BTD, deterministic=deterministic), aux
     out_BTD, aux = sublayer(x_BTD)
-    return norm(x_BTD + dropout(out_BTD, deterministic=deterministic)), aux
+    # The residual stream keeps its dtype (a no-op unless precision="mixed", whose
+    # norms compute and return float32): a scanned layer's carry must not change type.
+    return norm(x_BTD + dropout(out_BTD, deterministic=deterministic)).astype(x_BTD.dtype), aux
 
 
 class EncoderLayer(nn.Module):

@@ -17,9 +17,11 @@ Parameter pytree of a `Transformer` (list-of-layers layout, names mirror modules
 
 Biases exist iff attention_bias (per projection: attention_biases) / ffn_bias / output_bias.
 
-Layers are a list (`layers_0`, `layers_1`, ...) rather than one stacked
-(L, ...) array: it mirrors torch state dicts one-to-one (weight import is a
-rename), and at the depths this library targets the unrolled compile is fast.
+Layers are a list (`layers_0`, `layers_1`, ...) by default: it mirrors torch
+state dicts one-to-one (weight import is a rename). With `config.scan_layers`
+each stack is one scanned layer, `encoder/layers/...` with a leading (L, ...)
+axis on every leaf, so compile time stays flat in depth (`layer_stack`);
+`stacking` converts between the two layouts exactly.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxformer import checks
+from jaxformer import checks, layer_stack
 from jaxformer.attention import KV, dense_init
 from jaxformer.config import TransformerConfig
 from jaxformer.layers import (DecoderLayer, EncoderLayer, PositionEmbedding, TokenEmbedding,
@@ -47,7 +49,10 @@ class Encoder(nn.Module):
     def setup(self):
         c = self.config
         self.positions = PositionEmbedding(c.encoder_positions, c, c.encoder_len)
-        self.layers = [EncoderLayer(c) for _ in range(c.num_encoder_layers)]
+        if layer_stack.uses_blocks(c):
+            self.layers = layer_stack.encoder_stack(c, c.num_encoder_layers)
+        else:
+            self.layers = [EncoderLayer(c) for _ in range(c.num_encoder_layers)]
         if c.use_final_norm:
             self.final_norm = layer_norm(c)
 
@@ -58,8 +63,11 @@ class Encoder(nn.Module):
         else:  # continuous sources (audio features, patches): positions only
             x_BSD = src.astype(self.config.compute_dtype)
         x_BSD = self.positions(x_BSD, deterministic=deterministic)
-        for layer in self.layers:
-            x_BSD = layer(x_BSD, mask, deterministic=deterministic)
+        if layer_stack.uses_blocks(self.config):
+            x_BSD = layer_stack.run_encoder_stack(self.layers, x_BSD, mask, deterministic)
+        else:
+            for layer in self.layers:
+                x_BSD = layer(x_BSD, mask, deterministic=deterministic)
         if self.config.use_final_norm:
             x_BSD = self.final_norm(x_BSD)
         return x_BSD
@@ -75,17 +83,23 @@ class Decoder(nn.Module):
     def setup(self):
         c = self.config
         self.positions = PositionEmbedding(c.decoder_positions, c, c.decoder_len)
-        self.layers = [DecoderLayer(c, cross_attention=self.cross_attention)
-                       for _ in range(c.num_decoder_layers)]
+        if layer_stack.uses_blocks(c):
+            self.layers = layer_stack.decoder_stack(c, c.num_decoder_layers,
+                                                    self.cross_attention)
+        else:
+            self.layers = [DecoderLayer(c, cross_attention=self.cross_attention)
+                           for _ in range(c.num_decoder_layers)]
         if c.use_final_norm:
             self.final_norm = layer_norm(c)
         if not c.tie_output_embedding:
-            self.out_proj = nn.Dense(c.tgt_vocab_size, dtype=c.compute_dtype,
+            # norm_dtype: logits are computed in float32 under precision="mixed".
+            self.out_proj = nn.Dense(c.tgt_vocab_size, dtype=c.norm_dtype,
                                      use_bias=c.output_bias, param_dtype=c.params_dtype,
                                      kernel_init=dense_init())
 
     def cross_kv(self, memory_BSD: jnp.ndarray) -> tuple[KV, ...]:
         """Each layer's cross-attention keys/values of the memory, computed once."""
+        _no_scanned_decoding(self.config)
         return tuple(layer.cross_kv(memory_BSD) for layer in self.layers)
 
     def __call__(
@@ -104,23 +118,41 @@ class Decoder(nn.Module):
 
         Without `caches` this is the parallel (training) pass. With them, the
         T new tokens are written at `cache_index` of every layer's cache and
-        attend over it: see `DecoderLayer`.
+        attend over it: see `DecoderLayer`. With `config.scan_layers`,
+        `cross_kvs` is the memory (B, S, D) itself (each scanned layer projects
+        it) and there are no caches (decoding runs `stacking.unscanned`).
         """
         y_BTD = self.positions(self.embed(tgt_BT), positions_BT, deterministic=deterministic)
         new_caches = []
-        for i, layer in enumerate(self.layers):
-            y_BTD, cache = layer(
-                y_BTD, self_mask, cross_kvs[i] if self.cross_attention else None, cross_mask,
-                cache=None if caches is None else caches[i], cache_index=cache_index,
-                positions_BT=positions_BT, deterministic=deterministic)
-            new_caches.append(cache)
+        if layer_stack.uses_blocks(self.config) and caches is None:
+            y_BTD = layer_stack.run_decoder_stack(
+                self.layers, y_BTD, self_mask, cross_kvs if self.cross_attention else None,
+                cross_mask, positions_BT, deterministic)
+        else:
+            if caches is not None and layer_stack.uses_blocks(self.config):
+                raise ValueError("a scanned or rematted stack takes no KV cache: decode "
+                                 "through jaxformer.stacking.for_decoding(model, params) "
+                                 "(the decoding entry points do)")
+            for i, layer in enumerate(self.layers):
+                y_BTD, cache = layer(
+                    y_BTD, self_mask, cross_kvs[i] if self.cross_attention else None, cross_mask,
+                    cache=None if caches is None else caches[i], cache_index=cache_index,
+                    positions_BT=positions_BT, deterministic=deterministic)
+                new_caches.append(cache)
         if self.config.use_final_norm:
             y_BTD = self.final_norm(y_BTD)
         if self.config.tie_output_embedding:
-            logits_BTV = self.embed.attend(y_BTD)
+            logits_BTV = self.embed.attend(y_BTD.astype(self.config.norm_dtype))
         else:
             logits_BTV = self.out_proj(y_BTD)
         return logits_BTV.astype(jnp.float32), (None if caches is None else tuple(new_caches))
+
+
+def _no_scanned_decoding(config: TransformerConfig) -> None:
+    if config.scan_layers:
+        raise ValueError("a scanned stack has no per-layer cross-attention KVs: decode "
+                         "through jaxformer.stacking.for_decoding(model, params) (the "
+                         "decoding entry points do)")
 
 
 def _default_src_mask(src, pad_id: int) -> Optional[jnp.ndarray]:
@@ -197,8 +229,8 @@ class Transformer(nn.Module):
                           heads=c.num_heads)
         checks.check_mask("src_mask", src_mask, tgt.shape[0], tgt.shape[1], memory_BSD.shape[1],
                           heads=c.num_heads)
-        logits_BTV, _ = self.decoder(tgt, tgt_mask, self.decoder.cross_kv(memory_BSD), src_mask,
-                                     deterministic=deterministic)
+        cross = memory_BSD if c.scan_layers else self.decoder.cross_kv(memory_BSD)
+        logits_BTV, _ = self.decoder(tgt, tgt_mask, cross, src_mask, deterministic=deterministic)
         return logits_BTV
 
     def __call__(self, src: jnp.ndarray, tgt: jnp.ndarray,
@@ -256,12 +288,19 @@ def attention_weights(intermediates) -> dict[str, jnp.ndarray]:
     """Flatten sown attention weights to {"decoder/layers_0/cross_attn": (B, H, T, S)}.
 
     Usage: `logits, state = model.apply({"params": p}, src, tgt, mutable="intermediates")`,
-    then `attention_weights(state["intermediates"])`.
+    then `attention_weights(state["intermediates"])`. A scanned model's weights
+    are stacked, `layers/...` (L, B, H, T, S); they come out per layer as well,
+    so both layouts give the same keys.
     """
     flat = {}
     for path, value in jax.tree_util.tree_flatten_with_path(
             intermediates, is_leaf=lambda x: isinstance(x, tuple))[0]:
         keys = [p.key for p in path if hasattr(p, "key")]
         if keys and keys[-1] == "attention_weights":
-            flat["/".join(keys[:-1])] = value[-1]
+            if "layers" in keys:  # scanned: split the leading layer axis
+                at = keys.index("layers")
+                for i, weights in enumerate(value[-1]):
+                    flat["/".join(keys[:at] + [f"layers_{i}"] + keys[at + 1:-1])] = weights
+            else:
+                flat["/".join(keys[:-1])] = value[-1]
     return flat

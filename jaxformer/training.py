@@ -47,11 +47,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxformer import checks
+from jaxformer import checks, stacking
 from jaxformer.config import ConfigMixin, TransformerConfig
 from jaxformer.data import LMBatch, TextData, segment_mask
 from jaxformer.decoding import greedy_decode
 from jaxformer.model import DecoderOnlyLM, Transformer
+from jaxformer.precision import check_backend as check_precision_backend
 from jaxformer.sharding import (check_divisible, data_sharding, make_mesh, replicate,
                                 replicated, shard_batch)
 from jaxformer.tasks import Batch, Task, make_task
@@ -238,8 +239,14 @@ def learning_rate_schedule(tc: TrainConfig) -> optax.Schedule:
 
 
 def decay_mask(params) -> Any:
-    """True for matrices (ndim >= 2: kernels, embeddings); biases and LayerNorm are not decayed."""
-    return jax.tree_util.tree_map(lambda p: p.ndim >= 2, params)
+    """True for matrices (ndim >= 2: kernels, embeddings); biases and LayerNorm are not decayed.
+
+    A stacked (scanned) layer's leaves carry a leading layer axis, not counted.
+    """
+    def is_matrix(path, p):
+        stacked = any(getattr(k, "key", None) == stacking.STACKED for k in path)
+        return p.ndim - stacked >= 2
+    return jax.tree_util.tree_map_with_path(is_matrix, params)
 
 
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
@@ -503,6 +510,7 @@ def train_functions(model_config: TransformerConfig, train_config: TrainConfig,
     """The (cached) `TrainFunctions` of a run; the seed is an argument, not part of the key."""
     mesh = make_mesh() if mesh is None else mesh
     check_divisible(train_config.batch_size, mesh)
+    check_precision_backend(model_config, mesh.devices.flat)
     if mesh.devices.size > 1 and not jax.config.jax_threefry_partitionable:
         raise ValueError("jax_threefry_partitionable is off: dropout masks would depend on "
                          "how the batch is split over devices. Turn it back on with "

@@ -210,3 +210,27 @@ def test_the_default_run_learns_the_copy_task(norm, tmp_path, capsys):
     final_norms = 2 * 2 * 128 if norm == "pre" else 0  # pre-LN: one more LayerNorm per stack
     assert summary["norm"] == norm and summary["params"] == 674_848 + final_norms
     assert summary["exact_match"] >= 0.99, summary
+
+
+def test_deep_model_flags_are_recorded_and_resumed(tmp_path):
+    """--scan-layers --remat --precision reach the model and the run directory; the
+    checkpoint holds stacked layers, and --resume refuses a different layout."""
+    out = str(tmp_path / "deep")
+    flags = ["--scan-layers", "--remat", "save_proj", "--precision", "mixed"]
+    assert main(TINY + ["--steps", "6", "--save-every", "3", "--out", out] + flags) == 0
+    model_config, _, state = saved_run(out)
+    assert (model_config.scan_layers, model_config.remat, model_config.precision) == (
+        True, "save_proj", "mixed")
+    assert "layers" in state.params["encoder"] and int(state.step) == 6
+    assert main(["train", "--out", out, "--resume", "--steps", "6", "--remat", "full"]) == 2
+
+
+def test_mixed_precision_still_learns_the_copy_task(tmp_path, capsys):
+    """Issue 11: bf16 matmuls with f32 params/norms/logits/loss keep the default
+    run's result (the default run, --precision mixed: exact match >= 0.99)."""
+    out = str(tmp_path / "mixed")
+    assert main(["train", "--precision", "mixed", "--out", out, "--no-progress",
+                 "--show", "0"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["steps"] == 800 and summary["eval_examples"] == 1000
+    assert summary["exact_match"] >= 0.99, summary

@@ -63,6 +63,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxformer import stacking
 from jaxformer.config import TransformerConfig
 
 _INSTALL_HINT = "jaxformer.interop needs PyTorch: pip install 'jaxformer[torch]'"
@@ -108,8 +109,11 @@ def from_torch_transformer(
     pad_id: int = 0,
     bos_id: int = 1,
     eos_id: int = 2,
+    scan_layers: bool = False,
 ) -> tuple[TransformerConfig, dict]:
     """Convert a `torch.nn.Transformer` and its embeddings/output into jaxformer.
+
+    `scan_layers=True` returns a scanned config with stacked layers (`stacking`).
 
     Args:
       transformer: `torch.nn.Transformer` (no custom encoder/decoder).
@@ -187,6 +191,7 @@ def from_torch_transformer(
     if not share:
         params["tgt_embed"] = reader.embedding(tgt_embedding, tgt_V, "tgt_embedding")
     params = jax.tree_util.tree_map(jnp.asarray, params)
+    config, params = _layout(config, params, scan_layers)
 
     from jaxformer.model import Transformer  # late: keeps `import jaxformer.interop` light
     tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
@@ -206,8 +211,11 @@ def from_torch_decoder_only(
     pad_id: int = 0,
     bos_id: int = 1,
     eos_id: int = 2,
+    scan_layers: bool = False,
 ) -> tuple[TransformerConfig, dict]:
     """Convert a causal `torch.nn.TransformerEncoder` LM into a `DecoderOnlyLM`.
+
+    `scan_layers=True` returns a scanned config with stacked layers (`stacking`).
 
     The torch model this mirrors::
 
@@ -259,6 +267,7 @@ def from_torch_decoder_only(
         decoder["out_proj"] = reader.dense(output_projection, d_model, vocab, "output_projection")
     params = {"embed": reader.embedding(embedding, vocab, "embedding"), "decoder": decoder}
     params = jax.tree_util.tree_map(jnp.asarray, params)
+    config, params = _layout(config, params, scan_layers)
 
     from jaxformer.model import DecoderOnlyLM
     _verify_structure(params, DecoderOnlyLM(config), jax.ShapeDtypeStruct((1, 1), jnp.int32))
@@ -268,6 +277,13 @@ def from_torch_decoder_only(
 # ----------------------------------------------------------------------------
 # Reading the architecture
 # ----------------------------------------------------------------------------
+
+
+def _layout(config: TransformerConfig, params: dict, scan_layers: bool):
+    """The imported (per-layer) params, stacked for a scanned config if asked."""
+    if not scan_layers:
+        return config, params
+    return config.replace(scan_layers=True), stacking.stack_layers(params)
 
 
 def _require_type(module, cls, name: str, why: str = "") -> None:
