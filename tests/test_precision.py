@@ -23,6 +23,7 @@ Each comparison also checks the error is not below u / 16: bf16 really ran.
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import jaxformer as jf
@@ -122,17 +123,14 @@ def test_train_step_within_the_bound(pair):
     loss16, grads16 = jax.jit(jax.value_and_grad(loss_fn(bf16)))(params)
     assert U / 16 < relative_error(grads16, grads32) <= 2 * n * U
     assert relative_error(loss16, loss32) <= n * U
-    # The jitted train step itself: its metrics within the same bounds, f32 state after.
+    # The jitted bf16 train step itself: its metrics within the same bounds of the f32
+    # loss and gradients above, and f32 state after.
     tx = make_optimizer(TrainConfig(steps=10, warmup_steps=0))
-    batch = Batch(src, tgt, labels)
-    results = {}
-    for name, model in (("f32", f32), ("bf16", bf16)):
-        state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                           opt_state=tx.init(params), rng=jax.random.PRNGKey(0))
-        state = jax.tree_util.tree_map(jnp.array, state)  # own buffers: the step donates
-        results[name] = make_train_step(model, tx)(state, batch)
-    (state16, m16), (_, m32) = results["bf16"], results["f32"]
-    assert relative_error(m16["loss"], m32["loss"]) <= n * U
-    assert relative_error(m16["grad_norm"], m32["grad_norm"]) <= 2 * n * U
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                       opt_state=tx.init(params), rng=jax.random.PRNGKey(0))
+    state = jax.tree_util.tree_map(jnp.array, state)  # own buffers: the step donates
+    state16, m16 = make_train_step(bf16, tx)(state, Batch(src, tgt, labels))
+    assert relative_error(m16["loss"], loss32) <= n * U
+    assert relative_error(m16["grad_norm"], optax.global_norm(grads32)) <= 2 * n * U
     assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(
         (state16.params, state16.opt_state)) if jnp.issubdtype(x.dtype, jnp.floating))
