@@ -178,10 +178,10 @@ def test_unknown_choices_are_refused_by_the_parser(capsys):
 def test_python_dash_m_jaxformer():
     env = dict(os.environ, PYTHONPATH=REPO)
     top = subprocess.run([sys.executable, "-m", "jaxformer", "--help"], env=env, cwd=REPO,
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=600)
     assert top.returncode == 0 and "train" in top.stdout
     train = subprocess.run([sys.executable, "-m", "jaxformer", "train", "--help"], env=env,
-                           cwd=REPO, capture_output=True, text=True, timeout=120)
+                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert train.returncode == 0
     for flag in ("--task", "--norm", "--steps", "--batch", "--lr", "--seed", "--out",
                  "--resume", "--dtype"):

@@ -271,7 +271,7 @@ def test_four_devices_match_one_device(one_device_run, dropout_run):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
                JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
     proc = subprocess.run([sys.executable, "-c", DATA_PARALLEL], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["devices"] == 4 and out["mesh"] == 4
