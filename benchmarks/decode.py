@@ -24,7 +24,13 @@ side by side in one process:
                  threads = CPU cores or 1, whichever decodes 32 tokens faster
                  here (on a shared machine OpenMP with 2 threads can be slower).
 
-All three generate every one of the N tokens: the JAX scan always runs N
+  hf generate    Hugging Face `MarianMTModel.generate` (benchmarks/hf_peer.py):
+                 greedy with its KV cache (use_cache=True), the same sizes, random
+                 weights, EOS disabled; torch threads = cores. ratio_vs_hf is
+                 against the batch split over the cores, ratio_vs_hf_one_device
+                 against the whole batch on one JAX device.
+
+All of them generate every one of the N tokens: the JAX scan always runs N
 steps, and the seed loop only stops early if *every* row emits EOS in the
 same step (random weights do not; rows that emit EOS are counted and printed).
 The host's speed drifts by tens of percent over minutes (shared cores), so the
@@ -40,7 +46,8 @@ recompute = the time of one of its steps, a full decoder pass over the
 Run (5-10 minutes on 2 shared CPU cores; the torch and recompute loops dominate):
   nice -n 5 python benchmarks/decode.py
 Prints a table, then one JSON line with tokens_per_s, compile_s,
-speedup_vs_recompute, speedup_vs_seed_torch and the other figures.
+speedup_vs_recompute, speedup_vs_seed_torch, ratio_vs_hf, ratio_vs_hf_one_device
+and the other figures.
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ import torch
 import jaxformer as jf
 from jaxformer import decoding, sampling, sharding
 
+import hf_peer  # Hugging Face transformers' MarianMTModel (optional)
 from seed001 import Transformer as SeedTransformer  # the peer, verbatim from seed 001
 
 # ---------------------------------------------------------------------------
@@ -174,20 +182,38 @@ def main(argv: Optional[list[str]] = None) -> dict:
     torch.set_num_threads(seed_threads)
     seed_name = f"seed torch ({seed_threads} thr)"
 
+    # 2b. Hugging Face MarianMTModel.generate (greedy, KV cache, EOS off), torch
+    # threads = cores, as a user runs it.
+    transformers = hf_peer.load()
+    hf_name = "hf generate (cache)"
+    if transformers is not None:
+        torch.set_num_threads(threads)
+        hf_generate = hf_peer.MarianGreedy(transformers, config, src_np)
+        hf_generate(4)  # warm-up: the first generate call sets up its caches
+    torch.set_num_threads(seed_threads)
+
     # 3. Paired rounds. This machine's speed drifts by tens of percent over
     # minutes (a shared host), so each round times every decoder once, back to
     # back, and speed-ups are the median over rounds of that round's ratio.
     times = {name: [] for name in [*jax_runs, seed_name]}
+    if transformers is not None:
+        times[hf_name] = []
     for _ in range(args.rounds):
         for name, run in jax_runs.items():
             times[name].append(once(run)[0])
         seconds, ys = once(seed(NEW_TOKENS))
         times[seed_name].append(seconds)
+        if transformers is not None:
+            torch.set_num_threads(threads)
+            times[hf_name].append(once(lambda: hf_generate(NEW_TOKENS))[0])
+            torch.set_num_threads(seed_threads)
     seed_generated = ys.shape[1] - 1
     seed_eos_rows = int((ys[:, 1:] == EOS).any(dim=1).sum())
     rows = {name: dict(compile_s=first_s.get(name, 0.0) - statistics.median(ts),
                        run_s=statistics.median(ts)) for name, ts in times.items()}
     rows[seed_name]["compile_s"] = 0.0
+    if transformers is not None:
+        rows[hf_name]["compile_s"] = 0.0
 
     # 4. jaxformer naive recompute (heavy: one timed run after the compile).
     first, median, recompute_result = timed(recompute(NEW_TOKENS), 1)
@@ -199,6 +225,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
     def speedup(name):  # median over rounds of seed time / jax time, per generated token
         return statistics.median(seed_s / jax_s * NEW_TOKENS / seed_generated
                                  for seed_s, jax_s in zip(times[seed_name], times[name]))
+
+    def vs_hf(name):  # median over rounds of HF time / jax time (both generate N tokens)
+        if transformers is None:
+            return None
+        return round(statistics.median(hf_s / jax_s for hf_s, jax_s in
+                                       zip(times[hf_name], times[name])), 2)
 
     # 5. Per-step time against the number of new tokens.
     per_step = {"jax cached": {}, "jax recompute": {}, seed_name: {}}
@@ -242,10 +274,14 @@ def main(argv: Optional[list[str]] = None) -> dict:
     print(f"\n{'decoder':<26}{'compile s':>10}{'run s':>10}{'tokens/s':>12}{'vs seed':>9}"
           f"   (run s: median of {args.rounds} paired rounds; vs seed: median of per-round ratios)")
     for name, row in rows.items():
-        ratio = (f"{speedup(name):>8.1f}x" if name in jax_runs else
-                 f"{row['tokens_per_s'] / rows[seed_name]['tokens_per_s']:>8.1f}x")
+        if name == hf_name:
+            ratio = f"{rows[seed_name]['run_s'] / row['run_s'] * NEW_TOKENS / seed_generated:>8.1f}x"
+        else:
+            ratio = (f"{speedup(name):>8.1f}x" if name in jax_runs else
+                     f"{row['tokens_per_s'] / rows[seed_name]['tokens_per_s']:>8.1f}x")
+        hf = f"{vs_hf(name):>8.2f}x" if name in jax_runs and transformers is not None else ""
         print(f"{name:<26}{row['compile_s']:>10.2f}{row['run_s']:>10.3f}"
-              f"{row['tokens_per_s']:>12.0f}{ratio}")
+              f"{row['tokens_per_s']:>12.0f}{ratio}{hf}")
     print(f"\n{'ms per step':<26}" + "".join(f"{'N=' + str(n):>10}" for n in STEP_LENGTHS))
     for name, values in per_step.items():
         print(f"{name:<26}" + "".join(f"{values[n]:>10.2f}" if n in values else f"{'-':>10}"
@@ -266,6 +302,14 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "speedup_vs_recompute": round(speedup_recompute, 2),
         "speedup_vs_seed_torch": round(speedup_seed, 2),
         "target_30x_met": speedup_seed >= 30,
+        # vs Hugging Face MarianMTModel.generate (None: transformers absent). One
+        # device = the whole batch on one JAX device; the other splits the batch
+        # over the CPU cores (one device each).
+        "ratio_vs_hf": vs_hf("jax cached (scan)"),
+        "ratio_vs_hf_one_device": vs_hf("jax cached (1 device)" if mesh.devices.size > 1
+                                        else "jax cached (scan)"),
+        "hf_tokens_per_s": (round(rows[hf_name]["tokens_per_s"], 1)
+                            if transformers is not None else None),
         "speedup_vs_seed_torch_by_round": [
             round(seed_s / jax_s * NEW_TOKENS / seed_generated, 2)
             for seed_s, jax_s in zip(times[seed_name], times["jax cached (scan)"])],

@@ -13,6 +13,11 @@ source + EOS, so T = 33). Both sides train on the same batch every step
               zero_grad / backward / step; eager PyTorch at its default thread
               count (= cores; 1 thread measured slower here: ~0.87 vs ~0.59 s/step).
 
+  hf marian   Hugging Face `transformers.MarianMTModel` (benchmarks/hf_peer.py): the
+              seeds' architecture at the same sizes, dropout 0.1, forward + backward
+              + clipping + AdamW, eager PyTorch at its default thread count. The
+              peer a user would pick; skipped, saying so, without transformers.
+
 They alternate in windows of --steps steps (--rounds times) so that load from
 other processes hits both alike; the figures are medians over the windows.
 tokens/s = B * (S + T) / (seconds per step), source and target tokens both
@@ -35,7 +40,7 @@ seed004_tokens_per_s and lm_ratio_vs_seed_torch.
 Run (about 3 minutes on 2 CPU cores; run it when the machine is quiet):
   nice -n 5 python benchmarks/train.py        # or --lm
 Prints a table, then one JSON line with tokens_per_s, compile_s,
-ratio_vs_seed_torch, fraction_of_matmul_peak and the other figures.
+ratio_vs_seed_torch, ratio_vs_hf, fraction_of_matmul_peak and the other figures.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ import jaxformer as jf
 from jaxformer.data import ByteTokenizer, TextData, segment_mask
 from jaxformer.training import TrainConfig, train_functions
 
+import hf_peer  # Hugging Face transformers' MarianMTModel (optional)
 from seed001 import Transformer as SeedTransformer  # the peer, verbatim from seed 001
 from seed004 import SeedLM  # the LM peer: seed 004's decoder layer, verbatim
 
@@ -162,6 +168,14 @@ class TorchSide:
         return (time.perf_counter() - start) / steps
 
 
+class HFSide(TorchSide):
+    """Hugging Face MarianMTModel's train step (`hf_peer.MarianTrainStep`), timed alike."""
+
+    def __init__(self, step):
+        self.one_step = step
+        self.first_loss = None
+
+
 # --------------------------------------------------------------------------- --lm
 
 LM_SEQ = 128  # the window of `jaxformer train --task lm`
@@ -247,23 +261,35 @@ def main(argv: Optional[list[str]] = None) -> dict:
     start = time.perf_counter()
     torch_side.one_step()
     torch_first = time.perf_counter() - start
+    transformers = hf_peer.load()
+    hf_side = None
+    if transformers is not None:
+        hf_side = HFSide(hf_peer.MarianTrainStep(transformers, config, batch_np))
+        hf_side.run(1)  # warm-up
     jax_side.run(1)  # first run of the compiled step (allocations)
 
-    jax_times, torch_times = [], []
+    jax_times, torch_times, hf_times = [], [], []
     for _ in range(args.rounds):
         jax_times.append(jax_side.run(args.steps))
         torch_times.append(torch_side.run(args.steps))
+        if hf_side is not None:
+            hf_times.append(hf_side.run(args.steps))
     peak_after = matmul_peak()
     peak = max(*peak_before.values(), *peak_after.values())
 
     rows = {}
-    for name, times in (("jaxformer", jax_times), ("seed torch", torch_times)):
+    sides = [("jaxformer", jax_times), ("seed torch", torch_times)]
+    if hf_side is not None:
+        sides.append(("hf marian", hf_times))
+    for name, times in sides:
         step_s = statistics.median(times)
         rows[name] = {"step_s": step_s, "tokens_per_s": tokens_per_step / step_s,
                       "flops_per_s": flops_per_step / step_s,
                       "fraction_of_matmul_peak": flops_per_step / step_s / peak}
     rows["jaxformer"]["compile_s"] = jax_side.compile_s
     rows["seed torch"]["compile_s"] = torch_first
+    if hf_side is not None:
+        rows["hf marian"]["compile_s"] = 0.0
 
     print(f"matmul peak (float32 2048^3): jax {peak_before['jax'] / 1e9:.1f} / "
           f"{peak_after['jax'] / 1e9:.1f}, torch {peak_before['torch'] / 1e9:.1f} / "
@@ -271,8 +297,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
           f"{peak / 1e9:.1f}")
     print(f"{'':<12}{'step ms':>10}{'tokens/s':>12}{'GFLOP/s':>10}{'of peak':>9}"
           f"{'compile s':>11}  windows (ms)")
-    for name, row in rows.items():
-        times = jax_times if name == "jaxformer" else torch_times
+    for (name, times), row in zip(sides, rows.values()):
         print(f"{name:<12}{row['step_s'] * 1e3:>10.1f}{row['tokens_per_s']:>12.0f}"
               f"{row['flops_per_s'] / 1e9:>10.1f}{row['fraction_of_matmul_peak']:>9.2f}"
               f"{row['compile_s']:>11.2f}  {' '.join(f'{t * 1e3:.0f}' for t in times)}")
@@ -285,6 +310,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "compile_s": round(jax_row["compile_s"], 2),
         "ratio_vs_seed_torch": round(jax_row["tokens_per_s"] / torch_row["tokens_per_s"], 3),
         "fraction_of_matmul_peak": round(jax_row["fraction_of_matmul_peak"], 3),
+        # vs Hugging Face MarianMTModel (AdamW, dropout 0.1): the median over
+        # rounds of the per-round ratio (None: transformers absent).
+        "ratio_vs_hf": (round(statistics.median(h / j for h, j in zip(hf_times, jax_times)), 3)
+                        if hf_side is not None else None),
+        "hf_tokens_per_s": (round(rows["hf marian"]["tokens_per_s"], 1)
+                            if hf_side is not None else None),
         "seed_torch_tokens_per_s": round(torch_row["tokens_per_s"], 1),
         "seed_torch_fraction_of_matmul_peak": round(torch_row["fraction_of_matmul_peak"], 3),
         "matmul_peak_gflops": round(peak / 1e9, 1),
