@@ -7,7 +7,7 @@ side by side in one process:
 
   jax cached     `jaxformer.decoding.greedy_decode`: one jitted `lax.scan`,
                  KV cache carried as a pytree, cross K/V projected once,
-                 compiled with `decoding.DECODE_COMPILER_OPTIONS` (on the
+                 compiled with `decode_loop.DECODE_COMPILER_OPTIONS` (on the
                  CPU: XLA's own dots rather than YNNPACK's). Data-parallel:
                  every CPU core is a JAX device
                  (`sharding.use_cpu_cores_as_devices`), the batch is split

@@ -26,16 +26,17 @@ finite.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jaxformer import cache as cache_lib
-from jaxformer import decoding, processors as processors_lib
+from jaxformer import processors as processors_lib
 from jaxformer.attention import KV
+from jaxformer.decode_inputs import check_encdec, decodable
+from jaxformer.decode_loop import (TRACE_COUNTS, DecodeResult, cached_logits_fn, decode_jit,
+                                   memory_cache)
 from jaxformer.model import Transformer
 
 DEAD = -1e9  # log-probability of a beam that must never be chosen (finite: no NaN)
@@ -115,20 +116,16 @@ def force_prefix_logits(logits_RV, step, prefix_RP, prefix_len_R):
     return jnp.where((step < prefix_len_R)[:, None], forced_RV, logits_RV)
 
 
-@decoding.decode_jit(static_argnames=("model", "max_new_tokens", "beam_size", "length_penalty",
-                                      "processors"))
+@decode_jit(static_argnames=("model", "max_new_tokens", "beam_size", "length_penalty",
+                             "processors"))
 def _beam_jit(model, params, src, src_mask, prefix_BP=None, prefix_len_B=None, *,
               max_new_tokens, beam_size, length_penalty, processors=()):
-    decoding.TRACE_COUNTS["beam"] += 1
+    TRACE_COUNTS["beam"] += 1
     c = model.config
     batch, width = src.shape[0], beam_size
-    memory_BSD, src_mask = decoding._encode(model, params, src, src_mask)
     # Row b * W + w is beam w of example b. Repeating the memory costs W times
     # one cross projection, once; the loop never re-projects it.
-    repeat = functools.partial(jnp.repeat, repeats=width, axis=0)
-    cache = cache_lib.with_memory(model, params,
-                                  cache_lib.init_cache(c, batch * width, max_new_tokens),
-                                  repeat(memory_BSD), repeat(src_mask))
+    cache = memory_cache(model, params, src, src_mask, max_new_tokens, repeats=width)
     state = BeamState(
         step=jnp.zeros((), jnp.int32),
         token_R=jnp.full((batch * width,), c.bos_id, jnp.int32),
@@ -138,10 +135,10 @@ def _beam_jit(model, params, src, src_mask, prefix_BP=None, prefix_len_B=None, *
         log_prob_BW=jnp.where(jnp.arange(width) == 0, 0.0, DEAD)[None].repeat(batch, 0),
         lengths_BW=jnp.zeros((batch, width), jnp.int32),
         finished_BW=jnp.zeros((batch, width), bool))
-    logits_fn = decoding.cached_logits_fn(model, params)
+    logits_fn = cached_logits_fn(model, params)
     edits = bool(processors) or prefix_BP is not None
     if prefix_BP is not None:
-        prefix_RP, prefix_len_R = repeat(prefix_BP), repeat(prefix_len_B)
+        prefix_RP, prefix_len_R = (jnp.repeat(x, width, axis=0) for x in (prefix_BP, prefix_len_B))
 
     def body(state, _):
         logits_RV, cache = logits_fn(state.token_R, state.cache, state.step)
@@ -160,7 +157,7 @@ def _beam_jit(model, params, src, src_mask, prefix_BP=None, prefix_len_B=None, *
     state, _ = jax.lax.scan(body, state, None, length=max_new_tokens)
     scores_BW = length_normalised(state.log_prob_BW, state.lengths_BW, length_penalty)
     best_B1 = jnp.argmax(scores_BW, axis=1)[:, None]
-    return decoding.DecodeResult(
+    return DecodeResult(
         tokens=jnp.take_along_axis(state.tokens_BWN, best_B1[..., None], axis=1)[:, 0],
         lengths=jnp.take_along_axis(state.lengths_BW, best_B1, axis=1)[:, 0],
         scores=jnp.take_along_axis(scores_BW, best_B1, axis=1)[:, 0])
@@ -168,7 +165,7 @@ def _beam_jit(model, params, src, src_mask, prefix_BP=None, prefix_len_B=None, *
 
 def beam_search(model: Transformer, params, src_BS, *, max_new_tokens: int, beam_size: int,
                 length_penalty: float = 0.6, src_mask=None, processors=None, prefix=None,
-                prefix_lengths=None) -> decoding.DecodeResult:
+                prefix_lengths=None) -> DecodeResult:
     """Beam search decoding of an encoder-decoder `Transformer`.
 
     Args:
@@ -181,19 +178,16 @@ def beam_search(model: Transformer, params, src_BS, *, max_new_tokens: int, beam
       DecodeResult(tokens (B, N) of the best beam, lengths (B,), scores (B,) its
       length-normalised log-probability).
     """
-    decoding._check_encdec_inputs(model, src_BS, src_mask, max_new_tokens, "scan")
+    procs, prefix_BP, prefix_len_B = check_encdec(
+        model, src_BS, src_mask, max_new_tokens=max_new_tokens, processors=processors,
+        prefix=prefix, prefix_lengths=prefix_lengths)
     vocab = model.config.tgt_vocab_size
     if isinstance(beam_size, bool) or not isinstance(beam_size, int) or not 1 <= beam_size <= vocab:
         raise ValueError(f"beam_size must be an int in 1..{vocab} (the target vocabulary), "
                          f"got {beam_size!r}")
     if not isinstance(length_penalty, (int, float)) or length_penalty < 0:
         raise ValueError(f"length_penalty must be a number >= 0, got {length_penalty!r}")
-    c = model.config
-    procs = processors_lib.normalize(processors, vocab)
-    prefix_BP, prefix_len_B = decoding.check_prefix(
-        prefix, prefix_lengths, batch=src_BS.shape[0], vocab_size=vocab,
-        max_new_tokens=int(max_new_tokens), max_len=c.decoder_len)
-    return _beam_jit(*decoding._decodable(model, params), jnp.asarray(src_BS), src_mask,
+    return _beam_jit(*decodable(model, params), jnp.asarray(src_BS), src_mask,
                      prefix_BP, prefix_len_B, max_new_tokens=int(max_new_tokens),
                      beam_size=beam_size, length_penalty=float(length_penalty),
                      processors=procs)

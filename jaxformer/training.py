@@ -3,6 +3,7 @@
 Pieces, each usable on its own::
 
     loss_and_metrics(logits_BTV, labels_BT, pad_id)  cross-entropy ignoring PAD
+    label_pad_id(config, weights_BT)                 what is PAD (None: PAD is EOS, weights mask)
     make_optimizer(tc)                               AdamW + warmup/cosine + clipping
     create_train_state(model, tx, seed, ...)         TrainState(step, params, opt_state, rng)
     make_train_step(model, tx, ...)                  jitted, donates the state
@@ -184,9 +185,9 @@ def check_lm_data(model_config: TransformerConfig, train_config: TrainConfig,
 # --------------------------------------------------------------------------- loss
 
 
-def loss_and_metrics(logits_BTV: jnp.ndarray, labels_BT: jnp.ndarray, pad_id: int = 0,
-                     label_smoothing: float = 0.0, weights_BT: Optional[jnp.ndarray] = None
-                     ) -> tuple[jnp.ndarray, dict]:
+def loss_and_metrics(logits_BTV: jnp.ndarray, labels_BT: jnp.ndarray,
+                     pad_id: Optional[int] = 0, label_smoothing: float = 0.0,
+                     weights_BT: Optional[jnp.ndarray] = None) -> tuple[jnp.ndarray, dict]:
     """Mean token cross-entropy over non-PAD labels, and metrics.
 
     Returns (loss, {"loss", "token_accuracy", "tokens"}). PAD labels get
@@ -194,10 +195,20 @@ def loss_and_metrics(logits_BTV: jnp.ndarray, labels_BT: jnp.ndarray, pad_id: in
     non-PAD tokens of the whole (global) batch. `weights_BT` (0/1) masks more
     labels (a packed LM batch: no label across a document boundary). With
     `label_smoothing` a the target is (1 - a) one_hot + a / V.
+
+    `pad_id=None`: no label is PAD by its id, `weights_BT` alone is the mask
+    (required). For a model whose PAD id is also its EOS id (`label_pad_id`):
+    a test `labels != pad_id` would drop every EOS label from the loss, and
+    the model would never learn to stop.
     """
     logits_BTV = logits_BTV.astype(jnp.float32)
-    weights_BT = (labels_BT != pad_id).astype(jnp.float32) * (
-        1.0 if weights_BT is None else weights_BT)
+    if pad_id is None:
+        if weights_BT is None:
+            raise ValueError("loss_and_metrics: pad_id=None needs weights_BT (the mask)")
+        weights_BT = jnp.asarray(weights_BT, jnp.float32)
+    else:
+        weights_BT = (labels_BT != pad_id).astype(jnp.float32) * (
+            1.0 if weights_BT is None else weights_BT)
     if label_smoothing > 0.0:
         targets_BTV = optax.smooth_labels(
             jax.nn.one_hot(labels_BT, logits_BTV.shape[-1]), label_smoothing)
@@ -209,6 +220,27 @@ def loss_and_metrics(logits_BTV: jnp.ndarray, labels_BT: jnp.ndarray, pad_id: in
     loss = (xent_BT * weights_BT).sum() / denominator
     correct = ((logits_BTV.argmax(-1) == labels_BT) * weights_BT).sum()
     return loss, {"loss": loss, "token_accuracy": correct / denominator, "tokens": tokens}
+
+
+def label_pad_id(config: TransformerConfig, weights_BT) -> Optional[int]:
+    """The `pad_id` that `loss_and_metrics` masks labels by, for a batch of `config`'s model.
+
+    `config.pad_id`, or None (the batch's weights are the mask) when PAD is
+    also EOS (allowed in configs: many tokenizers reuse EOS as PAD): there a
+    label equal to pad_id may be a real EOS, which must count. A batch without
+    weights (a task `Batch`: labels = target + EOS, then PAD) cannot tell them
+    apart, so it is refused, before anything compiles.
+    """
+    if config.pad_id != config.eos_id:
+        return config.pad_id
+    if weights_BT is None:
+        raise ValueError(
+            f"pad_id == eos_id == {config.pad_id}: a batch without weights (a task Batch) "
+            f"cannot tell its EOS labels from PAD labels, and masking labels != pad_id would "
+            f"drop every EOS label from the loss (the model would never learn to stop). "
+            f"Give PAD its own id in the config for training, or train on batches that "
+            f"carry weights (data.LMBatch: weights 1 exactly where a label counts)")
+    return None
 
 
 def model_logits(model, params, batch, *, deterministic: bool = True, rngs=None):
@@ -292,7 +324,6 @@ def make_train_step(model, tx: optax.GradientTransformation, *,
     metrics: loss, token_accuracy, tokens, grad_norm (before clipping), and
     learning_rate if `schedule` is given.
     """
-    pad_id = model.config.pad_id
 
     def train_step(state: TrainState, batch: Batch):
         dropout_key = jax.random.fold_in(state.rng, state.step)
@@ -300,7 +331,9 @@ def make_train_step(model, tx: optax.GradientTransformation, *,
         def loss_fn(params):
             logits_BTV, labels_BT, weights_BT = model_logits(
                 model, params, batch, deterministic=False, rngs={"dropout": dropout_key})
-            return loss_and_metrics(logits_BTV, labels_BT, pad_id, label_smoothing, weights_BT)
+            return loss_and_metrics(logits_BTV, labels_BT,
+                                    label_pad_id(model.config, weights_BT),
+                                    label_smoothing, weights_BT)
 
         (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -319,11 +352,11 @@ def make_eval_step(model) -> Callable:
 
     Sums, not means, so that chunks of a large evaluation set add up exactly.
     """
-    pad_id = model.config.pad_id
-
     def eval_step(params, batch):
         logits_BTV, labels_BT, weights_BT = model_logits(model, params, batch)
-        loss, metrics = loss_and_metrics(logits_BTV, labels_BT, pad_id, weights_BT=weights_BT)
+        loss, metrics = loss_and_metrics(logits_BTV, labels_BT,
+                                         label_pad_id(model.config, weights_BT),
+                                         weights_BT=weights_BT)
         return {"loss_sum": loss * metrics["tokens"],
                 "correct": metrics["token_accuracy"] * metrics["tokens"],
                 "tokens": metrics["tokens"]}
@@ -334,11 +367,12 @@ def make_eval_step(model) -> Callable:
 @functools.lru_cache(maxsize=16)
 def _lm_eval_step(model: DecoderOnlyLM) -> Callable:
     """jit(step)(params, batch, token_bytes_V) -> sums {nats, tokens, bytes} over weighted labels."""
-    pad_id = model.config.pad_id
 
     def step(params, batch: LMBatch, token_bytes_V):
         logits_BTV, labels_BT, weights_BT = model_logits(model, params, batch)
-        weights_BT = weights_BT * (labels_BT != pad_id)
+        pad_id = label_pad_id(model.config, weights_BT)
+        if pad_id is not None:
+            weights_BT = weights_BT * (labels_BT != pad_id)
         xent_BT = optax.softmax_cross_entropy_with_integer_labels(
             logits_BTV.astype(jnp.float32), labels_BT)
         return {"nats": (xent_BT * weights_BT).sum(), "tokens": weights_BT.sum(),

@@ -13,6 +13,8 @@ import pytest
 
 import jaxformer as jf
 from jaxformer import decoding, sampling, sharding
+from jaxformer.decode_inputs import left_align
+from jaxformer.decode_loop import memory_cache
 from jaxformer.masks import causal_mask
 
 N_NEW = 10
@@ -183,6 +185,20 @@ def test_decode_compiler_options_apply_and_keep_the_tokens(encdec_post):
     if jax.default_backend() == "cpu":
         compiled = decoding._encdec_jit.lower(*args, **kwargs).compile().as_text()
         assert "__ynn_fusion" not in compiled
+
+
+def test_memory_cache_repeats_each_example_for_its_beams(encdec_post):
+    """`memory_cache(repeats=W)` (beam search's start) holds example b's encoded source
+    in rows b*W..b*W+W-1: the repeats=1 cache with every row repeated W times."""
+    config, model, params, src = encdec_post
+    once = memory_cache(model, params, src, None, N_NEW)
+    thrice = memory_cache(model, params, src, None, N_NEW, repeats=3)
+    assert thrice.max_len == once.max_len == N_NEW and int(thrice.index) == 0
+    np.testing.assert_array_equal(thrice.cross_mask, np.repeat(once.cross_mask, 3, axis=0))
+    assert not np.all(once.cross_mask)  # the padded sources are hidden
+    for ours, ref in zip(jax.tree.leaves((thrice.cross_kv, thrice.self_kv)),
+                         jax.tree.leaves((once.cross_kv, once.self_kv))):
+        np.testing.assert_allclose(ours, np.repeat(ref, 3, axis=0), rtol=1e-5, atol=1e-6)
 
 
 def test_init_wrapper_params_are_accepted(encdec_post):
@@ -383,7 +399,7 @@ def test_lm_bad_inputs_raise_before_compiling(kwargs, match):
 def test_left_align():
     prompt = jnp.array([[5, 6, 7, 0], [8, 0, 0, 0], [3, 4, 5, 6]])
     np.testing.assert_array_equal(
-        decoding.left_align(prompt, jnp.array([3, 1, 4]), pad_id=0),
+        left_align(prompt, jnp.array([3, 1, 4]), pad_id=0),
         [[0, 5, 6, 7], [0, 0, 0, 8], [3, 4, 5, 6]])
 
 

@@ -82,6 +82,50 @@ def test_lm_loss_against_a_hand_computed_case():
     assert metrics_pad["tokens"] == 2
 
 
+def test_pad_equal_to_eos_keeps_the_eos_labels_in_the_loss(make_lm, make_transformer):
+    """PAD == EOS (allowed in configs): an EOS label of weight 1 counts in the loss of the
+    eval step, the train step and the LM evaluation (a `labels != pad_id` mask would drop
+    it); a task Batch, without weights, is refused rather than silently losing its EOS."""
+    import optax  # noqa: PLC0415
+
+    from jaxformer import training  # noqa: PLC0415
+    from jaxformer.tasks import Batch  # noqa: PLC0415
+
+    B, E = 1, 2  # BOS; EOS, also PAD
+    config = jf.tiny(num_encoder_layers=0, num_decoder_layers=1, bos_id=B, eos_id=E, pad_id=E)
+    model, params = make_lm(config)
+    # Two documents "B 5 6 E" and "B 7 E", then one PAD label (weight 0).
+    batch = LMBatch(inputs=np.array([[B, 5, 6, E, B, 7, E]], np.int32),
+                    labels=np.array([[5, 6, E, B, 7, E, E]], np.int32),
+                    weights=np.array([[1, 1, 1, 0, 1, 1, 0]], np.float32),
+                    positions=np.array([[0, 1, 2, 3, 0, 1, 2]], np.int32),
+                    segments=np.array([[1, 1, 1, 1, 2, 2, 2]], np.int32))
+    logits_BTV, labels_BT, weights_BT = model_logits(model, params, batch)
+    xent_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, labels_BT)
+    want = float((xent_BT * weights_BT).sum() / weights_BT.sum())  # 5 labels, 2 of them EOS
+
+    sums = training.make_eval_step(model)(params, batch)
+    assert float(sums["tokens"]) == 5
+    np.testing.assert_allclose(sums["loss_sum"] / sums["tokens"], want, rtol=1e-5)
+    lm_sums = training._lm_eval_step(model)(params, batch, jnp.ones(config.tgt_vocab_size))
+    assert float(lm_sums["tokens"]) == 5
+    np.testing.assert_allclose(lm_sums["nats"], 5 * want, rtol=1e-5)
+    tx = optax.sgd(0.0)
+    state = training.TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                                opt_state=tx.init(params), rng=jax.random.PRNGKey(0))
+    _, metrics = training.make_train_step(model, tx)(state, batch)
+    assert float(metrics["tokens"]) == 5
+    np.testing.assert_allclose(metrics["loss"], want, rtol=1e-5)  # dropout 0 in tiny
+
+    encdec, encdec_params = make_transformer(config.replace(num_encoder_layers=1))
+    task_batch = Batch(src=jnp.array([[5, 6, E]]), tgt_in=jnp.array([[B, 5, 6]]),
+                       labels=jnp.array([[5, 6, E]]))
+    with pytest.raises(ValueError, match="pad_id == eos_id == 2.*drop every EOS label"):
+        training.make_eval_step(encdec)(encdec_params, task_batch)
+    with pytest.raises(ValueError, match="pad_id=None needs weights_BT"):
+        loss_and_metrics(logits_BTV, labels_BT, pad_id=None)
+
+
 def test_bits_per_byte_counts_the_bytes_of_the_predicted_tokens(data, make_lm):
     """A uniform model over 259 ids costs log2(259) bits per byte on byte tokens."""
     model, params = make_lm(MODEL)

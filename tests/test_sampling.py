@@ -9,6 +9,7 @@ import pytest
 
 import jaxformer as jf
 from jaxformer import decoding, sampling
+from jaxformer.decode_loop import decode_loop, init_state
 
 V = 8
 EOS, PAD = 2, 0
@@ -85,9 +86,9 @@ SCRIPT = jnp.array([[3, 4, EOS, 5, 6],    # stops at step 3
 
 @pytest.mark.parametrize("loop", ["scan", "while"])
 def test_loop_eos_pad_and_lengths_with_a_fake_model(loop):
-    state = decoding.init_state(jnp.ones(3, jnp.int32), jnp.zeros((), jnp.int32), 5,
+    state = init_state(jnp.ones(3, jnp.int32), jnp.zeros((), jnp.int32), 5,
                                 pad_id=PAD)
-    run = jax.jit(functools.partial(decoding.decode_loop, fake_logits_fn(SCRIPT),
+    run = jax.jit(functools.partial(decode_loop, fake_logits_fn(SCRIPT),
                                     num_steps=5, eos_id=EOS, pad_id=PAD, loop=loop))
     out = run(state)
     np.testing.assert_array_equal(out.tokens_BN, [[3, 4, EOS, PAD, PAD],
@@ -100,10 +101,10 @@ def test_loop_eos_pad_and_lengths_with_a_fake_model(loop):
 
 def test_while_loop_stops_when_every_row_is_done():
     script = SCRIPT.at[1, 3].set(EOS)
-    state = decoding.init_state(jnp.ones(3, jnp.int32), jnp.zeros((), jnp.int32), 5,
+    state = init_state(jnp.ones(3, jnp.int32), jnp.zeros((), jnp.int32), 5,
                                 pad_id=PAD)
     run = lambda loop: jax.jit(functools.partial(
-        decoding.decode_loop, fake_logits_fn(script), num_steps=5, eos_id=EOS, pad_id=PAD,
+        decode_loop, fake_logits_fn(script), num_steps=5, eos_id=EOS, pad_id=PAD,
         loop=loop))(state)
     early, full = run("while"), run("scan")
     assert (int(early.cache), int(full.cache)) == (4, 5)  # model calls
@@ -116,8 +117,8 @@ def test_loop_feeds_back_its_own_picks():
     def logits_fn(token_B, cache, step):
         return jax.nn.one_hot((token_B + 1) % V, V), cache
 
-    state = decoding.init_state(jnp.array([3, 5], jnp.int32), None, 4, pad_id=PAD)
-    out = decoding.decode_loop(logits_fn, state, 4, eos_id=EOS, pad_id=PAD)
+    state = init_state(jnp.array([3, 5], jnp.int32), None, 4, pad_id=PAD)
+    out = decode_loop(logits_fn, state, 4, eos_id=EOS, pad_id=PAD)
     np.testing.assert_array_equal(out.tokens_BN, [[4, 5, 6, 7], [6, 7, 0, 1]])
 
 

@@ -164,13 +164,15 @@ def prompt_ids(vocab: list[str], language: str = "en") -> list[int]:
 
 
 def transcribe_ids(model, params, vocab, model_dir, features_BTM, *, max_new_tokens: int = 224,
-                   language: str = "en") -> list[list[int]]:
+                   language: str = "en", loop: str = "while") -> list[list[int]]:
     """Greedy transcription as Whisper decodes: forced prefix, suppressed tokens, and
     blank/EOS suppressed at the first free step. Returns each row's text token ids
     (prefix and EOS excluded, as ctranslate2's `sequences_ids`).
 
     `max_new_tokens` counts the whole decoder input after BOS, as ctranslate2's
-    `max_length` does (so the prefix is part of it).
+    `max_length` does (so the prefix is part of it). `loop="while"` (default)
+    stops once every row emitted EOS, as ctranslate2 does; "scan" always runs
+    `max_new_tokens - 1` steps. Both give the same ids.
     """
     from jaxformer import decoding, processors  # noqa: PLC0415
 
@@ -180,7 +182,7 @@ def transcribe_ids(model, params, vocab, model_dir, features_BTM, *, max_new_tok
         model, params, features_BTM, max_new_tokens=max_new_tokens - 1, prefix=prefix,
         processors=[processors.suppress_tokens(special["suppress_ids"]),
                     processors.suppress_at_step(special["suppress_ids_begin"],
-                                                at=len(prefix))])
+                                                at=len(prefix))], loop=loop)
     eos = model.config.eos_id
     rows = []
     for tokens, length in zip(np.asarray(out.tokens), np.asarray(out.lengths)):
