@@ -28,6 +28,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxformer.partitioning import batch_axes, batch_shards
+
 DATA_AXIS = "data"
 
 
@@ -70,8 +72,6 @@ def make_mesh(devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
 
 def data_sharding(mesh: Mesh) -> NamedSharding:
     """Leading axis split over the mesh's batch axes ("data", and "fsdp" if it has one)."""
-    from jaxformer.partitioning import batch_axes  # noqa: PLC0415
-
     return NamedSharding(mesh, P(batch_axes(mesh)))
 
 
@@ -81,8 +81,6 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 def check_divisible(batch_size: int, mesh: Mesh, name: str = "batch_size") -> None:
     """Raise ValueError unless `batch_size` splits evenly over the mesh's batch axes."""
-    from jaxformer.partitioning import batch_axes, batch_shards  # noqa: PLC0415
-
     shards = batch_shards(mesh)
     if batch_size % shards:
         over = "x".join(f"{a}={mesh.shape[a]}" for a in batch_axes(mesh))
