@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxformer.config import TransformerConfig
+from jaxformer.partitioning import logical
 from jaxformer.rope import apply_rope
 
 
@@ -124,17 +125,23 @@ class MultiHeadAttention(nn.Module):
 
     def setup(self):
         c = self.config
-        common = dict(dtype=c.compute_dtype, param_dtype=c.params_dtype,
-                      kernel_init=dense_init())
+        common = dict(dtype=c.compute_dtype, param_dtype=c.params_dtype)
         bias = c.has_attention_bias
+
+        def names(kernel, bias_names):  # logical axes (jaxformer.partitioning)
+            return dict(kernel_init=logical(dense_init(), kernel),
+                        bias_init=logical(nn.initializers.zeros, bias_names))
+
         self.query = nn.DenseGeneral(features=(c.num_heads, c.head_dim), use_bias=bias("q"),
+                                     **names(("embed", "heads", "kv"), ("heads", "kv")),
                                      **common)
+        kv_names = names(("embed", "kv_heads", "kv"), ("kv_heads", "kv"))
         self.key = nn.DenseGeneral(features=(c.kv_heads, c.head_dim), use_bias=bias("k"),
-                                   **common)
+                                   **kv_names, **common)
         self.value = nn.DenseGeneral(features=(c.kv_heads, c.head_dim), use_bias=bias("v"),
-                                     **common)
+                                     **kv_names, **common)
         self.out = nn.DenseGeneral(features=c.d_model, axis=(-2, -1), use_bias=bias("o"),
-                                   **common)
+                                   **names(("heads", "kv", "embed"), ("embed",)), **common)
 
     def _rotate(self, x_BHTK: jnp.ndarray, positions_BT: Optional[jnp.ndarray]) -> jnp.ndarray:
         if not self.rotary:

@@ -90,7 +90,8 @@ def encoder_stack(config: TransformerConfig, num_layers: int):
         return [block(config) for _ in range(num_layers)]
     return nn.scan(block, variable_axes={"params": 0, "intermediates": 0},
                    split_rngs={"params": True, "dropout": True},
-                   in_axes=(nn.broadcast, nn.broadcast), length=num_layers)(config)
+                   in_axes=(nn.broadcast, nn.broadcast), length=num_layers,
+                   metadata_params={nn.PARTITION_NAME: "layers"})(config)
 
 
 def decoder_stack(config: TransformerConfig, num_layers: int, cross_attention: bool):
@@ -99,7 +100,8 @@ def decoder_stack(config: TransformerConfig, num_layers: int, cross_attention: b
         return [block(config, cross_attention=cross_attention) for _ in range(num_layers)]
     return nn.scan(block, variable_axes={"params": 0, "intermediates": 0},
                    split_rngs={"params": True, "dropout": True},
-                   in_axes=(nn.broadcast,) * 5, length=num_layers)(
+                   in_axes=(nn.broadcast,) * 5, length=num_layers,
+                   metadata_params={nn.PARTITION_NAME: "layers"})(
                        config, cross_attention=cross_attention)
 
 

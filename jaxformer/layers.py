@@ -20,6 +20,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxformer.attention import KV, MultiHeadAttention, dense_init
 from jaxformer.config import TransformerConfig
+from jaxformer.partitioning import ACTIVATION_BTD, constrain, logical
 
 
 def sinusoidal_table(max_len: int, d_model: int) -> np.ndarray:
@@ -46,10 +47,11 @@ def layer_norm(config: TransformerConfig, name: Optional[str] = None) -> nn.Modu
     """The configured norm: LayerNorm (scale, bias) or RMSNorm (scale only)."""
     # norm_dtype: float32 under precision="mixed" (statistics and output).
     common = dict(epsilon=config.layer_norm_epsilon, dtype=config.norm_dtype,
-                  param_dtype=config.params_dtype, name=name)
+                  param_dtype=config.params_dtype, name=name,
+                  scale_init=logical(nn.initializers.ones, ("norm",)))
     if config.norm_type == "rmsnorm":
         return nn.RMSNorm(**common)
-    return nn.LayerNorm(**common)
+    return nn.LayerNorm(bias_init=logical(nn.initializers.zeros, ("norm",)), **common)
 
 
 class TokenEmbedding(nn.Module):
@@ -66,8 +68,9 @@ class TokenEmbedding(nn.Module):
     def setup(self):
         c = self.config
         stddev = c.d_model ** -0.5 if c.scale_embeddings else 1.0
-        self.embedding = self.param("embedding", nn.initializers.normal(stddev),
-                                    (self.vocab_size, c.d_model), c.params_dtype)
+        self.embedding = self.param(
+            "embedding", logical(nn.initializers.normal(stddev), ("vocab", "embed")),
+            (self.vocab_size, c.d_model), c.params_dtype)
 
     def __call__(self, tokens_BT: jnp.ndarray) -> jnp.ndarray:
         """(B, T) ids -> (B, T, D), times sqrt(D) if `config.scale_embeddings`."""
@@ -104,19 +107,23 @@ class PositionEmbedding(nn.Module):
         if positions_BT is None:
             positions_BT = jnp.arange(x_BTD.shape[1])[None, :]
         if self.kind == "none":
-            return nn.Dropout(c.embedding_dropout)(x_BTD, deterministic=deterministic)
+            x_BTD = nn.Dropout(c.embedding_dropout)(x_BTD, deterministic=deterministic)
+            return constrain(x_BTD, ACTIVATION_BTD)
         length = c.max_len if self.length is None else self.length
         if self.kind == "learned":
-            table = self.param("embedding", nn.initializers.normal(0.02),
+            table = self.param("embedding", logical(nn.initializers.normal(0.02),
+                                                    ("length", "embed")),
                                (length, c.d_model), c.params_dtype)
         elif self.kind == "fixed":
             table = jax.lax.stop_gradient(self.param(
-                "embedding", lambda _, shape, dtype: jnp.asarray(
-                    sinusoidal_table(*shape), dtype), (length, c.d_model), c.params_dtype))
+                "embedding", logical(lambda _, shape, dtype: jnp.asarray(
+                    sinusoidal_table(*shape), dtype), ("length", "embed")),
+                (length, c.d_model), c.params_dtype))
         else:
             table = jnp.asarray(sinusoidal_table(length, c.d_model))
         x_BTD = x_BTD + jnp.take(table, positions_BT, axis=0).astype(x_BTD.dtype)
-        return nn.Dropout(c.embedding_dropout)(x_BTD, deterministic=deterministic)
+        x_BTD = nn.Dropout(c.embedding_dropout)(x_BTD, deterministic=deterministic)
+        return constrain(x_BTD, ACTIVATION_BTD)
 
 
 class FeedForward(nn.Module):
@@ -132,18 +139,23 @@ class FeedForward(nn.Module):
     @nn.compact
     def __call__(self, x_BTD: jnp.ndarray, *, deterministic: bool = True) -> jnp.ndarray:
         c = self.config
-        dense = functools.partial(nn.Dense, dtype=c.compute_dtype, use_bias=c.ffn_bias,
-                                  param_dtype=c.params_dtype, kernel_init=dense_init())
+        common = dict(dtype=c.compute_dtype, use_bias=c.ffn_bias, param_dtype=c.params_dtype)
+        up = functools.partial(  # (D, F): up and gate projections
+            nn.Dense, features=c.d_ff, kernel_init=logical(dense_init(), ("embed", "mlp")),
+            bias_init=logical(nn.initializers.zeros, ("mlp",)), **common)
+        down = nn.Dense(c.d_model, kernel_init=logical(dense_init(), ("mlp", "embed")),
+                        bias_init=logical(nn.initializers.zeros, ("embed",)), name="wo",
+                        **common)
         # checkpoint_name: what config.remat="save_proj" keeps (identity otherwise).
         if c.gated_ffn:
-            gate_BTF = checkpoint_name(dense(c.d_ff, name="gate")(x_BTD), "ffn_gate")
-            up_BTF = checkpoint_name(dense(c.d_ff, name="wi")(x_BTD), "ffn_wi")
+            gate_BTF = checkpoint_name(up(name="gate")(x_BTD), "ffn_gate")
+            up_BTF = checkpoint_name(up(name="wi")(x_BTD), "ffn_wi")
             h_BTF = activation_fn(c.activation)(gate_BTF) * up_BTF
         else:
             h_BTF = activation_fn(c.activation)(
-                checkpoint_name(dense(c.d_ff, name="wi")(x_BTD), "ffn_wi"))
+                checkpoint_name(up(name="wi")(x_BTD), "ffn_wi"))
         h_BTF = nn.Dropout(c.ffn_dropout)(h_BTF, deterministic=deterministic)
-        return checkpoint_name(dense(c.d_model, name="wo")(h_BTF), "ffn_wo")
+        return checkpoint_name(down(h_BTF), "ffn_wo")
 
 
 def _residual(config: TransformerConfig, norm: nn.Module, dropout: nn.Dropout,
@@ -188,7 +200,7 @@ class EncoderLayer(nn.Module):
         x_BSD, _ = _residual(self.config, self.ffn_norm, self.dropout,
                              lambda h: (self.ffn(h, deterministic=deterministic), None),
                              x_BSD, deterministic)
-        return x_BSD
+        return constrain(x_BSD, ACTIVATION_BTD)
 
 
 class DecoderLayer(nn.Module):
@@ -267,4 +279,4 @@ class DecoderLayer(nn.Module):
         y_BTD, _ = _residual(self.config, self.ffn_norm, self.dropout,
                              lambda h: (self.ffn(h, deterministic=deterministic), None),
                              y_BTD, deterministic)
-        return y_BTD, new_cache
+        return constrain(y_BTD, ACTIVATION_BTD), new_cache

@@ -38,6 +38,7 @@ from jaxformer.config import TransformerConfig
 from jaxformer.layers import (DecoderLayer, EncoderLayer, PositionEmbedding, TokenEmbedding,
                               layer_norm)
 from jaxformer.masks import decoder_self_mask, padding_mask
+from jaxformer.partitioning import logical
 
 
 class Encoder(nn.Module):
@@ -95,7 +96,8 @@ class Decoder(nn.Module):
             # norm_dtype: logits are computed in float32 under precision="mixed".
             self.out_proj = nn.Dense(c.tgt_vocab_size, dtype=c.norm_dtype,
                                      use_bias=c.output_bias, param_dtype=c.params_dtype,
-                                     kernel_init=dense_init())
+                                     kernel_init=logical(dense_init(), ("embed", "vocab")),
+                                     bias_init=logical(nn.initializers.zeros, ("vocab",)))
 
     def cross_kv(self, memory_BSD: jnp.ndarray) -> tuple[KV, ...]:
         """Each layer's cross-attention keys/values of the memory, computed once."""

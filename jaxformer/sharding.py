@@ -9,6 +9,10 @@ no per-device code. Decoding follows the data the same way: a source batch
 placed with `shard_batch` (parameters with `replicate`) decodes data-parallel,
 each device running the loop on its own rows.
 
+`jaxformer.partitioning` generalises the mesh to ("data", "fsdp", "tensor")
+with parameters split by logical axes; the functions here take either mesh:
+a batch is split over whichever of "data" and "fsdp" the mesh has.
+
 On a CPU host JAX's default is one device for all cores, and the small ops of
 a decode step (mostly (B, 256) x (256, F) matmuls) cannot keep several threads
 busy. `use_cpu_cores_as_devices()` makes each core a device, so that a sharded
@@ -23,6 +27,8 @@ from typing import Any, Optional, Sequence
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxformer.partitioning import batch_axes, batch_shards
 
 DATA_AXIS = "data"
 
@@ -54,7 +60,10 @@ def use_cpu_cores_as_devices(num_devices: Optional[int] = None) -> int:
 
 
 def make_mesh(devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
-    """A 1-D mesh named "data" over `devices` (default: all of `jax.devices()`)."""
+    """A 1-D mesh named "data" over `devices` (default: all of `jax.devices()`).
+
+    For fsdp / tensor parallelism see `jaxformer.partitioning.make_mesh`.
+    """
     devices = list(jax.devices() if devices is None else devices)
     if not devices:
         raise ValueError("devices must not be empty")
@@ -62,8 +71,8 @@ def make_mesh(devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
 
 
 def data_sharding(mesh: Mesh) -> NamedSharding:
-    """Leading axis split over the "data" axis."""
-    return NamedSharding(mesh, P(DATA_AXIS))
+    """Leading axis split over the mesh's batch axes ("data", and "fsdp" if it has one)."""
+    return NamedSharding(mesh, P(batch_axes(mesh)))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -71,11 +80,12 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def check_divisible(batch_size: int, mesh: Mesh, name: str = "batch_size") -> None:
-    """Raise ValueError unless `batch_size` splits evenly over the mesh's devices."""
-    devices = mesh.devices.size
-    if batch_size % devices:
-        raise ValueError(f"{name}={batch_size} does not divide over the {devices} devices of "
-                         f"the mesh: use a multiple of {devices}")
+    """Raise ValueError unless `batch_size` splits evenly over the mesh's batch axes."""
+    shards = batch_shards(mesh)
+    if batch_size % shards:
+        over = "x".join(f"{a}={mesh.shape[a]}" for a in batch_axes(mesh))
+        raise ValueError(f"{name}={batch_size} does not divide over the {shards} devices of "
+                         f"the mesh's batch axes ({over}): use a multiple of {shards}")
 
 
 def shard_batch(batch: Any, mesh: Mesh) -> Any:

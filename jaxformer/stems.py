@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from jaxformer.config import TransformerConfig
 from jaxformer.layers import activation_fn
+from jaxformer.partitioning import logical
 
 
 class ConvStem(nn.Module):
@@ -36,5 +37,8 @@ class ConvStem(nn.Module):
         for i, stride in enumerate(self.strides):
             x = act(nn.Conv(c.d_model, (self.width,), strides=(stride,), padding=[(pad, pad)],
                             dtype=c.compute_dtype, param_dtype=c.params_dtype,
+                            kernel_init=logical(nn.initializers.lecun_normal(),
+                                                ("conv_width", "conv_in", "embed")),
+                            bias_init=logical(nn.initializers.zeros, ("embed",)),
                             name=f"conv_{i}")(x))
         return x

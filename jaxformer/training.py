@@ -6,6 +6,7 @@ Pieces, each usable on its own::
     label_pad_id(config, weights_BT)                 what is PAD (None: PAD is EOS, weights mask)
     make_optimizer(tc)                               AdamW + warmup/cosine + clipping
     create_train_state(model, tx, seed, ...)         TrainState(step, params, opt_state, rng)
+    train_state_shardings(model, tx, shapes, mesh)   where each leaf of the state lives
     make_train_step(model, tx, ...)                  jitted, donates the state
     make_eval_step(model, ...), evaluate(...)        teacher-forced metrics + greedy exact match
     fit(model_config, train_config, ...)             the loop: data, mesh, checkpoints, progress
@@ -24,6 +25,13 @@ bits are a function of the key and the element's global index, so every
 device draws its own slice of the mask the one-device run draws. 4 devices
 train to the losses of 1 device with dropout on (tests/test_training.py);
 with the flag off they do not, so a multi-device run refuses it.
+
+Sharding (`jaxformer.partitioning`): the state is created directly in its
+shardings (abstract shapes first, then a jitted init with `out_shardings`),
+parameters and each optimizer moment split by the logical-axis rules over the
+mesh's "fsdp" / "tensor" axes, the batch over "data" x "fsdp". On a mesh of
+"data" alone (the default) everything is replicated: plain data parallelism.
+The train step is jitted with the same in/out shardings and donates the state.
 
 Warmup: Post-LN (the paper's x = LN(x + f(x)), `norm="post"`) needs the
 linear learning-rate warmup: without it the first large Adam updates put the
@@ -48,7 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxformer import checks, stacking
+from jaxformer import checks, partitioning, stacking
 from jaxformer.config import ConfigMixin, TransformerConfig
 from jaxformer.data import LMBatch, TextData, segment_mask
 from jaxformer.decoding import greedy_decode
@@ -303,19 +311,52 @@ def _init_state(model, tx: optax.GradientTransformation, input_shapes: tuple, se
                       opt_state=tx.init(params), rng=jax.random.fold_in(root, 2))
 
 
+def train_state_shardings(model, tx: optax.GradientTransformation, input_shapes: tuple,
+                          mesh, rules=partitioning.LOGICAL_AXIS_RULES) -> TrainState:
+    """A `TrainState` of `NamedSharding`s: parameters by their logical axes under `rules`,
+    every optax leaf shaped like a parameter as that parameter, the rest replicated.
+
+    Nothing is computed (`jax.eval_shape`). Raises ValueError, by parameter path,
+    if a split dimension does not divide over its mesh axes.
+    """
+    inputs = [jax.ShapeDtypeStruct(shape, jnp.int32) for shape in input_shapes]
+    specs = partitioning.mesh_specs(partitioning.logical_specs(model, *inputs), rules)
+    abstract = jax.eval_shape(functools.partial(_init_state, model, tx, input_shapes), 0)
+    partitioning.check_divisible_params(abstract.params, specs, mesh)
+    params = partitioning.shardings(specs, mesh)
+    return TrainState(step=replicated(mesh), params=params,
+                      opt_state=partitioning.state_shardings(tx, abstract.opt_state, params,
+                                                             mesh),
+                      rng=replicated(mesh))
+
+
+def make_init(model, tx: optax.GradientTransformation, input_shapes: tuple, mesh,
+              shardings: Optional[TrainState] = None) -> Callable:
+    """jit(init)(seed) -> TrainState, each leaf created directly in its sharding."""
+    if shardings is None:
+        shardings = train_state_shardings(model, tx, input_shapes, mesh)
+    return jax.jit(functools.partial(_init_state, model, tx, input_shapes),
+                   out_shardings=shardings)
+
+
 def create_train_state(model: Transformer, tx: optax.GradientTransformation, seed: int,
                        src_len: int, tgt_len: int, mesh=None) -> TrainState:
-    """Initialise parameters and optimizer state, replicated over `mesh` (default: all devices)."""
+    """Initialise parameters and optimizer state on `mesh` (default: all devices on
+    "data", i.e. replicated), sharded by `train_state_shardings`."""
     mesh = make_mesh() if mesh is None else mesh
-    init = jax.jit(functools.partial(_init_state, model, tx, ((1, src_len), (1, tgt_len))),
-                   out_shardings=replicated(mesh))
-    return init(seed)
+    return make_init(model, tx, ((1, src_len), (1, tgt_len)), mesh)(seed)
 
 
 def make_train_step(model, tx: optax.GradientTransformation, *,
                     label_smoothing: float = 0.0,
-                    schedule: Optional[optax.Schedule] = None) -> Callable:
+                    schedule: Optional[optax.Schedule] = None, mesh=None,
+                    shardings: Optional[TrainState] = None) -> Callable:
     """jit(train_step)(state, batch) -> (new_state, metrics); the input state is donated.
+
+    With `mesh` and `shardings` (`train_state_shardings`) the step is jitted
+    with those in/out shardings (the batch split over the mesh's batch axes,
+    metrics replicated) and activations are constrained at layer boundaries
+    (`partitioning.constrain`); without, the shardings follow the inputs.
 
     `model` is a `Transformer` fed task `Batch`es or a `DecoderOnlyLM` fed
     `data.LMBatch`es (`model_logits`).
@@ -329,8 +370,9 @@ def make_train_step(model, tx: optax.GradientTransformation, *,
         dropout_key = jax.random.fold_in(state.rng, state.step)
 
         def loss_fn(params):
-            logits_BTV, labels_BT, weights_BT = model_logits(
-                model, params, batch, deterministic=False, rngs={"dropout": dropout_key})
+            with partitioning.activation_sharding(mesh if shardings is not None else None):
+                logits_BTV, labels_BT, weights_BT = model_logits(
+                    model, params, batch, deterministic=False, rngs={"dropout": dropout_key})
             return loss_and_metrics(logits_BTV, labels_BT,
                                     label_pad_id(model.config, weights_BT),
                                     label_smoothing, weights_BT)
@@ -343,7 +385,12 @@ def make_train_step(model, tx: optax.GradientTransformation, *,
             metrics["learning_rate"] = schedule(state.step)
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
-    return jax.jit(train_step, donate_argnums=0)
+    if shardings is None:
+        return jax.jit(train_step, donate_argnums=0)
+    if mesh is None:
+        raise ValueError("make_train_step: shardings need their mesh")
+    return jax.jit(train_step, in_shardings=(shardings, data_sharding(mesh)),
+                   out_shardings=(shardings, replicated(mesh)), donate_argnums=0)
 
 
 @functools.lru_cache(maxsize=16)  # one compilation per model config, not per call
@@ -398,7 +445,8 @@ def evaluate_lm(model: DecoderOnlyLM, params, data: TextData, *, batch_size: int
     compressor's output size).
     """
     mesh = make_mesh() if mesh is None else mesh
-    batch_size = max(batch_size - batch_size % mesh.devices.size, mesh.devices.size)
+    shards = partitioning.batch_shards(mesh)
+    batch_size = max(batch_size - batch_size % shards, shards)
     step = _lm_eval_step(model)
     token_bytes_V = jnp.asarray(token_byte_counts(data.tokenizer), jnp.float32)
     params = replicate(params, mesh)
@@ -459,7 +507,7 @@ def evaluate(model: Transformer, params, batch: Batch, *, mesh=None, chunk: int 
     predict = make_predict(model, batch.labels.shape[1]) if predict is None else predict
     params = replicate(params, mesh)  # a no-op if already there
     total = batch.src.shape[0]
-    devices = mesh.devices.size
+    devices = partitioning.batch_shards(mesh)  # rows per chunk: a multiple of this
     chunk = max(devices, chunk - chunk % devices)
     sums = {"loss_sum": 0.0, "correct": 0.0, "tokens": 0.0}
     exact = 0
@@ -493,7 +541,8 @@ class TrainFunctions:
     `train_functions` caches these bundles, so runs that differ only in their
     seed (or a resumed run in the same process) reuse the compiled code.
 
-      init(seed) -> TrainState             replicated over the mesh
+      init(seed) -> TrainState             created in `shardings` (jitted, out_shardings)
+      shardings: TrainState                 of NamedShardings (`train_state_shardings`)
       batch(seed, step) -> Batch           the training batch of `step`, split over "data"
                                            (synthetic tasks; None for task "lm")
       step(state, batch) -> (state, metrics)   jitted, donates `state`
@@ -519,10 +568,11 @@ class TrainFunctions:
                 return task.train_batch(jax.random.fold_in(data_key, step), tc.batch_size)
 
             self.batch = jax.jit(batch, out_shardings=data_sharding(mesh))
-        self.init = jax.jit(functools.partial(_init_state, self.model, self.tx, input_shapes),
-                            out_shardings=replicated(mesh))
+        self.shardings = train_state_shardings(self.model, self.tx, input_shapes, mesh)
+        self.init = make_init(self.model, self.tx, input_shapes, mesh, self.shardings)
         self.step = make_train_step(self.model, self.tx, label_smoothing=tc.label_smoothing,
-                                    schedule=self.schedule)
+                                    schedule=self.schedule, mesh=mesh,
+                                    shardings=self.shardings)
         self._compiled = None
 
     def compiled_step(self, state: TrainState, batch: Batch):
