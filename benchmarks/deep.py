@@ -9,25 +9,47 @@ float32, the jitted AdamW train step of `jaxformer.training.make_train_step`.
    L/2 encoder + L/2 decoder layers. scan_compile_ratio = compile(24) /
    compile(2) of the scanned step, the larger of the two models (goal <= 1.5);
    unrolled_compile_ratio the same unrolled.
-2. remat at sequence length 1024, 8 scanned layers (decoder-only, batch 2):
-   `compiled.memory_analysis().temp_size_in_bytes`, XLA's buffer assignment
-   for everything that is neither an argument nor an output: on CPU that is
-   the activations kept for the backward pass plus scratch, as planned by the
-   CPU compiler (no device allocator is involved). remat_full_temp_ratio =
-   temp(full) / temp(none) (goal <= 0.5); save_proj and save_dots reported,
-   with each policy's median step time. Scanned: with the unrolled stack the
-   CPU compiler's temp bytes came out identical for every policy (1872 MiB at
-   none and full), i.e. XLA:CPU schedules the unrolled program without the
-   memory saving; the scanned stack keeps only what the policy saves per layer.
+2. remat at sequence length 1024, 8 layers (decoder-only, batch 2), scanned
+   and unrolled, each policy (none, full, save_proj, save_dots): temp bytes and
+   median step time. Temp bytes are `compiled.memory_analysis().temp_size_in_bytes`:
+   the size of XLA's temp allocation, i.e. every buffer that is neither a
+   parameter nor an output (activations kept for the backward pass, gradients
+   before they are written out, scratch), as laid out by the CPU compiler's
+   buffer assignment (a static plan; no device allocator involved, no
+   fragmentation, no runtime peak). remat_full_temp_ratio = temp(full) /
+   temp(none) of the scanned stack (goal <= 0.5); unrolled_remat_full_temp_ratio
+   the same unrolled. On XLA:CPU unrolled remat saves nothing: XLA:CPU expands
+   the optimization barriers of `prevent_cse` (pass cse_barrier_expander) and
+   then runs CSE (simplification_after_layout_assignment), which merges the
+   recomputed forward back into the original (a 2-layer dump: 67 dots before
+   that CSE, 59 after; at 8 layers x 1024 the temp bytes are equal).
 3. Step time of the scanned vs unrolled train step at 8 layers (bench batch),
-   both models; and greedy decoding (batch 32, 64 new tokens) of the 4+4
-   model from stacked params (unstacked at the entry point) vs per-layer params.
+   both models, measured interleaved (one step of each per round, medians);
+   plus the scanned stack as it was before (remat "none" without the
+   dots_saveable policy, `layer_stack.SCAN_NONE_POLICY`): stacking every
+   elementwise intermediate as its own (L, ...) residual made it 1.07-1.19x
+   slower than unrolled. A profile of that step (jax.profiler, per-op busy
+   time summed over threads, ms per step) showed equal total work (2310 vs
+   2304 ms) but scan-only ops: zero-fills of the stacked residual buffers
+   (broadcast 280 ms vs 49 unrolled), their dynamic-update-slices (70 ms), the
+   per-layer dynamic-slices of weights and residuals (85 ms), carry copies (51
+   ms) and the loop (43 ms); the unrolled program fuses those values into
+   their consumers instead. In the run quoted in the README: decoder-only
+   x0.93 with the policy, x1.06 with all residuals; encoder-decoder (dropout
+   0.1) x1.35 with the policy (the backward pass redraws the dropout masks'
+   random bits) and x1.02 without, so the library does not use the policy
+   when there is dropout (since then both encoder-decoder rows time the same
+   program). Greedy decoding (batch 32, 64 new tokens) of the
+   4+4 model from stacked params (unstacked at the entry point) vs per-layer.
 
-Run (about 15 minutes on 2 busy CPU cores):
+Run (about 20 minutes on 2 busy CPU cores):
   nice -n 5 python benchmarks/deep.py
+  nice -n 5 python benchmarks/deep.py --steps 2 --rounds 3   # fewer repeats, same keys
   nice -n 5 python benchmarks/deep.py --remat-only   # section 2 temp bytes, no timing
+  nice -n 5 python benchmarks/deep.py --step-only    # section 3 only
 Prints a table, then one JSON line: scan_compile_ratio, unrolled_compile_ratio,
-remat_full_temp_ratio.
+remat_full_temp_ratio, unrolled_remat_full_temp_ratio, step_ratio_* (scanned /
+unrolled step time at 8 layers), remat_step_ratio_* (policy / none step time).
 """
 
 from __future__ import annotations
@@ -36,12 +58,13 @@ import json
 import statistics
 import sys
 import time
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
 import jaxformer as jf
-from jaxformer import stacking
+from jaxformer import layer_stack, stacking
 from jaxformer.data import LMBatch
 from jaxformer.decoding import greedy_decode
 from jaxformer.tasks import Batch
@@ -106,36 +129,108 @@ def compiled_and_time(config, batch, length, steps=3):
     return compiled, statistics.median(times)
 
 
-def remat_temps(timed: bool):
+POLICIES = ("none", "full", "save_proj", "save_dots")
+
+
+def remat_temps(timed: bool, steps: int = 2, scans=(True, False)):
+    """{(scan, policy): temp bytes}, {(scan, policy): median step seconds}."""
     temps, step_times = {}, {}
-    for policy in ("none", "full", "save_proj", "save_dots"):
-        config = lm_config(8, remat=policy, scan_layers=True)
-        if timed:
-            compiled, step_times[policy] = compiled_and_time(config, 2, 1024, steps=2)
-        else:
-            step, init, data = train_step(config, 2, 1024)
-            compiled = step.lower(jax.eval_shape(init, 0), data).compile()
-        temps[policy] = compiled.memory_analysis().temp_size_in_bytes
+    for scan in scans:
+        for policy in POLICIES:
+            config = lm_config(8, remat=policy, scan_layers=scan)
+            if timed:
+                compiled, step_times[scan, policy] = compiled_and_time(config, 2, 1024, steps)
+            else:
+                step, init, data = train_step(config, 2, 1024)
+                compiled = step.lower(jax.eval_shape(init, 0), data).compile()
+            temps[scan, policy] = compiled.memory_analysis().temp_size_in_bytes
+            print(f"  [remat {'scanned' if scan else 'unrolled'} {policy}: "
+                  f"{temps[scan, policy] / 2**20:.1f} MiB]", file=sys.stderr, flush=True)
     return temps, step_times
 
 
 def remat_rows(temps, step_times):
     rows = []
-    for policy in temps:
-        timing = (f"step {step_times[policy]:.2f} s (x{step_times[policy] / step_times['none']:.2f})"
-                  if step_times else "")
-        rows.append((f"remat {policy} (8 scanned, 2 x 1024)", f"temp {temps[policy] / 2**20:.1f} MiB",
-                     f"x{temps[policy] / temps['none']:.2f} of none", timing))
+    for scan, policy in temps:
+        none = (scan, "none")
+        timing = ""
+        if step_times:
+            t = step_times[scan, policy]
+            timing = f"step {t:.2f} s (x{t / step_times[none]:.2f})"
+        rows.append((f"remat {policy} (8 {'scanned' if scan else 'unrolled'}, 2 x 1024)",
+                     f"temp {temps[scan, policy] / 2**20:.1f} MiB",
+                     f"x{temps[scan, policy] / temps[none]:.2f} of none", timing))
     return rows
+
+
+def interleaved_step_times(configs: dict, rounds: int, batch=BATCH, length=LENGTH,
+                           patches: Optional[dict] = None) -> dict:
+    """Median seconds per step of each config, one step of each per round (fair under
+    shared-machine load). `patches[name]`: a SCAN_NONE_POLICY to trace that one with."""
+    prepared = {}
+    for name, config in configs.items():
+        saved = layer_stack.SCAN_NONE_POLICY
+        layer_stack.SCAN_NONE_POLICY = (patches or {}).get(name, saved)
+        try:
+            step, init, data = train_step(config, batch, length)
+            state = init(0)
+            compiled = step.lower(state, data).compile()
+        finally:
+            layer_stack.SCAN_NONE_POLICY = saved
+        state, metrics = compiled(state, data)  # warm-up
+        jax.block_until_ready(metrics)
+        prepared[name] = [compiled, state, data]
+    times = {name: [] for name in configs}
+    for _ in range(rounds):
+        for name, entry in prepared.items():
+            compiled, state, data = entry
+            start = time.perf_counter()
+            entry[1], metrics = compiled(state, data)
+            jax.block_until_ready(metrics)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def step_section(rounds: int):
+    """Section 3's step times: (rows, {step_ratio_*: scanned / unrolled})."""
+    rows = []
+    step_ratios = {}
+    for key, name, config in (("lm", "decoder-only 8", lm_config(8)),
+                              ("encdec", "encoder-decoder 4+4", encdec_config(8))):
+        scanned = config.replace(scan_layers=True)
+        times = interleaved_step_times(
+            {"unrolled": config, "scanned": scanned, "scanned, all residuals": scanned},
+            rounds, patches={"scanned, all residuals": jax.checkpoint_policies.everything_saveable})
+        for variant in ("scanned", "scanned, all residuals"):
+            ratio = times[variant] / times["unrolled"]
+            step_ratios[f"step_ratio_{key}" + ("" if variant == "scanned" else "_all_residuals")] = (
+                round(ratio, 3))
+            rows.append((f"step s {name} {variant}", f"unrolled {times['unrolled']:.3f}",
+                         f"{variant.split(',')[0]} {times[variant]:.3f}", f"ratio {ratio:.2f}"))
+        print(f"  [step times {name} done]", file=sys.stderr, flush=True)
+    return rows, step_ratios
+
+
+def _flag(argv, name: str, default: int) -> int:
+    return int(argv[argv.index(name) + 1]) if name in argv else default
 
 
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
+    steps, rounds = _flag(argv, "--steps", 2), _flag(argv, "--rounds", 7)
     if "--remat-only" in argv:
         temps, _ = remat_temps(timed=False)
         for row in remat_rows(temps, {}):
-            print(" | ".join(f"{cell:<34}" if i == 0 else f"{cell:<22}" for i, cell in enumerate(row)))
-        result = {"remat_full_temp_ratio": round(temps["full"] / temps["none"], 3)}
+            print(" | ".join(f"{cell:<40}" if i == 0 else f"{cell:<22}" for i, cell in enumerate(row)))
+        result = {"remat_full_temp_ratio": round(temps[True, "full"] / temps[True, "none"], 3),
+                  "unrolled_remat_full_temp_ratio":
+                      round(temps[False, "full"] / temps[False, "none"], 3)}
+        print(json.dumps(result))
+        return result
+    if "--step-only" in argv:
+        rows, result = step_section(rounds)
+        for row in rows:
+            print(" | ".join(f"{cell:<50}" if i == 0 else f"{cell:<22}" for i, cell in enumerate(row)))
         print(json.dumps(result))
         return result
     rows = []
@@ -147,14 +242,13 @@ def main(argv=None) -> dict:
             rows.append((f"compile s {name} {'scanned' if scan else 'unrolled'}",
                          f"2 layers {two:.2f}", f"24 layers {deep:.2f}", f"ratio {deep / two:.2f}"))
 
-    temps, step_times = remat_temps(timed=True)
+    print("  [compile section done]", file=sys.stderr, flush=True)
+
+    temps, step_times = remat_temps(timed=True, steps=steps)
     rows += remat_rows(temps, step_times)
 
-    for name, config in (("decoder-only 8", lm_config(8)), ("encoder-decoder 4+4", encdec_config(8))):
-        _, unrolled = compiled_and_time(config, BATCH, LENGTH, steps=5)
-        _, scanned = compiled_and_time(config.replace(scan_layers=True), BATCH, LENGTH, steps=5)
-        rows.append((f"step s {name}", f"unrolled {unrolled:.3f}", f"scanned {scanned:.3f}",
-                     f"ratio {scanned / unrolled:.2f}"))
+    step_rows, step_ratios = step_section(rounds)
+    rows += step_rows
 
     config = jf.config.bench(attention_dropout=0.0, residual_dropout=0.0, embedding_dropout=0.0,
                              ffn_dropout=0.0)
@@ -166,7 +260,7 @@ def main(argv=None) -> dict:
     for label, (m, p) in (("per-layer", (model, params)), ("stacked", (scanned_model, stacked))):
         jax.block_until_ready(greedy_decode(m, p, src, max_new_tokens=64).tokens)  # compile
         times = []
-        for _ in range(3):
+        for _ in range(max(rounds // 2, 1)):
             start = time.perf_counter()
             jax.block_until_ready(greedy_decode(m, p, src, max_new_tokens=64).tokens)
             times.append(time.perf_counter() - start)
@@ -176,10 +270,17 @@ def main(argv=None) -> dict:
                  f"ratio {decode_times['stacked'] / decode_times['per-layer']:.2f}"))
 
     for row in rows:
-        print(" | ".join(f"{cell:<34}" if i == 0 else f"{cell:<22}" for i, cell in enumerate(row)))
+        print(" | ".join(f"{cell:<42}" if i == 0 else f"{cell:<22}" for i, cell in enumerate(row)))
     result = {"scan_compile_ratio": round(max(ratios["scan"]), 3),
               "unrolled_compile_ratio": round(max(ratios["unrolled"]), 3),
-              "remat_full_temp_ratio": round(temps["full"] / temps["none"], 3)}
+              "remat_full_temp_ratio": round(temps[True, "full"] / temps[True, "none"], 3),
+              "unrolled_remat_full_temp_ratio":
+                  round(temps[False, "full"] / temps[False, "none"], 3),
+              **step_ratios}
+    for scan in (True, False):
+        for policy in POLICIES[1:]:
+            result[f"remat_step_ratio_{policy}_{'scanned' if scan else 'unrolled'}"] = round(
+                step_times[scan, policy] / step_times[scan, "none"], 3)
     print(json.dumps(result))
     return result
 

@@ -18,6 +18,27 @@ the policy saves:
   "save_dots"  keep every matmul without batch dimensions
                (`jax.checkpoint_policies.dots_with_no_batch_dims_saveable`)
 
+A scanned stack without dropout and with remat="none" still runs its layer
+under `jax.checkpoint`, with the policy `dots_saveable`: every matmul output is
+kept (nothing costly is recomputed) and only the elementwise work between
+matmuls (norms, softmax, activation) is recomputed in the backward pass, where
+XLA fuses it into the consumers. Without it, `lax.scan` stacks every intermediate the
+backward pass reads as its own (L, ...) residual: each a zero-filled buffer
+written by a dynamic-update-slice per layer and sliced again per layer in the
+backward loop. That is what made the scanned decoder-only train step (8 layers,
+bench widths, XLA:CPU) 1.07-1.19x slower than the unrolled one, while the
+unrolled program fuses those values into their consumers instead of storing
+them (profile in benchmarks/deep.py). With dropout the policy is not used:
+recomputing the dropout masks redraws their random bits, which on CPU costs
+more than the stacking (bench encoder-decoder, dropout 0.1: x1.35 of unrolled
+with the policy, x1.02 without).
+
+Remat without scan on XLA:CPU: the rematerialised forward is recomputed, but
+XLA:CPU expands the optimization barriers (`prevent_cse`) before its late CSE
+pass, which then merges much of the recomputation back into the original
+forward; compiled temp bytes come out equal to no remat (benchmarks/deep.py).
+On CPU, use remat together with scan_layers.
+
 The blocks below give the layers the positional (carry, *broadcast) -> (carry,
 None) signature that `nn.scan` and `nn.remat` (static `deterministic`) want;
 their parameters are the layers' own, so layouts do not change.
@@ -70,12 +91,23 @@ class DecoderBlock(DecoderLayer):
         return y_BTD, None
 
 
+# The policy of a scanned stack with remat="none" (see the module docstring).
+SCAN_NONE_POLICY = jax.checkpoint_policies.dots_saveable
+
+
+def _has_dropout(config: TransformerConfig) -> bool:
+    return any(rate > 0 for rate in (config.attention_dropout, config.residual_dropout,
+                                     config.embedding_dropout, config.ffn_dropout))
+
+
 def _maybe_remat(block_cls, config: TransformerConfig, num_args: int):
-    if config.remat == "none":
+    if config.remat == "none" and (not config.scan_layers or _has_dropout(config)):
         return block_cls
+    policy = SCAN_NONE_POLICY if config.remat == "none" else REMAT_POLICIES[config.remat]
     # static: `deterministic`, the last positional argument (self counts as 0).
-    return nn.remat(block_cls, policy=REMAT_POLICIES[config.remat], prevent_cse=not
-                    config.scan_layers, static_argnums=(num_args,))
+    # prevent_cse is unneeded inside scan (the loop keeps recomputation apart).
+    return nn.remat(block_cls, policy=policy, prevent_cse=not config.scan_layers,
+                    static_argnums=(num_args,))
 
 
 def uses_blocks(config: TransformerConfig) -> bool:

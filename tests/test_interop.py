@@ -8,6 +8,7 @@ padding masks -> Linear. Dropout 0, eval mode, float32; logits must agree to
 (torch returns NaN for those; jaxformer's finite answer is tested elsewhere).
 """
 
+import functools
 import math
 import pathlib
 import subprocess
@@ -390,3 +391,51 @@ def test_jaxformer_imports_without_torch():
             "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n")
     repo = pathlib.Path(__file__).resolve().parents[1]  # finds jaxformer even if not installed
     subprocess.run([sys.executable, "-c", code], check=True, timeout=600, cwd=repo)
+
+
+# ----------------------------------------------------------------------------
+# scan_layers=True: the same torch weights, stacked, give the unrolled logits.
+# ----------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _logits(model, params, *inputs):
+    return model.apply({"params": params}, *inputs)
+
+
+def test_scanned_import_gives_the_unrolled_logits():
+    """PyTorch import into a scanned model (stacked layers) and into the unrolled
+    model: the same logits (<= 1e-6 relative). Both norms: the encoder-decoder
+    Post-LN, the decoder-only LM Pre-LN (torch agreement itself is tested above)."""
+    kwargs, options = dict(d_model=48, nhead=4, norm_first=False,
+                           num_encoder_layers=3, num_decoder_layers=2), {}
+    tr, src_emb, tgt_emb, out, pos = build_seq2seq(kwargs, options)
+    config, params = convert(tr, src_emb, tgt_emb, out, pos, options)
+    scanned_config, stacked = from_torch_transformer(tr, src_emb, tgt_emb, out, max_len=MAX_LEN,
+                                                     scan_layers=True)
+    assert scanned_config == config.replace(scan_layers=True)
+    assert "layers" in stacked["encoder"] and "layers_0" not in stacked["encoder"]
+    assert stacked["encoder"]["layers"]["ffn"]["wi"]["kernel"].shape == (3, 48, 80)
+    src = right_padded(1, [7, 4, 1], 7, src_emb.num_embeddings)
+    tgt = right_padded(2, [5, 3, 1], 5, tgt_emb.num_embeddings, first=1)
+    want = np.asarray(_logits(jf.Transformer(config), params, src, tgt))
+    got = np.asarray(_logits(jf.Transformer(scanned_config), stacked, src, tgt))
+    assert np.linalg.norm(got - want) <= 1e-6 * np.linalg.norm(want)
+
+    # decoder-only: a causal TransformerEncoder LM
+    torch.manual_seed(1)
+    layer = torch.nn.TransformerEncoderLayer(48, 4, 72, dropout=0.0, norm_first=True,
+                                             batch_first=True)
+    encoder = torch.nn.TransformerEncoder(layer, 3, norm=torch.nn.LayerNorm(48),
+                                          enable_nested_tensor=False).eval()
+    perturb_vectors(encoder)
+    emb, lm_out = make_embedding(14, 48), torch.nn.Linear(48, 14)
+    lm_config, lm_params = from_torch_decoder_only(encoder, emb, lm_out, max_len=MAX_LEN)
+    lm_scanned, lm_stacked = from_torch_decoder_only(encoder, emb, lm_out, max_len=MAX_LEN,
+                                                     scan_layers=True)
+    assert lm_scanned.scan_layers and lm_stacked["decoder"]["layers"]["ffn"]["wo"][
+        "kernel"].shape == (3, 72, 48)
+    tokens = right_padded(5, [8, 5, 1], 8, 14, first=1)
+    want = np.asarray(_logits(jf.DecoderOnlyLM(lm_config), lm_params, tokens))
+    got = np.asarray(_logits(jf.DecoderOnlyLM(lm_scanned), lm_stacked, tokens))
+    assert np.linalg.norm(got - want) <= 1e-6 * np.linalg.norm(want)
