@@ -5,7 +5,8 @@ CPU, on the same log-mel features (the committed espeak-ng clip and three
 synthetic signals, repeated to fill the batch):
 
   encoder     ms per 30 s window = median wall time of one encoder call on a
-              batch / batch size (jaxformer: jitted `Transformer.encode`;
+              batch / batch size (jaxformer: `models.whisper.encode`, compiled
+              with the decode loop's options, as transcription runs it;
               ctranslate2: `Whisper.encode`).
   transcribe  tokens/s = text tokens produced / median wall time of a full
               greedy transcription (encoder + decoder, Whisper's prefix and
@@ -22,6 +23,7 @@ faster), batch 1. Prints a table, then one JSON line.
 """
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -34,7 +36,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 import ctranslate2  # noqa: E402
 
-import jaxformer as jf  # noqa: E402
 from jaxformer import audio  # noqa: E402
 from jaxformer.models import whisper  # noqa: E402
 
@@ -70,7 +71,7 @@ def main():
     runtime = ctranslate2.models.Whisper(model_dir, device="cpu", compute_type="float32",
                                          intra_threads=os.cpu_count())
     prompt = whisper.prompt_ids(vocab)
-    encode = jax.jit(lambda p, f: model.apply({"params": p}, f, method=jf.Transformer.encode))
+    encode = functools.partial(whisper.encode, model)  # compiled as transcription compiles it
     rows, figures, identical = [], {}, True
     for batch in args.batches:
         feats_BTM = inputs(batch)

@@ -80,9 +80,11 @@ def whisper():
 def test_encoder_matches_ctranslate2(whisper):
     import ctranslate2  # noqa: PLC0415
 
+    from jaxformer.models import whisper as whisper_lib  # noqa: PLC0415
+
     model, params, _, _, runtime = whisper
     features_BTM = audio.log_mel_spectrogram(np.stack([x[:16000 * 2] for x in _signals()]))
-    ours = np.asarray(model.apply({"params": params}, features_BTM, method=jf.Transformer.encode))
+    ours = np.asarray(whisper_lib.encode(model, params, features_BTM))
     theirs = np.array(runtime.encode(ctranslate2.StorageView.from_array(
         np.ascontiguousarray(np.asarray(features_BTM).transpose(0, 2, 1))), to_cpu=True))
     assert ours.shape == theirs.shape == (4, 1500, 384)

@@ -20,6 +20,7 @@ import re
 import numpy as np
 
 from jaxformer.config import TransformerConfig
+from jaxformer.decode_loop import decode_jit
 from jaxformer.interop import ct2
 from jaxformer.interop.flat import load_flat
 from jaxformer.model import Transformer
@@ -161,6 +162,21 @@ def prompt_ids(vocab: list[str], language: str = "en") -> list[int]:
     ids = {token: i for i, token in enumerate(vocab)}
     return [ids[t] for t in ("<|startoftranscript|>", f"<|{language}|>", "<|transcribe|>",
                              "<|notimestamps|>")]
+
+
+def encode(model, params, features_BTM):
+    """The encoder output (B, 1500, D) of log-mel features (B, 3000, 80), jitted and
+    compiled as transcription compiles it (`decode_loop.DECODE_COMPILER_OPTIONS`:
+    on the CPU XLA's own dots, which run Whisper tiny's encoder about 1.4x faster
+    here than the default YNNPACK dots: 507 vs 702 ms per window)."""
+    return _encode_jit(model, params, features_BTM)
+
+
+def _encode(model, params, features_BTM):
+    return model.apply({"params": params}, features_BTM, method=Transformer.encode)
+
+
+_encode_jit = decode_jit(static_argnames=("model",))(_encode)
 
 
 def transcribe_ids(model, params, vocab, model_dir, features_BTM, *, max_new_tokens: int = 224,
