@@ -49,7 +49,10 @@ class Checkpoints:
             # Synchronous: the train step donates the state's buffers right
             # after a save, and small states save in milliseconds anyway.
             enable_async_checkpointing=False)
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        # The handler named up front: a reopened run's metadata (shapes, layout) is
+        # readable before any restore.
+        self._manager = ocp.CheckpointManager(self.directory, options=options,
+                                              item_handlers=ocp.StandardCheckpointHandler())
 
     def steps(self) -> list[int]:
         """Steps with a complete checkpoint, ascending."""
@@ -92,6 +95,7 @@ class Checkpoints:
                     f"convert_layout=True, or convert with jaxformer.stacking.{fix}")
             as_saved = stacking.to_layout(target, saved == "stacked")
             return stacking.to_layout(self.restore(as_saved, step), wanted == "stacked")
+        self._check_against_saved(step, path, target)
         abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, target)
         try:
             restored = self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
@@ -112,6 +116,29 @@ class Checkpoints:
                                       f"{expected.shape} {expected.dtype}")
         return restored
 
+    def _check_against_saved(self, step: int, path: str, target: Any) -> None:
+        """Compare the saved arrays' metadata with `target` by parameter path, before
+        any array is read: missing, unexpected and mis-shaped entries, together."""
+        try:
+            metadata = self._manager.item_metadata(step)
+        except Exception:  # unreadable: restore() reports it
+            return
+        saved = _shapes_by_path(getattr(metadata, "tree", metadata))
+        wanted = _shapes_by_path(target)
+        if not saved:  # no metadata: restore() below checks what it reads
+            return
+        problems = [f"missing from the checkpoint: {name} {wanted[name]}"
+                    for name in wanted if name not in saved]
+        problems += [f"not in the train state: {name} {saved[name]}"
+                     for name in saved if name not in wanted]
+        problems += [f"{name}: saved {saved[name]}, the train state has {wanted[name]}"
+                     for name in wanted if name in saved and saved[name] != wanted[name]]
+        if problems:
+            shown = problems[:8] + ([f"... and {len(problems) - 8} more"]
+                                    if len(problems) > 8 else [])
+            raise CheckpointError(f"checkpoint {path} does not match this model/optimizer "
+                                  f"({len(problems)} differences):\n  " + "\n  ".join(shown))
+
     def _saved_layout(self, step: int) -> Optional[str]:
         try:
             metadata = self._manager.item_metadata(step)
@@ -127,3 +154,13 @@ class Checkpoints:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _shapes_by_path(tree: Any) -> dict[str, tuple]:
+    """{"params/encoder/.../kernel": "(32, 4, 8) float32"} of a state or its saved metadata."""
+    def name(path):
+        return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+                        for k in path)
+
+    return {name(path): f"{tuple(leaf.shape)} {leaf.dtype}"
+            for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}

@@ -96,13 +96,26 @@ def test_corrupt_checkpoint_is_refused_and_left_untouched(uninterrupted, tmp_pat
     assert snapshot(corrupt) == before
 
 
-def test_checkpoint_of_another_model_is_refused(uninterrupted):
+def test_checkpoint_of_another_model_is_refused(uninterrupted, capfd):
+    """Refused before any array is read, naming each differing entry by its path
+    (missing, unexpected, mis-shaped), with no traceback from the storage library."""
     _, directory = uninterrupted
-    bigger = MODEL.replace(d_model=64)
     before = snapshot(directory)
-    with Checkpoints(directory) as checkpoints, pytest.raises(
-            CheckpointError, match="does not match|different structure|holds an"):
-        checkpoints.restore(train_functions(bigger, TRAIN).init(0))
+    wider = MODEL.replace(d_model=2 * MODEL.d_model)
+    deeper = MODEL.replace(num_decoder_layers=MODEL.num_decoder_layers + 1)
+    last = f"layers_{MODEL.num_decoder_layers}"
+    with Checkpoints(directory) as checkpoints:
+        with pytest.raises(CheckpointError, match="does not match") as wide:
+            checkpoints.restore(train_functions(wider, TRAIN).init(0))
+        with pytest.raises(CheckpointError, match="does not match") as deep:
+            checkpoints.restore(train_functions(deeper, TRAIN).init(0))
+    d, h = MODEL.d_model, MODEL.num_heads
+    assert (f"params/decoder/layers_0/cross_attn/key/kernel: saved ({d}, {h}, {d // h}) float32, "
+            f"the train state has ({2 * d}, {h}, {2 * d // h}) float32") in str(wide.value)
+    assert f"missing from the checkpoint: params/decoder/{last}/cross_attn/key/bias" in str(
+        deep.value)
+    assert "not in the train state" not in str(deep.value)
+    assert "Traceback" not in capfd.readouterr().err
     assert snapshot(directory) == before
 
 
