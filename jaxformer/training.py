@@ -14,17 +14,16 @@ Pieces, each usable on its own::
 Determinism: a run is a pure function of the seed. The parameters are
 initialised from `fold_in(PRNGKey(seed), 0)`, the batch of step s is drawn
 from `fold_in(fold_in(PRNGKey(seed), 1), s)` and the dropout key of step s is
-`fold_in(state.rng, s)`. Nothing depends on how many steps ran before in this
+`fold_in(state.rng, s)` (drawn by `jaxformer.prng`'s fused threefry). Nothing depends on how many steps ran before in this
 process, so a run resumed from a checkpoint replays the uninterrupted run
 bit for bit (on the same machine and device count).
 
 Dropout on several devices: the random bits of a step do not depend on how
-the batch is split. JAX's threefry keys are "partitionable"
-(`jax_threefry_partitionable`, on by default since JAX 0.5): each element's
-bits are a function of the key and the element's global index, so every
-device draws its own slice of the mask the one-device run draws. 4 devices
-train to the losses of 1 device with dropout on (tests/test_training.py);
-with the flag off they do not, so a multi-device run refuses it.
+the batch is split: the bits of each element are a function of the key and the
+element's global index (`jaxformer.prng`, equal to JAX's partitionable
+threefry), so every device draws its own slice of the mask the one-device run
+draws. 4 devices train to the losses of 1 device with dropout on
+(tests/test_training.py), whatever `jax_threefry_partitionable` says.
 
 Sharding (`jaxformer.partitioning`): the state is created directly in its
 shardings (abstract shapes first, then a jitted init with `out_shardings`),
@@ -56,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxformer import checks, partitioning, stacking
+from jaxformer import checks, partitioning, prng, stacking
 from jaxformer.config import ConfigMixin, TransformerConfig
 from jaxformer.data import LMBatch, TextData, segment_mask
 from jaxformer.decoding import greedy_decode
@@ -347,6 +346,15 @@ def create_train_state(model: Transformer, tx: optax.GradientTransformation, see
     return make_init(model, tx, ((1, src_len), (1, tgt_len)), mesh)(seed)
 
 
+def dropout_key(rng: jax.Array, step) -> jax.Array:
+    """The dropout key of `step`: `fold_in(rng, step)` as a `prng.FUSED_THREEFRY` key.
+
+    The masks are those of the raw threefry key, drawn as one fused kernel per
+    mask instead of JAX's rolled threefry loop on the CPU (`jaxformer.prng`).
+    """
+    return prng.fused(jax.random.fold_in(rng, step))
+
+
 def make_train_step(model, tx: optax.GradientTransformation, *,
                     label_smoothing: float = 0.0,
                     schedule: Optional[optax.Schedule] = None, mesh=None,
@@ -361,18 +369,18 @@ def make_train_step(model, tx: optax.GradientTransformation, *,
     `model` is a `Transformer` fed task `Batch`es or a `DecoderOnlyLM` fed
     `data.LMBatch`es (`model_logits`).
 
-    Dropout is on (deterministic=False) with key fold_in(state.rng, state.step).
+    Dropout is on (deterministic=False) with key `dropout_key(state.rng, state.step)`.
     metrics: loss, token_accuracy, tokens, grad_norm (before clipping), and
     learning_rate if `schedule` is given.
     """
 
     def train_step(state: TrainState, batch: Batch):
-        dropout_key = jax.random.fold_in(state.rng, state.step)
+        key = dropout_key(state.rng, state.step)
 
         def loss_fn(params):
             with partitioning.activation_sharding(mesh if shardings is not None else None):
                 logits_BTV, labels_BT, weights_BT = model_logits(
-                    model, params, batch, deterministic=False, rngs={"dropout": dropout_key})
+                    model, params, batch, deterministic=False, rngs={"dropout": key})
             return loss_and_metrics(logits_BTV, labels_BT,
                                     label_pad_id(model.config, weights_BT),
                                     label_smoothing, weights_BT)
@@ -595,10 +603,6 @@ def train_functions(model_config: TransformerConfig, train_config: TrainConfig,
     mesh = make_mesh() if mesh is None else mesh
     check_divisible(train_config.batch_size, mesh)
     check_precision_backend(model_config, mesh.devices.flat)
-    if mesh.devices.size > 1 and not jax.config.jax_threefry_partitionable:
-        raise ValueError("jax_threefry_partitionable is off: dropout masks would depend on "
-                         "how the batch is split over devices. Turn it back on with "
-                         "jax.config.update('jax_threefry_partitionable', True)")
     return _train_functions(model_config, train_config.replace(seed=0), mesh)
 
 

@@ -233,7 +233,9 @@ def dropped(x, y, rate):
     """The drop mask of one call, after checking kept values are scaled by 1/(1-rate)."""
     assert np.all(x != 0), "inputs must be non-zero to read the mask"
     kept = y != 0
-    np.testing.assert_allclose(y[kept], x[kept] / (1 - rate), rtol=1e-6)
+    # 1e-5: inside jit XLA may recompute the input inside the dropout's fusion, a few
+    # ulps off the copy read out; a wrong scale is off by percents.
+    np.testing.assert_allclose(y[kept], x[kept] / (1 - rate), rtol=1e-5, atol=1e-6)
     return ~kept
 
 
