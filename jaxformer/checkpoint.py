@@ -14,7 +14,11 @@ decide how the arrays come back: each device reads only its own shards, so a
 state saved on one mesh restores straight onto another mesh or device count
 (resharding), and an abstract target allocates nothing before. Every failure -- no
 checkpoint, unreadable or corrupt files, a structure that does not match --
-raises `CheckpointError` naming the directory, and writes nothing.
+raises `CheckpointError` naming the directory, and writes nothing. Quietly: a
+corrupt array index is read alone before Orbax's concurrent reads (`_check_index`),
+and the one harmless leftover of a failed concurrent read, a tensorstore callback
+into Orbax's closed event loop, is kept off stderr (`_ignore_closed_loop_callbacks`,
+installed as `sys.unraisablehook` by the first `Checkpoints`).
 
 Layer layouts (`config.scan_layers`): a checkpoint of a scanned model holds
 stacked layers (`layers/...`), an unscanned one per-layer layers (`layers_0`,
@@ -33,43 +37,6 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxformer import stacking
-
-
-def _check_index(path: str) -> None:
-    """Read the index (OCDBT manifest and B-tree) of the arrays saved at `path`, alone.
-
-    A corrupt index then fails here, in one synchronous read, instead of in the
-    many concurrent reads of an Orbax restore. Those fail on the first error and
-    Orbax closes its event loop while tensorstore still completes the others: each
-    late completion raises "Event loop is closed" in a tensorstore thread, and
-    Python prints every such traceback to stderr (hundreds of lines).
-    """
-    item = os.path.join(path, "default")
-    if not os.path.exists(os.path.join(item, "manifest.ocdbt")):
-        return  # not an OCDBT checkpoint: Orbax reads and checks it
-    import tensorstore as ts  # noqa: PLC0415 (Orbax's own storage library)
-
-    try:
-        ts.KvStore.open({"driver": "ocdbt", "base": f"file://{item}/"}).result().list().result()
-    except Exception as error:  # noqa: BLE001 (tensorstore raises ValueError and others)
-        raise CheckpointError(f"checkpoint {path} is corrupt: its array index cannot be "
-                              f"read: {type(error).__name__}: {error}") from error
-
-
-def _ignore_closed_loop_callbacks(hook):
-    """`sys.unraisablehook` that drops only "Event loop is closed" from a late
-    `call_soon_threadsafe` (see `_check_index`: corrupt array data with an intact
-    index still fails in concurrent reads), and passes everything else to `hook`."""
-    def filtered(unraisable):
-        error = unraisable.exc_value
-        frames = traceback.extract_tb(unraisable.exc_traceback)
-        if (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
-                and any(f.name == "call_soon_threadsafe" for f in frames)):
-            return
-        hook(unraisable)
-
-    filtered.jaxformer_filter = True
-    return filtered
 
 
 class CheckpointError(Exception):
@@ -250,3 +217,40 @@ def _in_layout(abstract: Any, stacked: bool) -> Any:
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
 
     return jax.tree_util.tree_map_with_path(place, shapes)
+
+
+def _check_index(path: str) -> None:
+    """Read the index (OCDBT manifest and B-tree) of the arrays saved at `path`, alone.
+
+    A corrupt index then fails here, in one synchronous read, instead of in the
+    many concurrent reads of an Orbax restore. Those fail on the first error and
+    Orbax closes its event loop while tensorstore still completes the others: each
+    late completion raises "Event loop is closed" in a tensorstore thread, and
+    Python prints every such traceback to stderr (hundreds of lines).
+    """
+    item = os.path.join(path, "default")
+    if not os.path.exists(os.path.join(item, "manifest.ocdbt")):
+        return  # not an OCDBT checkpoint: Orbax reads and checks it
+    import tensorstore as ts  # noqa: PLC0415 (Orbax's own storage library)
+
+    try:
+        ts.KvStore.open({"driver": "ocdbt", "base": f"file://{item}/"}).result().list().result()
+    except Exception as error:  # noqa: BLE001 (tensorstore raises ValueError and others)
+        raise CheckpointError(f"checkpoint {path} is corrupt: its array index cannot be "
+                              f"read: {type(error).__name__}: {error}") from error
+
+
+def _ignore_closed_loop_callbacks(hook):
+    """`sys.unraisablehook` that drops only "Event loop is closed" from a late
+    `call_soon_threadsafe` (see `_check_index`: corrupt array data with an intact
+    index still fails in concurrent reads), and passes everything else to `hook`."""
+    def filtered(unraisable):
+        error = unraisable.exc_value
+        frames = traceback.extract_tb(unraisable.exc_traceback)
+        if (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+                and any(f.name == "call_soon_threadsafe" for f in frames)):
+            return
+        hook(unraisable)
+
+    filtered.jaxformer_filter = True
+    return filtered

@@ -56,9 +56,10 @@ SCRIPT = textwrap.dedent("""
     with tempfile.TemporaryDirectory() as directory:
         with Checkpoints(directory) as checkpoints:
             checkpoints.save(1, state)
+            scanned = MODEL.replace(scan_layers=True)
             for name, config, spec in (("2x2x2", MODEL, "data=2,fsdp=2,tensor=2"),
                                        ("one", MODEL, None),
-                                       ("scanned", MODEL.replace(scan_layers=True), "fsdp=4,tensor=2")):
+                                       ("scanned", scanned, "fsdp=4,tensor=2")):
                 target = jax.eval_shape(train_functions(
                     config, TRAIN, one if spec is None else mesh(spec)).init, 0)
                 got = checkpoints.restore(target, convert_layout=name == "scanned")
