@@ -315,9 +315,9 @@ def param_shardings(model: nn.Module, params: Any, mesh: Mesh, *inputs) -> Any:
     specs = _param_specs(model, tuple((tuple(x.shape), np.dtype(x.dtype)) for x in inputs))
     want = jax.tree_util.tree_structure(specs, is_leaf=lambda x: isinstance(x, P))
     if jax.tree_util.tree_structure(params) != want:
-        names = lambda tree, leaf=None: {_keystr(path) for path, _ in  # noqa: E731
-                                         jax.tree_util.tree_leaves_with_path(tree, is_leaf=leaf)}
-        have, model_names = names(params), names(specs, lambda x: isinstance(x, P))
+        have = {_keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)}
+        model_names = {_keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(
+            specs, is_leaf=lambda x: isinstance(x, P))}
         diff = sorted(model_names - have)[:3] + sorted(have - model_names)[:3]
         raise ValueError(f"params do not have the tree of this {type(model).__name__} (a "
                          f"scanned/unscanned layout mismatch, or another model?); differing "
