@@ -15,7 +15,11 @@ between scan and while_loop are documented in `decode_loop.py`.
 Several devices: every entry point follows its inputs' shardings. A batch
 placed with `sharding.shard_batch` (parameters with `sharding.replicate`)
 decodes data-parallel, each device running the loop on its rows, with the
-tokens of the unsplit batch (tested). On a CPU host, first make each core a
+tokens of the unsplit batch (tested). Parameters placed by the logical-axis
+rules, `partitioning.place_params(model, params, mesh)`, decode tensor- (heads,
+FFN, vocabulary over "tensor") or fsdp-parallel: greedy, sampled and beam
+tokens equal those of one device (tests/test_scale_out.py), for a model no
+single device holds. On a CPU host, first make each core a
 device with `sharding.use_cpu_cores_as_devices()`: the bench workload (batch
 32, 2 cores) then takes about 5.5 ms per step instead of about 9 ms
 (`benchmarks/decode.py`).

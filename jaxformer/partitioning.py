@@ -37,6 +37,7 @@ Pieces::
     logical_specs(model, *inputs)            params-shaped tree of logical PartitionSpecs
     mesh_specs(logical)                      the same in mesh axes (LOGICAL_AXIS_RULES)
     check_divisible_params(params, specs, mesh)   every split dimension divides
+    place_params(model, params, mesh)        params placed by the rules (decoding, eval)
     shardings(specs, mesh)                   NamedShardings (axes the mesh lacks dropped)
     state_shardings(tx, abstract_state, param_shardings, mesh)   + every optax leaf
     activation_sharding(mesh), constrain(x, names)   layer-boundary constraints
@@ -275,6 +276,63 @@ def check_divisible_params(abstract_params: Any, specs: Any, mesh: Mesh) -> None
         more = f"; and {len(bad) - 4} more" if len(bad) > 4 else ""
         raise ValueError("parameters do not split evenly over the mesh "
                          f"({mesh_spec_string(mesh)}): " + "; ".join(bad[:4]) + more)
+
+
+def example_inputs(model: nn.Module) -> tuple:
+    """What `model.init` takes after the key, as (1, 1) ShapeDtypeStructs: (tokens,)
+    of a `DecoderOnlyLM`, (src, tgt) of a `Transformer` (src embedded (1, 1, D) if
+    `config.encoder_input == "embedded"`). A model with a stem raises ValueError:
+    its input's channels are the stem's, pass inputs explicitly."""
+    from jaxformer.model import DecoderOnlyLM, Transformer  # noqa: PLC0415 (model imports us)
+
+    tokens = jax.ShapeDtypeStruct((1, 1), np.int32)
+    if isinstance(model, DecoderOnlyLM):
+        return (tokens,)
+    if isinstance(model, Transformer) and model.stem is None:
+        c = model.config
+        src = tokens if c.encoder_input == "tokens" else jax.ShapeDtypeStruct(
+            (1, 1, c.d_model), np.float32)
+        return (src, tokens)
+    raise ValueError(f"no default inputs for a {type(model).__name__}"
+                     f"{' with a stem' if getattr(model, 'stem', None) else ''}: pass the "
+                     f"arrays (or ShapeDtypeStructs) its init takes")
+
+
+@functools.lru_cache(maxsize=32)
+def _param_specs(model: nn.Module, input_specs: tuple) -> Any:
+    inputs = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in input_specs]
+    return mesh_specs(logical_specs(model, *inputs))
+
+
+def param_shardings(model: nn.Module, params: Any, mesh: Mesh, *inputs) -> Any:
+    """NamedShardings of `params` on `mesh` by the logical-axis rules.
+
+    `inputs`: what `model.init` takes after the key (default `example_inputs`).
+    Raises ValueError, by parameter path, if `params` is not the model's tree or
+    a split dimension does not divide over its mesh axes (nothing is placed).
+    """
+    inputs = inputs or example_inputs(model)
+    specs = _param_specs(model, tuple((tuple(x.shape), np.dtype(x.dtype)) for x in inputs))
+    want = jax.tree_util.tree_structure(specs, is_leaf=lambda x: isinstance(x, P))
+    if jax.tree_util.tree_structure(params) != want:
+        have = {_keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)}
+        model_names = {_keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(
+            specs, is_leaf=lambda x: isinstance(x, P))}
+        diff = sorted(model_names - have)[:3] + sorted(have - model_names)[:3]
+        raise ValueError(f"params do not have the tree of this {type(model).__name__} (a "
+                         f"scanned/unscanned layout mismatch, or another model?); differing "
+                         f"entries: {', '.join(diff) or 'the container types'}")
+    check_divisible_params(params, specs, mesh)
+    return shardings(specs, mesh)
+
+
+def place_params(model: nn.Module, params: Any, mesh: Mesh, *inputs) -> Any:
+    """`params` placed on `mesh` by the rules (`param_shardings`): split over "fsdp"
+    and "tensor", replicated over "data". Jitted functions (the decoding entry
+    points, `training.evaluate`) follow these shardings: tensor-parallel decoding
+    is `greedy_decode(model, place_params(model, params, mesh), src_BS, ...)`.
+    A no-op for arrays already placed so."""
+    return jax.device_put(params, param_shardings(model, params, mesh, *inputs))
 
 
 def state_shardings(tx: optax.GradientTransformation, abstract_opt_state: Any,

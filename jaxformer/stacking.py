@@ -26,6 +26,12 @@ STACKED = "layers"  # the key of a stacked stack
 _PER_LAYER = re.compile(r"^layers_(\d+)$")
 
 
+def layer_key(key) -> bool:
+    """Whether a pytree path entry names a layer stack: ``layers`` or ``layers_{i}``."""
+    name = str(getattr(key, "key", ""))
+    return name == STACKED or bool(_PER_LAYER.match(name))
+
+
 def _is_mapping(x) -> bool:
     return isinstance(x, Mapping)
 

@@ -61,7 +61,7 @@ from jaxformer.data import LMBatch, TextData, segment_mask
 from jaxformer.decoding import greedy_decode
 from jaxformer.model import DecoderOnlyLM, Transformer
 from jaxformer.precision import check_backend as check_precision_backend
-from jaxformer.sharding import (check_divisible, data_sharding, make_mesh, replicate,
+from jaxformer.sharding import (check_divisible, data_sharding, make_mesh,
                                 replicated, shard_batch)
 from jaxformer.tasks import Batch, Task, make_task
 
@@ -457,7 +457,7 @@ def evaluate_lm(model: DecoderOnlyLM, params, data: TextData, *, batch_size: int
     batch_size = max(batch_size - batch_size % shards, shards)
     step = _lm_eval_step(model)
     token_bytes_V = jnp.asarray(token_byte_counts(data.tokenizer), jnp.float32)
-    params = replicate(params, mesh)
+    params = partitioning.place_params(model, params, mesh)  # as `evaluate`
     sums = {"nats": 0.0, "tokens": 0.0, "bytes": 0.0}
     for batch in data.eval_batches(batch_size):
         for name, value in jax.device_get(step(params, shard_batch(batch, mesh),
@@ -497,11 +497,18 @@ def make_predict(model: Transformer, max_new_tokens: int) -> Callable:
     return predict
 
 
+def _init_inputs(*arrays) -> tuple:
+    """(1, ...) ShapeDtypeStructs of `arrays`' rows: what `model.init` takes."""
+    return tuple(jax.ShapeDtypeStruct((1,) + x.shape[1:], x.dtype) for x in arrays)
+
+
 def evaluate(model: Transformer, params, batch: Batch, *, mesh=None, chunk: int = 1000,
              eval_step: Optional[Callable] = None,
              predict: Optional[Callable] = None) -> dict:
     """Metrics of `params` on a (held-out) batch, in chunks sharded over the mesh.
 
+    `params` are placed by the logical-axis rules (`partitioning.place_params`):
+    split over the mesh's "fsdp" and "tensor" axes, replicated over "data".
     Returns {"loss", "token_accuracy"} (teacher-forced, over non-PAD labels),
     "exact_match" (fraction of examples whose greedy decode equals labels
     exactly, EOS included) and "examples". The last chunk is padded to a
@@ -513,7 +520,10 @@ def evaluate(model: Transformer, params, batch: Batch, *, mesh=None, chunk: int 
     mesh = make_mesh() if mesh is None else mesh
     eval_step = make_eval_step(model) if eval_step is None else eval_step
     predict = make_predict(model, batch.labels.shape[1]) if predict is None else predict
-    params = replicate(params, mesh)  # a no-op if already there
+    # Split by the rules over fsdp / tensor (a model no device holds whole still
+    # evaluates), replicated over data; a no-op if already there.
+    params = partitioning.place_params(model, params, mesh, *_init_inputs(batch.src,
+                                                                          batch.tgt_in))
     total = batch.src.shape[0]
     devices = partitioning.batch_shards(mesh)  # rows per chunk: a multiple of this
     chunk = max(devices, chunk - chunk % devices)
