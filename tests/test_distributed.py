@@ -1,0 +1,191 @@
+"""Several processes: `jaxformer.distributed` settings and their errors, and, for real,
+`jaxformer train` as 2 processes x 2 CPU devices (a localhost coordinator) against
+1 process x 4 devices on the same global batches: the same losses and parameters, a
+run directory written once, and a resume of the 2-process run on another mesh.
+
+The module fixture runs four `jaxformer train` subprocesses (two cooperating, one
+reference alongside, then the resume): about a minute on a shared 2-core machine."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jaxformer import distributed
+from jaxformer.cli import main
+
+from conftest import saved_run
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The tiny 1+1-layer model, dropout on (its masks must not depend on the split).
+TINY = ["train", "--preset", "tiny", "--layers", "1", "--max-len", "6", "--batch", "8",
+        "--steps", "8", "--warmup", "2", "--lr", "1e-2", "--eval-examples", "8",
+        "--show", "0", "--save-every", "4", "--no-progress", "--dropout", "0.1"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _train(*flags):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+    env.pop("XLA_FLAGS", None)
+    return subprocess.Popen([sys.executable, "-m", "jaxformer", *TINY, *flags], env=env,
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def _finish(proc):
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    return out
+
+
+def _metrics(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def _json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("distributed")
+    two, one, resumed = (str(root / name) for name in ("two", "one", "resumed"))
+    coordinator = f"localhost:{_free_port()}"
+    procs = [_train("--cpu-devices", "2", "--mesh", "data=2,fsdp=2", "--out", two,
+                    "--coordinator", coordinator, "--num-processes", "2", "--process-id", str(i))
+             for i in (0, 1)]
+    procs.append(_train("--cpu-devices", "4", "--out", one))  # the default mesh: data=4
+    stdout = [_finish(p) for p in procs]
+    # The 2-process run stopped after its step-4 checkpoint, resumed by 1 process on
+    # another mesh (tensor instead of fsdp splits).
+    shutil.copytree(two, resumed)
+    shutil.rmtree(os.path.join(resumed, "checkpoints", "8"))
+    stdout.append(_finish(_train("--cpu-devices", "4", "--mesh", "data=2,tensor=2",
+                                 "--out", resumed, "--resume")))
+    return {"two": two, "one": one, "resumed": resumed, "stdout": stdout}
+
+
+def _summary_lines(stdout):
+    return [line for line in stdout.splitlines() if line.startswith("{")]
+
+
+def _assert_same_params(got, want):
+    # Attention key biases excepted (tests/test_partitioning.py): their true gradient is
+    # 0 and Adam turns each reduction order's rounding noise into lr-sized steps.
+    import jax
+
+    flat_got = dict(jax.tree_util.tree_leaves_with_path(got))
+    compared = 0
+    for path, value in jax.tree_util.tree_leaves_with_path(want):
+        if "['key']['bias']" not in jax.tree_util.keystr(path):
+            np.testing.assert_allclose(flat_got[path], value, rtol=1e-5, atol=1e-6,
+                                       err_msg=jax.tree_util.keystr(path))
+            compared += 1
+    assert compared > 10
+
+
+def test_two_processes_train_like_one(runs):
+    one, two = _metrics(runs["one"]), _metrics(runs["two"])
+    assert [r["step"] for r in two] == list(range(1, 9))  # each step once: one writer
+    np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in one], rtol=1e-5)
+    model, train, state = saved_run(runs["two"])  # the checkpoint both processes wrote
+    _, _, reference = saved_run(runs["one"])
+    assert int(state.step) == 8
+    _assert_same_params(state.params, reference.params)
+
+
+def test_the_run_directory_is_written_once(runs):
+    two = runs["two"]
+    saved = _json(os.path.join(two, "config.json"))
+    assert (saved["mesh"], saved["processes"]) == ("data=2,fsdp=2,tensor=1", 2)
+    assert sorted(map(int, os.listdir(os.path.join(two, "checkpoints")))) == [4, 8]
+    first, second = runs["stdout"][:2]
+    assert len(_summary_lines(first)) == 1 and not _summary_lines(second)
+    assert "process 0 of 2, 2 of 4 cpu device(s)" in first
+    assert "jaxformer train:" not in second
+    summary = _json(os.path.join(two, "summary.json"))
+    assert json.loads(_summary_lines(first)[0]) == summary
+    assert (summary["devices"], summary["processes"], summary["steps"]) == (4, 2, 8)
+    assert _json(os.path.join(runs["one"], "config.json"))["processes"] == 1
+
+
+def test_resume_onto_another_mesh_equals_the_uninterrupted_run(runs):
+    summary = _json(os.path.join(runs["resumed"], "summary.json"))
+    assert (summary["resumed_from"], summary["mesh"], summary["processes"]) == (
+        4, "data=2,fsdp=1,tensor=2", 1)
+    resumed = _metrics(runs["resumed"])[8:]  # appended after the copied records
+    assert [r["step"] for r in resumed] == [5, 6, 7, 8]
+    np.testing.assert_allclose([r["loss"] for r in resumed],
+                               [r["loss"] for r in _metrics(runs["one"])[4:]], rtol=1e-5)
+    _, _, state = saved_run(runs["resumed"])
+    _, _, reference = saved_run(runs["one"])
+    _assert_same_params(state.params, reference.params)
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--coordinator", "localhost:1234"], "missing --num-processes, --process-id"),
+    (["--coordinator", "localhost:1234", "--num-processes", "2", "--process-id", "2"],
+     "--process-id must be in [0, 2) for 2 processes, got 2"),
+    (["--coordinator", "localhost:1234", "--num-processes", "0", "--process-id", "0"],
+     "--num-processes must be >= 1"),
+    (["--coordinator", "localhost", "--num-processes", "2", "--process-id", "1"],
+     "--coordinator 'localhost' must be HOST:PORT"),
+    (["--coordinator", "auto", "--num-processes", "2"], "'auto' detects"),
+    (["--cpu-devices", "0"], "--cpu-devices must be positive"),
+    (["--mesh", "data=2,pipe=2"], "unknown axis 'pipe'"),
+    (["--mesh", "data=3"], "the sizes must multiply to the device count"),
+], ids=["partial", "id-too-large", "no-processes", "address", "auto-with-count",
+        "cpu-devices", "axis", "mesh-size"])
+def test_bad_process_and_mesh_flags_are_refused(flags, message, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(TINY + flags + ["--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_an_unreachable_coordinator_is_named_after_the_timeout(tmp_path, capsys):
+    address = f"localhost:{_free_port()}"  # nothing listens there
+    out = tmp_path / "run"
+    assert main(TINY + ["--coordinator", address, "--num-processes", "2", "--process-id",
+                        "1", "--coordinator-timeout", "1", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"no coordinator answered at {address} within 1 s" in err
+    assert not out.exists()
+
+
+def test_batch_not_dividing_the_mesh_is_refused_before_compiling():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, "-m", "jaxformer", *TINY, "--cpu-devices", "4",
+                           "--mesh", "data=2,fsdp=2", "--batch", "6"], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2
+    assert "--batch=6 does not divide over the 4 devices" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_settings_come_from_the_environment():
+    env = {"JAXFORMER_COORDINATOR": "10.0.0.1:1234", "JAXFORMER_NUM_PROCESSES": "2",
+           "JAXFORMER_PROCESS_ID": "1"}
+    assert distributed.settings(environ=env) == distributed.Settings("10.0.0.1:1234", 2, 1)
+    assert distributed.settings(environ={}) is None  # one process
+    with pytest.raises(ValueError, match="missing JAXFORMER_PROCESS_ID"):
+        distributed.settings(environ={k: v for k, v in env.items() if "ID" not in k})
+    # Arguments win over the environment, as a whole.
+    assert distributed.settings("h:1", 4, 3, environ=env) == distributed.Settings("h:1", 4, 3)
