@@ -15,7 +15,7 @@ Where the settings come from, first match wins::
 
 Process 0 runs the coordinator at HOST:PORT (it must be an address the other
 hosts reach). Inconsistent settings raise ValueError before anything starts.
-A process other than 0 first waits, up to `timeout_s`, for the coordinator's
+Process 0 first checks that the port is free; a process other than 0 waits, up to `timeout_s`, for the coordinator's
 port to answer, and raises `CoordinatorUnreachable` naming the address if it
 never does: JAX itself would abort the process with a C++ log after its own
 timeout. (Process 0 waiting for peers that never come is JAX's timeout.)
@@ -126,6 +126,19 @@ def wait_for_coordinator(address: str, timeout_s: float) -> None:
             time.sleep(0.2)
 
 
+def check_port_free(address: str) -> None:
+    """Process 0 serves the coordinator on `address`'s port: RuntimeError naming the
+    port if something on this host already listens there."""
+    _, port = split_address(address)
+    with socket.socket(socket.AF_INET6 if socket.has_ipv6 else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
+        try:
+            probe.bind(("", port))
+        except OSError as error:
+            raise RuntimeError(f"cannot serve the coordinator {address}: port {port} is "
+                               f"taken on this host ({error.strerror or error})") from None
+
+
 def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] = None,
                process_id: Optional[int] = None, *, timeout_s: float = 300.0) -> int:
     """Join the run's processes (see the module docstring); returns the process count.
@@ -143,7 +156,9 @@ def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] =
     if chosen.coordinator == AUTO:
         kwargs = {}
     else:
-        if chosen.process_id != 0:
+        if chosen.process_id == 0:
+            check_port_free(chosen.coordinator)
+        else:
             wait_for_coordinator(chosen.coordinator, timeout_s)
         kwargs = dict(coordinator_address=chosen.coordinator,
                       num_processes=chosen.num_processes, process_id=chosen.process_id)

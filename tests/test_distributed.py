@@ -12,12 +12,17 @@ import shutil
 import socket
 import subprocess
 import sys
+import sysconfig
 
 import numpy as np
 import pytest
 
+import jaxformer as jf
 from jaxformer import distributed
+from jaxformer.checkpoint import Checkpoints
 from jaxformer.cli import main
+from jaxformer.data import ByteTokenizer, TextData
+from jaxformer.training import TrainConfig, fit
 
 from conftest import saved_run
 
@@ -134,6 +139,60 @@ def test_resume_onto_another_mesh_equals_the_uninterrupted_run(runs):
     _assert_same_params(state.params, reference.params)
 
 
+# --------------------------------------------------------------------------- the LM
+
+LM_SCRIPT = """
+import json, sys
+import jax
+jax.config.update("jax_num_cpu_devices", 2)
+from jaxformer import distributed
+distributed.initialize(sys.argv[1], 2, int(sys.argv[2]), timeout_s=120)
+sys.path.insert(0, sys.argv[4])
+from test_distributed import LM_MODEL, LM_TRAIN, lm_data
+from jaxformer.partitioning import make_mesh
+from jaxformer.training import fit
+out = sys.argv[3]
+fit(LM_MODEL, LM_TRAIN, mesh=make_mesh("data=2,fsdp=2"), data=lm_data(), progress=False,
+    checkpoint_dir=out + "/checkpoints", metrics_file=out + "/metrics.jsonl")
+"""
+LM_MODEL = jf.tiny(num_encoder_layers=0, num_decoder_layers=1, src_vocab_size=259,
+                   tgt_vocab_size=259, max_len=32, norm="pre", residual_dropout=0.1)
+LM_TRAIN = TrainConfig(task="lm", data=(os.path.join(sysconfig.get_paths()["stdlib"], "json",
+                                                     "*.py"),),
+                       seq_len=32, steps=4, batch_size=8, warmup_steps=1, learning_rate=3e-3)
+
+
+def lm_data():
+    return TextData(LM_TRAIN.data, ByteTokenizer(), LM_TRAIN.seq_len, seed=0)
+
+
+def test_two_processes_train_the_lm_like_one_device(tmp_path):
+    """Task "lm": each process packs only its half of every batch (and its share of the
+    held-out evaluation); the result is that of one device fed whole batches."""
+    out = str(tmp_path / "two")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+    env.pop("XLA_FLAGS", None)
+    coordinator = f"localhost:{_free_port()}"
+    procs = [subprocess.Popen([sys.executable, "-c", LM_SCRIPT, coordinator, str(i), out,
+                               os.path.dirname(__file__)], env=env, cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in (0, 1)]
+    one = fit(LM_MODEL, LM_TRAIN, data=lm_data(), progress=False)  # meanwhile: the reference
+    for proc in procs:
+        _finish(proc)
+    records = _metrics(out)
+    train = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train] == [1, 2, 3, 4]  # written once
+    np.testing.assert_allclose([r["loss"] for r in train], [r["loss"] for r in one.history],
+                               rtol=1e-5)
+    (held_out,) = [r for r in records if "eval_loss" in r]
+    np.testing.assert_allclose(held_out["eval_loss"], one.evals[0]["eval_loss"], rtol=1e-5)
+    with Checkpoints(os.path.join(out, "checkpoints")) as checkpoints:
+        state = checkpoints.restore(one.state)
+    assert int(state.step) == 4
+    _assert_same_params(state.params, one.state.params)
+
+
 # --------------------------------------------------------------------------- refusals
 
 
@@ -166,6 +225,18 @@ def test_an_unreachable_coordinator_is_named_after_the_timeout(tmp_path, capsys)
                         "1", "--coordinator-timeout", "1", "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert f"no coordinator answered at {address} within 1 s" in err
+    assert not out.exists()
+
+
+def test_a_taken_coordinator_port_is_named(tmp_path, capsys):
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = tmp_path / "run"
+        assert main(TINY + ["--coordinator", f"localhost:{port}", "--num-processes", "2",
+                            "--process-id", "0", "--out", str(out)]) == 2
+    assert f"port {port} is taken on this host" in capsys.readouterr().err
     assert not out.exists()
 
 
