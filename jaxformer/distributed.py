@@ -15,10 +15,11 @@ Where the settings come from, first match wins::
 
 Process 0 runs the coordinator at HOST:PORT (it must be an address the other
 hosts reach). Inconsistent settings raise ValueError before anything starts.
-Process 0 first checks that the port is free; a process other than 0 waits, up to `timeout_s`, for the coordinator's
-port to answer, and raises `CoordinatorUnreachable` naming the address if it
-never does: JAX itself would abort the process with a C++ log after its own
-timeout. (Process 0 waiting for peers that never come is JAX's timeout.)
+Then process 0 checks that the port is free (RuntimeError naming it), and any
+other process waits, up to `timeout_s`, for the coordinator's port to answer
+and raises `CoordinatorUnreachable` naming the address if it never does: JAX
+itself would abort the process with a C++ log after its own timeout. (Process
+0 waiting for peers that never come is left to that JAX timeout and abort.)
 
 CPU: cross-process collectives go over gloo (TCP), the default of JAX 0.10
 (`jax_cpu_collectives_implementation`); nothing to configure.
