@@ -4,9 +4,9 @@ this process's device(s) on the same global batches: the same losses and
 parameters, a run directory written once, and the run resumed by this process on
 its own mesh (`jaxformer train --resume`); the same for the LM through `fit`.
 
-The subprocesses (the cooperating pair, then the resume beside the in-process
-reference; the LM pair beside its reference) take 2.5 to 3.5 minutes on this shared
-2-core machine (another job loading it), nearly all of it compiling."""
+The cooperating pair (then the reference and the resume in this process) and
+the LM pair (beside its reference) take 2.5 to 3.5 minutes on this shared 2-core
+machine (another job loading it), nearly all of it compiling."""
 
 import json
 import os
