@@ -1,6 +1,6 @@
 """The `jaxformer train` command: run directory, summary line, interrupt + resume (also
-onto 4 devices split data=2,tensor=2),
-refusals of bad input, `python -m jaxformer`, and the (shortened) example."""
+onto 4 devices split data=2,tensor=2), refusals of bad input, `python -m jaxformer`,
+and the (shortened) example."""
 
 import importlib.util
 import json
