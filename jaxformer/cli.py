@@ -400,6 +400,11 @@ def _start_processes(args, processes) -> None:
         if args.cpu_devices is not None:
             use_cpu_cores_as_devices(args.cpu_devices)
         if processes is not None:
+            if processes.process_id is not None:  # context for JAX's own abort, if it comes
+                print(f"jaxformer train: process {processes.process_id} of "
+                      f"{processes.num_processes}: joining the others at "
+                      f"{processes.coordinator} (up to {args.coordinator_timeout:g} s)",
+                      file=sys.stderr, flush=True)
             distributed.initialize(processes.coordinator, processes.num_processes,
                                    processes.process_id, timeout_s=args.coordinator_timeout)
     except (RuntimeError, ValueError) as error:  # incl. CoordinatorUnreachable
