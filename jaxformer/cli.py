@@ -5,6 +5,7 @@
     jaxformer train --task reverse --steps 1500
     jaxformer train --out runs/x --resume # continue an interrupted run
     jaxformer train --task lm --data 'texts/*.txt'   # a byte-level LM on text files
+    jaxformer train --mesh data=2,fsdp=2,tensor=2    # shard over 8 devices (default: data)
     jaxformer generate --run runs/lm "def main("     # continue a prompt with a trained LM
     jaxformer decode --run runs/copy "5 6 7"         # decode a source with a trained model
 
@@ -27,6 +28,12 @@ At the end the trained model greedy-decodes the held-out set (sequences the
 training stream never contains, see `jaxformer.tasks`), prints a few sources
 and predictions side by side, then one JSON line with exact_match,
 token_accuracy, steps and wall_s.
+
+Several hosts: start the same command on each, adding `--coordinator
+HOST:PORT --num-processes N --process-id I` (HOST:PORT on process 0, which
+writes the run directory; `jaxformer.distributed`); the mesh spans every
+host's devices. `--cpu-devices N` splits a CPU into N devices (for trying
+meshes on one machine).
 
 Exit status: 0 done, 1 non-finite loss, 2 bad input or checkpoint,
 130 interrupted by Ctrl-C (after saving a checkpoint).
@@ -69,6 +76,10 @@ def _model_fields(flag: str, task: Optional[str]) -> tuple:
     """The model fields a flag sets; the LM has no encoder, so --layers is its decoder's."""
     fields = _MODEL_FLAGS[flag]
     return ("num_decoder_layers",) if task == "lm" and flag == "layers" else fields
+
+
+_PROCESS_FLAGS = {"coordinator": "--coordinator", "num_processes": "--num-processes",
+                  "process_id": "--process-id"}
 
 
 class UsageError(ValueError):
@@ -148,6 +159,19 @@ def build_parser() -> argparse.ArgumentParser:
                      help="held-out sequences decoded at the end")
     run.add_argument("--show", type=int, default=5, help="held-out examples printed")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    scale = train.add_argument_group("devices and processes")
+    scale.add_argument("--mesh", metavar="SPEC",
+                       help="device mesh, e.g. data=2,fsdp=2,tensor=2 (one size may be -1: "
+                            "the rest; default: every device on data)")
+    scale.add_argument("--cpu-devices", type=int, metavar="N",
+                       help="split the CPU into N devices (per process)")
+    scale.add_argument("--coordinator", metavar="HOST:PORT",
+                       help="process 0's address, the same on every process (or 'auto': "
+                            "Slurm / Open MPI / Cloud TPU detection)")
+    scale.add_argument("--num-processes", type=int, metavar="N", help="processes in the run")
+    scale.add_argument("--process-id", type=int, metavar="I", help="this process, 0..N-1")
+    scale.add_argument("--coordinator-timeout", type=float, default=300.0, metavar="S",
+                       help="seconds to wait for the coordinator and the other processes")
     train.set_defaults(func=_train_command)
 
     generate = commands.add_parser(
@@ -222,6 +246,7 @@ def _train_command(args) -> int:
     started = time.perf_counter()
     import jax  # noqa: PLC0415 (heavy imports after argument parsing)
 
+    from jaxformer import distributed  # noqa: PLC0415
     from jaxformer.checkpoint import CheckpointError  # noqa: PLC0415
     from jaxformer.model import DecoderOnlyLM, Transformer, count_params  # noqa: PLC0415
     from jaxformer.training import (NonFiniteLossError, TrainConfig,  # noqa: PLC0415
@@ -235,6 +260,10 @@ def _train_command(args) -> int:
         if getattr(args, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got "
                              f"{getattr(args, name)}")
+    processes = _process_settings(args)
+    if processes is not None and args.out is None:
+        raise UsageError("several processes need --out: the one run directory, the same "
+                         "path on every process")
     build_model, model_overrides, _, train_overrides, preset = _configs_from_args(args)
 
     if args.resume:
@@ -248,9 +277,6 @@ def _train_command(args) -> int:
         if conflicts:
             raise UsageError("--resume continues the saved run; these flags differ from "
                              f"{config_path}: {', '.join(conflicts)}")
-        checkpoint_dir = os.path.join(out, "checkpoints")
-        if not os.path.isdir(checkpoint_dir) or not _has_checkpoint(checkpoint_dir):
-            raise UsageError(f"cannot resume: no checkpoint in {out}/checkpoints")
     else:
         try:
             if train_overrides.get("task") == "lm":
@@ -265,11 +291,16 @@ def _train_command(args) -> int:
             raise UsageError(f"run directory {out} already exists and is not empty: pass "
                              f"--resume to continue it, or choose another --out")
 
+    _start_processes(args, processes)  # after the checks of --out: no process wrote yet
+    checkpoint_dir = os.path.join(out, "checkpoints")
+    if args.resume and not (os.path.isdir(checkpoint_dir) and _has_checkpoint(checkpoint_dir)):
+        raise UsageError(f"cannot resume: no checkpoint in {out}/checkpoints")  # (Orbax: JAX)
     data = None
     try:  # everything checkable before compiling: data/task vs model, batch vs devices
-        from jaxformer.sharding import check_divisible, make_mesh  # noqa: PLC0415
+        from jaxformer.partitioning import make_mesh, mesh_spec_string  # noqa: PLC0415
+        from jaxformer.sharding import check_divisible  # noqa: PLC0415
 
-        mesh = make_mesh()
+        mesh = make_mesh(args.mesh)
         check_divisible(train_config.batch_size, mesh, name="--batch")
         if train_config.task == "lm":
             data = _text_data(train_config)
@@ -279,19 +310,22 @@ def _train_command(args) -> int:
     except ValueError as error:
         raise UsageError(str(error)) from error
 
-    if not args.resume:
+    primary = distributed.is_primary()  # writes the run directory and prints
+    if not args.resume and primary:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "config.json"), "w") as f:
             json.dump({"preset": preset, "model": model_config.to_dict(),
-                       "train": train_config.to_dict()}, f, indent=2)
+                       "train": train_config.to_dict(), "mesh": mesh_spec_string(mesh),
+                       "processes": jax.process_count()}, f, indent=2)
 
     model = (DecoderOnlyLM if train_config.task == "lm" else Transformer)(model_config)
-    print(f"jaxformer train: {train_config.task} task, {preset} model "
-          f"({model_config.norm}-LN, {model_config.dtype}), "
-          f"{len(jax.devices())} {jax.devices()[0].platform} device(s), run dir {out}",
-          flush=True)
+    if primary:
+        print(f"jaxformer train: {train_config.task} task, {preset} model "
+              f"({model_config.norm}-LN, {model_config.dtype}), mesh "
+              f"{mesh_spec_string(mesh)}, {distributed.describe()}, run dir {out}",
+              flush=True)
     try:
-        result = fit(model_config, train_config, checkpoint_dir=os.path.join(out, "checkpoints"),
+        result = fit(model_config, train_config, checkpoint_dir=checkpoint_dir,
                      resume=args.resume, save_every=args.save_every, log_every=args.log_every,
                      progress=not args.no_progress,
                      metrics_file=os.path.join(out, "metrics.jsonl"), mesh=mesh, data=data,
@@ -303,17 +337,24 @@ def _train_command(args) -> int:
         print(f"jaxformer train: {error}", file=sys.stderr)
         return 1
     step = int(result.state.step)
-    if result.interrupted:
+    if result.interrupted and primary:
         print(f"jaxformer train: interrupted at step {step}; checkpoint saved in "
               f"{out}/checkpoints. Continue with: jaxformer train --out {out} --resume",
               file=sys.stderr)
+    if result.interrupted:
         return 130
 
+    # The rest (evaluation, figures, summary) is process 0's, on its own devices.
+    params, local_mesh = distributed.host_copy(result.state.params), mesh
+    if jax.process_count() > 1:
+        if not primary:
+            return 0
+        local_mesh = make_mesh(devices=jax.local_devices())
     if train_config.task == "lm":
-        return _finish_lm(args, model, result, data, train_config, out, started)
-    params = result.state.params
+        return _finish_lm(args, model, params, local_mesh, result, data, train_config, out,
+                          started)
     heldout = task.heldout_set(args.eval_examples)
-    metrics = evaluate(model, params, heldout, mesh=mesh)
+    metrics = evaluate(model, params, heldout, mesh=local_mesh)
     _show_examples(model, params, heldout, args.show)
     history = _read_metrics(os.path.join(out, "metrics.jsonl"))
     _write_figures(model, params, heldout, history, out, train_config, model_config)
@@ -323,13 +364,51 @@ def _train_command(args) -> int:
                "eval_examples": metrics["examples"], "steps": step,
                "wall_s": round(time.perf_counter() - started, 2),
                "compile_s": round(result.compile_s, 2), "params": count_params(params),
-               "devices": len(jax.devices()), "resumed_from": result.start_step or None,
+               "devices": len(jax.devices()), "mesh": mesh_spec_string(mesh),
+               "processes": jax.process_count(), "resumed_from": result.start_step or None,
                "out": out}
     line = json.dumps(summary)
     with open(os.path.join(out, "summary.json"), "w") as f:
         f.write(line + "\n")
     print(line, flush=True)
     return 0
+
+
+def _process_settings(args):
+    """`distributed.Settings` of --coordinator/--num-processes/--process-id (or the
+    environment; None: one process), checked with --cpu-devices before anything starts."""
+    from jaxformer import distributed  # noqa: PLC0415
+
+    if args.cpu_devices is not None and args.cpu_devices < 1:
+        raise UsageError(f"--cpu-devices must be positive, got {args.cpu_devices}")
+    if not args.coordinator_timeout > 0:
+        raise UsageError(f"--coordinator-timeout must be positive, got "
+                         f"{args.coordinator_timeout}")
+    try:
+        return distributed.settings(args.coordinator, args.num_processes, args.process_id,
+                                    names=_PROCESS_FLAGS)
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+
+
+def _start_processes(args, processes) -> None:
+    """--cpu-devices, then join the other processes (before JAX starts its devices)."""
+    from jaxformer import distributed  # noqa: PLC0415
+    from jaxformer.sharding import use_cpu_cores_as_devices  # noqa: PLC0415
+
+    try:
+        if args.cpu_devices is not None:
+            use_cpu_cores_as_devices(args.cpu_devices)
+        if processes is not None:
+            if processes.process_id is not None:  # context for JAX's own abort, if it comes
+                print(f"jaxformer train: process {processes.process_id} of "
+                      f"{processes.num_processes}: joining the others at "
+                      f"{processes.coordinator} (up to {args.coordinator_timeout:g} s)",
+                      file=sys.stderr, flush=True)
+            distributed.initialize(processes.coordinator, processes.num_processes,
+                                   processes.process_id, timeout_s=args.coordinator_timeout)
+    except (RuntimeError, ValueError) as error:  # incl. CoordinatorUnreachable
+        raise UsageError(str(error)) from error
 
 
 def _lm_model_overrides(model_overrides: dict, train_overrides: dict) -> dict:
@@ -357,18 +436,20 @@ def _text_data(train_config):
                     seed=tc.seed)
 
 
-def _finish_lm(args, model, result, data, train_config, out, started) -> int:
-    """Held-out bits per byte against the baselines, sampled continuations, figures, summary."""
+def _finish_lm(args, model, params, mesh, result, data, train_config, out, started) -> int:
+    """Held-out bits per byte against the baselines, sampled continuations, figures, summary.
+
+    `params` and `mesh`: this process's copy of the trained parameters, its devices."""
     import jax  # noqa: PLC0415
 
     from jaxformer import baselines, plots  # noqa: PLC0415
     from jaxformer.model import count_params  # noqa: PLC0415
+    from jaxformer.partitioning import mesh_spec_string  # noqa: PLC0415
     from jaxformer.training import evaluate_lm  # noqa: PLC0415
 
-    params, step = result.state.params, int(result.state.step)
+    step = int(result.state.step)
     final = result.evals[-1] if result.evals and result.evals[-1]["step"] == step else {
-        f"eval_{k}": v for k, v in evaluate_lm(model, params, data,
-                                               mesh=result.mesh).items()}
+        f"eval_{k}": v for k, v in evaluate_lm(model, params, data, mesh=mesh).items()}
     _show_continuations(model, params, data, args.samples, args.sample_tokens)
     history = _read_metrics(os.path.join(out, "metrics.jsonl"))
     plots.loss_curve([r for r in history if "loss" in r], os.path.join(out, "loss.png"),
@@ -386,7 +467,9 @@ def _finish_lm(args, model, result, data, train_config, out, started) -> int:
                          if steps_run else None),
         "steps": step, "wall_s": round(time.perf_counter() - started, 2),
         "compile_s": round(result.compile_s, 2), "params": count_params(params),
-        "devices": len(jax.devices()), "resumed_from": result.start_step or None, "out": out}
+        "devices": len(jax.devices()), "mesh": mesh_spec_string(result.mesh),
+        "processes": jax.process_count(), "resumed_from": result.start_step or None,
+        "out": out}
     line = json.dumps(summary)
     with open(os.path.join(out, "summary.json"), "w") as f:
         f.write(line + "\n")

@@ -665,6 +665,10 @@ def fit(model_config: TransformerConfig, train_config: TrainConfig, *,
         A missing or unreadable checkpoint raises `CheckpointError`.
       log_every: steps between host syncs: the progress bar, `metrics_file`
         (one JSON line per step, appended) and the non-finite check.
+      mesh: may span several processes (`jaxformer.distributed`): every process
+        calls `fit` alike and feeds its own devices' rows of each batch; they
+        write one checkpoint together (Orbax); only process 0 shows the bar
+        and writes `metrics_file`.
       on_step: called with the step count after every step (tests use it).
     Ctrl-C (SIGINT) finishes the current step, saves, and returns with
     `interrupted=True`; a second Ctrl-C aborts at once. A non-finite loss
@@ -717,9 +721,10 @@ def fit(model_config: TransformerConfig, train_config: TrainConfig, *,
 
     stop = _StopFlag()
     history, pending = [], []
-    bar = tqdm(total=tc.steps, initial=start_step, disable=not progress, dynamic_ncols=True,
-               desc=f"{tc.task} {model_config.norm}-LN", unit="step")
-    metrics_out = open(metrics_file, "a") if metrics_file else None  # noqa: SIM115
+    primary = jax.process_index() == 0  # several processes: one bar, one metrics file
+    bar = tqdm(total=tc.steps, initial=start_step, disable=not (progress and primary),
+               dynamic_ncols=True, desc=f"{tc.task} {model_config.norm}-LN", unit="step")
+    metrics_out = open(metrics_file, "a") if metrics_file and primary else None  # noqa: SIM115
 
     def flush():
         """Sync: check losses, log them, advance the bar."""
