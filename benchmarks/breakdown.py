@@ -17,8 +17,8 @@ them. What a step would cost if everything but the matmuls were free is
 matmul / total of the wall time: the ceiling for removing overhead.
 
 Run (1-2 minutes; a quiet machine, since contention inflates small kernels most):
-  python benchmarks/profile.py train
-  python benchmarks/profile.py decode
+  python benchmarks/breakdown.py train
+  python benchmarks/breakdown.py decode
 Prints a table, then one JSON line {"what", "wall_ms", "kernel_ms", "<kind>_ms", ...}.
 """
 
