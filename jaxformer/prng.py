@@ -7,8 +7,8 @@ XLA writes and re-reads both 32-bit state arrays at every iteration, and each
 key derivation (`fold_in`, one per dropout site) is a loop of its own. The
 same hash unrolled in plain `jax.numpy` is one elementwise fusion that
 starts from an iota and ends in the mask: a (32, 33, 1024) dropout takes 3.4
-instead of 21.7 ms on 2 CPU cores, and the bench train step ~30% less time
-(benchmarks/train.py).
+instead of 21.7 ms on 2 CPU cores, and the bench train step 744 instead of
+860 ms (benchmarks/train.py, side by side on a quiet machine).
 
 `FUSED_THREEFRY` is a JAX PRNG implementation (`jax.extend.random.define_prng_impl`)
 with threefry2x32's key layout and outputs: `fold_in`, `split` and
