@@ -6,6 +6,7 @@ bench greedy decode (batch 32, 128 new tokens, one device) under
 time of every XLA:CPU kernel (all threads) per step, by kind:
 
   matmul        YNNPACK / XLA dot kernels (ynn_fusion, dot, dot_general)
+  attention matmul  the dots with batch dimensions (Q K^T and weights V per head)
   dropout/mask  selects and the fusions that draw and apply masks
   copy/layout   copies, transposes and bitcast fusions (layout changes)
   loop          while-loop and call bookkeeping
@@ -15,6 +16,13 @@ Kernel time sums over threads, so on 2 cores it can exceed the wall time of a
 step. The largest single kernels are listed too, with the op that produced
 them. What a step would cost if everything but the matmuls were free is
 matmul / total of the wall time: the ceiling for removing overhead.
+
+`decode` also prints the step's roofline: its FLOPs at the machine's matmul
+peak plus its bytes (weights, and the keys/values of all N cache slots, which
+the masked attention reads every step) at the machine's read bandwidth, both
+measured in the run; and, with transformers installed, Hugging Face's greedy
+`generate` on the same sizes, so the best ratio_vs_hf this machine allows is
+printed beside today's.
 
 Run (1-2 minutes; a quiet machine, since contention inflates small kernels most):
   python benchmarks/breakdown.py train
@@ -38,7 +46,9 @@ import jax
 import jax.numpy as jnp
 
 import jaxformer as jf
-from jaxformer import decoding
+from jaxformer import decoding, sampling
+
+import hf_peer  # Hugging Face transformers' MarianMTModel (optional)
 from jaxformer.training import TrainConfig, train_functions
 
 BATCH, SRC_LEN, NEW_TOKENS = 32, 32, 128
@@ -46,7 +56,12 @@ BATCH, SRC_LEN, NEW_TOKENS = 32, 32, 128
 NOT_KERNELS = ("ThunkExecutor", "$", "np.", "Pjit", "Slinky", "end:", "Common", "Parse")
 
 
-def kind(name: str) -> str:
+def kind(name: str, batched_dots: frozenset = frozenset()) -> str:
+    """The kind of kernel `name`; `batched_dots`: the names of dots with batch
+    dimensions (attention's per-head products)."""
+    if name in batched_dots:
+        return "attention matmul"
+    name = re.sub(r"\.\d+$", "", name)
     if name.startswith(("ynn_fusion", "dot", "convolution")):
         return "matmul"
     if "select" in name or name.startswith(("compare", "rng")):
@@ -72,7 +87,7 @@ def train_step():
             box["state"], metrics = step(box["state"], batch)
         float(metrics["loss"])
         return time.perf_counter() - start
-    return run, "train step"
+    return run, "train step", step.as_text()
 
 
 def decode_loop():
@@ -80,14 +95,62 @@ def decode_loop():
     model = jf.Transformer(config)
     src = jax.random.randint(jax.random.PRNGKey(1), (BATCH, SRC_LEN), 3, config.src_vocab_size)
     params = model.init(jax.random.PRNGKey(0), src[:1], src[:1])["params"]
+    hlo = decoding._encdec_jit.lower(  # what greedy_decode compiles
+        model, params, src, None, jax.random.PRNGKey(0), max_new_tokens=NEW_TOKENS,
+        select=sampling.greedy, loop="scan", return_logits=False).compile().as_text()
 
     def run(n):
         start = time.perf_counter()
         for _ in range(n):
             out = decoding.greedy_decode(model, params, src, max_new_tokens=NEW_TOKENS)
-        jnp.asarray(out).block_until_ready()
+        out.tokens.block_until_ready()
         return time.perf_counter() - start
-    return run, f"greedy decode of {NEW_TOKENS} tokens"
+    return run, f"greedy decode of {NEW_TOKENS} tokens", hlo
+
+
+def batched_dots(hlo_text: str) -> frozenset:
+    """Names of the dot instructions with batch dimensions in compiled HLO text."""
+    return frozenset(re.findall(r"%([\w.\-]+) = \S+ dot\([^\n]*lhs_batch_dims", hlo_text))
+
+
+def decode_roofline(config) -> dict:
+    """What one bench decode step must at least cost on this machine.
+
+    A step multiplies every decoder weight with B = 32 rows (FLOPs) and reads
+    every weight, the whole self-attention cache (all T_max = N slots: the
+    attention spans them, masked) and the cross-attention keys/values (bytes).
+    The machine's matmul peak (float32 2048^3) and read bandwidth (a sum over
+    64 MiB, more than the last-level cache) are measured here; the floor is
+    FLOPs / peak + bytes / bandwidth (no overlap) and their max (perfect overlap).
+    """
+    D, F, H, L = config.d_model, config.d_ff, config.num_heads, config.num_decoder_layers
+    V, K, B = config.tgt_vocab_size, config.head_dim, BATCH
+    weights = L * (6 * D * D + 2 * D * F) + D * V  # self q,k,v,o; cross q,o; FFN; output
+    flops = 2 * B * weights + L * 2 * 2 * B * H * K * (NEW_TOKENS + SRC_LEN)
+    cache_bytes = L * 2 * B * H * (NEW_TOKENS + SRC_LEN) * K * 4  # keys and values, f32
+    nbytes = weights * 4 + cache_bytes
+    n = 2048
+    a = jnp.ones((n, n), jnp.float32)
+    mm, total = jax.jit(jnp.matmul), jax.jit(jnp.sum)
+    big = jnp.ones((64 << 20) // 4, jnp.float32)
+
+    def best(fn, arg):
+        fn(*arg).block_until_ready()
+        return min(once(lambda: fn(*arg).block_until_ready()) for _ in range(10))
+    peak = 2 * n ** 3 / best(mm, (a, a))
+    bandwidth = big.nbytes / best(total, (big,))
+    compute_ms, memory_ms = flops / peak * 1e3, nbytes / bandwidth * 1e3
+    return {"step_gflop": flops / 1e9, "step_mib": nbytes / 2 ** 20,
+            "cache_mib": cache_bytes / 2 ** 20, "peak_gflops": peak / 1e9,
+            "bandwidth_gbs": bandwidth / 1e9, "step_compute_ms": compute_ms,
+            "step_memory_ms": memory_ms, "step_floor_ms": compute_ms + memory_ms,
+            "step_floor_overlapped_ms": max(compute_ms, memory_ms)}
+
+
+def once(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def kernel_times(trace_dir: str) -> dict[str, float]:
@@ -109,7 +172,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=3, help="steps traced (and timed)")
     parser.add_argument("--top", type=int, default=12, help="largest kernels listed")
     args = parser.parse_args(argv)
-    run, what = train_step() if args.what == "train" else decode_loop()
+    run, what, hlo = train_step() if args.what == "train" else decode_loop()
+    batched = batched_dots(hlo)
     run(2)  # compile and warm up
     wall = statistics.median(run(1) for _ in range(args.steps)) * 1e3
     with tempfile.TemporaryDirectory() as trace_dir:
@@ -119,21 +183,52 @@ def main(argv=None) -> dict:
     per_step = {name: us / 1e3 / args.steps for name, us in busy.items()}
     by_kind = collections.Counter()
     for name, ms in per_step.items():
-        by_kind[kind(re.sub(r"\.\d+$", "", name))] += ms
+        by_kind[kind(name, batched)] += ms
     total = sum(by_kind.values())
     print(f"bench {what}: wall {wall:.1f} ms; kernel busy time summed over threads "
           f"{total:.1f} ms per step")
-    print(f"{'kind':<14} {'ms/step':>9} {'share':>7}")
+    print(f"{'kind':<17} {'ms/step':>9} {'share':>7}")
     for name, ms in by_kind.most_common():
-        print(f"{name:<14} {ms:>9.1f} {ms / total:>7.1%}")
+        print(f"{name:<17} {ms:>9.1f} {ms / total:>7.1%}")
     print(f"\nlargest kernels ({args.top}):")
     for name, ms in sorted(per_step.items(), key=lambda item: -item[1])[:args.top]:
         print(f"  {ms:8.2f} ms  {name}")
     result = {"what": args.what, "wall_ms": round(wall, 1), "kernel_ms": round(total, 1),
-              **{f"{k.replace('/', '_')}_ms": round(v, 1) for k, v in by_kind.items()},
+              **{f"{k.replace('/', '_').replace(' ', '_')}_ms": round(v, 1) for k, v in by_kind.items()},
               "matmul_share": round(by_kind["matmul"] / total, 3)}
+    if args.what == "decode":
+        result.update(decode_limits(wall))
     print(json.dumps(result))
     return result
+
+
+def decode_limits(wall_ms: float) -> dict:
+    """The roofline of a decode step, and what it allows against Hugging Face."""
+    roof = decode_roofline(jf.bench())
+    print(f"\nroofline of one decode step (batch {BATCH}, cache of {NEW_TOKENS} slots): "
+          f"{roof['step_gflop']:.3f} GFLOP at a matmul peak of {roof['peak_gflops']:.0f} "
+          f"GFLOP/s = {roof['step_compute_ms']:.2f} ms; {roof['step_mib']:.1f} MiB read "
+          f"({roof['cache_mib']:.1f} MiB of it keys/values) at {roof['bandwidth_gbs']:.1f} "
+          f"GB/s = {roof['step_memory_ms']:.2f} ms")
+    floor, overlapped = (roof[f"step_{k}"] * NEW_TOKENS
+                         for k in ("floor_ms", "floor_overlapped_ms"))
+    print(f"{NEW_TOKENS} steps: measured {wall_ms:.0f} ms; floor {floor:.0f} ms "
+          f"(compute + memory), {overlapped:.0f} ms if they overlapped perfectly")
+    out = {"floor_ms": round(floor, 1), "floor_overlapped_ms": round(overlapped, 1),
+           **{k: round(v, 3) for k, v in roof.items()}}
+    transformers = hf_peer.load()
+    if transformers is not None:
+        import numpy as np  # noqa: PLC0415
+        hf = hf_peer.MarianGreedy(transformers, jf.bench(),
+                                  np.random.default_rng(0).integers(3, 100, (BATCH, SRC_LEN)))
+        hf(4)  # warm-up
+        hf_ms = statistics.median(once(lambda: hf(NEW_TOKENS)) for _ in range(3)) * 1e3
+        print(f"hf generate: {hf_ms:.0f} ms; ratio_vs_hf now {hf_ms / wall_ms:.2f}, at the "
+              f"floor {hf_ms / floor:.2f}, at the overlapped floor {hf_ms / overlapped:.2f}")
+        out.update(hf_ms=round(hf_ms, 1), ratio_vs_hf=round(hf_ms / wall_ms, 3),
+                   ratio_vs_hf_at_floor=round(hf_ms / floor, 3),
+                   ratio_vs_hf_at_overlapped_floor=round(hf_ms / overlapped, 3))
+    return out
 
 
 if __name__ == "__main__":
