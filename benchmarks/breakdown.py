@@ -194,7 +194,7 @@ def main(argv=None) -> dict:
     for name, ms in sorted(per_step.items(), key=lambda item: -item[1])[:args.top]:
         print(f"  {ms:8.2f} ms  {name}")
     result = {"what": args.what, "wall_ms": round(wall, 1), "kernel_ms": round(total, 1),
-              **{f"{k.replace('/', '_').replace(' ', '_')}_ms": round(v, 1) for k, v in by_kind.items()},
+              **{re.sub(r"[/ ]", "_", k) + "_ms": round(v, 1) for k, v in by_kind.items()},
               "matmul_share": round(by_kind["matmul"] / total, 3)}
     if args.what == "decode":
         result.update(decode_limits(wall))
