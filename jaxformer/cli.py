@@ -162,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     scale = train.add_argument_group("devices and processes")
     scale.add_argument("--mesh", metavar="SPEC",
                        help="device mesh, e.g. data=2,fsdp=2,tensor=2 (one size may be -1: "
-                            "the rest; default: every device on data)")
+                            "the rest; default: every device on data, or on --resume the "
+                            "saved run's mesh if it fits)")
     scale.add_argument("--cpu-devices", type=int, metavar="N",
                        help="split the CPU into N devices (per process)")
     scale.add_argument("--coordinator", metavar="HOST:PORT",
@@ -300,7 +301,7 @@ def _train_command(args) -> int:
         from jaxformer.partitioning import make_mesh, mesh_spec_string  # noqa: PLC0415
         from jaxformer.sharding import check_divisible  # noqa: PLC0415
 
-        mesh = make_mesh(args.mesh)
+        mesh = make_mesh(_mesh_spec(args, saved.get("mesh") if args.resume else None))
         check_divisible(train_config.batch_size, mesh, name="--batch")
         if train_config.task == "lm":
             data = _text_data(train_config)
@@ -475,6 +476,28 @@ def _finish_lm(args, model, params, mesh, result, data, train_config, out, start
         f.write(line + "\n")
     print(line, flush=True)
     return 0
+
+
+def _mesh_spec(args, saved_spec: Optional[str]) -> Optional[str]:
+    """The mesh spec to train on: --mesh if given; on --resume, else the saved run's
+    mesh if it fits this run's devices (the run continues split as it was), else
+    None (all devices on data), saying so."""
+    import jax  # noqa: PLC0415
+
+    from jaxformer import distributed  # noqa: PLC0415
+    from jaxformer.partitioning import parse_mesh_spec  # noqa: PLC0415
+
+    if args.mesh is not None or saved_spec is None:
+        return args.mesh
+    try:
+        parse_mesh_spec(saved_spec, len(jax.devices()))
+    except ValueError:
+        if distributed.is_primary():
+            print(f"jaxformer train: the saved mesh {saved_spec} does not fit "
+                  f"{len(jax.devices())} device(s); resuming with all of them on data "
+                  f"(pass --mesh to choose)", file=sys.stderr)
+        return None
+    return saved_spec
 
 
 def _read_run_config(run_dir: str, context: str = ""):

@@ -2,6 +2,7 @@
 onto 4 devices split data=2,tensor=2), refusals of bad input, `python -m jaxformer`,
 and the (shortened) example."""
 
+import argparse
 import importlib.util
 import json
 import os
@@ -254,3 +255,18 @@ def test_deep_model_flags_are_recorded_and_resumed(tmp_path):
         True, "save_proj", "mixed")
     assert "layers" in state.params["encoder"] and int(state.step) == 6
     assert main(["train", "--out", out, "--resume", "--steps", "6", "--remat", "full"]) == 2
+
+
+def test_resume_keeps_the_saved_mesh_when_it_fits(capsys):
+    """--resume without --mesh continues on the saved mesh; one that does not fit
+    the devices falls back to all of them on data, saying so; --mesh wins."""
+    from jaxformer.cli import _mesh_spec
+
+    one = "data=1,fsdp=1,tensor=1"  # fits this process's single device
+    resume, chosen = argparse.Namespace(mesh=None), argparse.Namespace(mesh="data=-1")
+    assert _mesh_spec(resume, one) == one
+    assert _mesh_spec(resume, None) is None
+    assert capsys.readouterr().err == ""
+    assert _mesh_spec(resume, "data=2,fsdp=2,tensor=1") is None
+    assert "saved mesh data=2,fsdp=2,tensor=1 does not fit 1 device" in capsys.readouterr().err
+    assert _mesh_spec(chosen, one) == "data=-1"
