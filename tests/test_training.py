@@ -231,10 +231,9 @@ DATA_PARALLEL = textwrap.dedent("""
     DROPOUT = MODEL.replace(attention_dropout=0.1, residual_dropout=0.1,
                             embedding_dropout=0.1, ffn_dropout=0.1)
     TRAIN = TrainConfig(max_len=6, steps=12, batch_size=8, warmup_steps=2, learning_rate=1e-2)
-    result = fit(MODEL, TRAIN, progress=False)
-    dropout = fit(DROPOUT, TRAIN, progress=False)
+    dropout = fit(DROPOUT, TRAIN, progress=False)  # the harder case; one compilation
     task = task_for(MODEL, TRAIN)
-    shards = shard_batch(task.train_batch(jax.random.PRNGKey(0), 8), result.mesh).src
+    shards = shard_batch(task.train_batch(jax.random.PRNGKey(0), 8), dropout.mesh).src
     try:
         fit(MODEL, TRAIN.replace(batch_size=6), progress=False)
         error = None
@@ -242,15 +241,15 @@ DATA_PARALLEL = textwrap.dedent("""
         error = str(e)
     heldout = task.heldout_set(10)  # 10 rows: the last chunk is padded to 12 on 4 devices
     model = jf.Transformer(MODEL)
-    four = evaluate(model, result.state.params, heldout, chunk=4)
-    one = evaluate(model, result.state.params, heldout, mesh=make_mesh(jax.devices()[:1]))
+    four = evaluate(model, dropout.state.params, heldout, chunk=4)
+    one = evaluate(model, dropout.state.params, heldout, mesh=make_mesh(jax.devices()[:1]))
     print(json.dumps({
-        "devices": len(jax.devices()), "mesh": result.mesh.devices.size,
+        "devices": len(jax.devices()), "mesh": dropout.mesh.devices.size,
         "shard_rows": sorted({s.data.shape[0] for s in shards.addressable_shards}),
         "n_shards": len(shards.addressable_shards),
         "replicated": all(x.sharding.is_fully_replicated
-                          for x in jax.tree_util.tree_leaves(result.state.params)),
-        "losses": [r["loss"] for r in result.history], "error": error,
+                          for x in jax.tree_util.tree_leaves(dropout.state.params)),
+        "error": error,
         "dropout_losses": [r["loss"] for r in dropout.history],
         "dropout_params": {jax.tree_util.keystr(path): np.asarray(x).ravel().tolist()
                            for path, x in jax.tree_util.tree_leaves_with_path(
@@ -259,7 +258,7 @@ DATA_PARALLEL = textwrap.dedent("""
 """)
 
 
-def test_four_devices_match_one_device(one_device_run, dropout_run):
+def test_four_devices_match_one_device(dropout_run):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
                JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
     proc = subprocess.run([sys.executable, "-c", DATA_PARALLEL], env=env, cwd=REPO,
@@ -269,8 +268,6 @@ def test_four_devices_match_one_device(one_device_run, dropout_run):
     assert out["devices"] == 4 and out["mesh"] == 4
     assert out["n_shards"] == 4 and out["shard_rows"] == [2]   # the batch is really split
     assert out["replicated"]
-    np.testing.assert_allclose(out["losses"], [r["loss"] for r in one_device_run.history],
-                               rtol=1e-5, atol=1e-5)
     # Dropout draws the same random bits whatever the sharding (each element's bits are
     # a function of its global index, see jaxformer.prng): same losses and parameters.
     np.testing.assert_allclose(out["dropout_losses"],
