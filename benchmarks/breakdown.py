@@ -24,10 +24,18 @@ measured in the run; and, with transformers installed, Hugging Face's greedy
 `generate` on the same sizes, so the best ratio_vs_hf this machine allows is
 printed beside today's.
 
+`compile` times where the train step's compile goes instead: jaxformer's
+tracing and lowering, then XLA:CPU's phases from the same kind of trace (HLO
+passes, the fusion emitters that turn each fusion into a kernel, LLVM's code
+generation), for the bench step as it is and with `scan_layers`, with the
+number of kernels each compiles.
+
 Run (1-2 minutes; a quiet machine, since contention inflates small kernels most):
   python benchmarks/breakdown.py train
   python benchmarks/breakdown.py decode
-Prints a table, then one JSON line {"what", "wall_ms", "kernel_ms", "<kind>_ms", ...}.
+  python benchmarks/breakdown.py compile
+Prints a table, then one JSON line {"what", "wall_ms", "kernel_ms", "<kind>_ms", ...}
+({"what", "<variant>_compile_s" (lower + XLA), "<variant>_<phase>_s", ...} for compile).
 """
 
 from __future__ import annotations
@@ -73,11 +81,15 @@ def kind(name: str, batched_dots: frozenset = frozenset()) -> str:
     return "elementwise"
 
 
-def train_step():
-    """(run n steps -> seconds, what)"""
+def bench_train_functions(config=None):
     tc = TrainConfig(task="copy", min_len=SRC_LEN, max_len=SRC_LEN, batch_size=BATCH,
                      steps=100_000, warmup_steps=100, learning_rate=1e-4)
-    fns = train_functions(jf.bench(), tc)
+    return train_functions(jf.bench() if config is None else config, tc)
+
+
+def train_step():
+    """(run n steps -> seconds, what)"""
+    fns = bench_train_functions()
     batch, box = fns.batch(0, 0), {"state": fns.init(0)}
     step, _ = fns.compiled_step(box["state"], batch)
 
@@ -153,25 +165,78 @@ def once(fn) -> float:
     return time.perf_counter() - start
 
 
-def kernel_times(trace_dir: str) -> dict[str, float]:
-    """Microseconds of busy time per kernel name in the trace."""
+def trace_events(trace_dir: str) -> list[dict]:
+    """The complete events (name, dur in microseconds, ...) of the trace in `trace_dir`."""
     path = sorted(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True))[-1]
     with gzip.open(path) as f:
         trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    return [e for e in events if e.get("ph") == "X" and "dur" in e]
+
+
+def kernel_times(trace_dir: str) -> dict[str, float]:
+    """Microseconds of busy time per kernel name in the trace."""
     busy = collections.Counter()
-    for e in events:
-        if e.get("ph") == "X" and "dur" in e and not e["name"].startswith(NOT_KERNELS):
+    for e in trace_events(trace_dir):
+        if not e["name"].startswith(NOT_KERNELS):
             busy[e["name"]] += e["dur"]
     return busy
 
 
+# XLA:CPU's compile phases, by the trace spans that time them (busy time summed
+# over threads: the fusion emitters run on both cores).
+COMPILE_PHASES = {"hlo passes": "HLO passes", "fusion emitters": "FusionCompiler::Compile",
+                  "llvm codegen": "Codegen", "xla total": "PjRtCpuClient::Compile"}
+
+
+def compile_phases(config) -> dict:
+    """Seconds of the bench train step's lowering and of each XLA compile phase."""
+    fns = bench_train_functions(config)
+    state, batch = fns.init(0), fns.batch(0, 0)
+    start = time.perf_counter()
+    lowered = fns.step.lower(state, batch)
+    out = {"lower": time.perf_counter() - start}
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            start = time.perf_counter()
+            lowered.compile()
+            out["xla compile"] = time.perf_counter() - start
+        events = trace_events(trace_dir)
+    for phase, prefix in COMPILE_PHASES.items():
+        out[phase] = sum(e["dur"] for e in events if e["name"].startswith(prefix)) / 1e6
+    out["total"] = out["lower"] + out["xla compile"]
+    out["kernels"] = sum(e["name"] == COMPILE_PHASES["fusion emitters"] for e in events)
+    return out
+
+
+def compile_main() -> dict:
+    config = jf.bench()
+    variants = {"unrolled": config, "scanned": config.replace(scan_layers=True)}
+    rows = {name: compile_phases(c) for name, c in variants.items()}
+    columns = ("total", "lower", "xla compile", *COMPILE_PHASES)
+    print("bench train step compile (s; phases are busy time summed over threads)")
+    print(f"{'layers':<10}" + "".join(f"{c:>16}" for c in columns) + f"{'kernels':>9}")
+    for name, row in rows.items():
+        print(f"{name:<10}" + "".join(f"{row[c]:>16.2f}" for c in columns)
+              + f"{row['kernels']:>9d}")
+    result = {"what": "compile"}
+    for name, row in rows.items():
+        result[f"{name}_compile_s"] = round(row["total"], 2)
+        result.update({f"{name}_{c.replace(' ', '_')}_s": round(row[c], 2)
+                       for c in columns if c != "total"})
+        result[f"{name}_kernels"] = row["kernels"]
+    print(json.dumps(result))
+    return result
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("what", choices=("train", "decode"))
+    parser.add_argument("what", choices=("train", "decode", "compile"))
     parser.add_argument("--steps", type=int, default=3, help="steps traced (and timed)")
     parser.add_argument("--top", type=int, default=12, help="largest kernels listed")
     args = parser.parse_args(argv)
+    if args.what == "compile":
+        return compile_main()
     run, what, hlo = train_step() if args.what == "train" else decode_loop()
     batched = batched_dots(hlo)
     run(2)  # compile and warm up
