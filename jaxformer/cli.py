@@ -42,6 +42,7 @@ Exit status: 0 done, 1 non-finite loss, 2 bad input or checkpoint,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -159,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="held-out sequences decoded at the end")
     run.add_argument("--show", type=int, default=5, help="held-out examples printed")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_compile_cache_flag(run)
     scale = train.add_argument_group("devices and processes")
     scale.add_argument("--mesh", metavar="SPEC",
                        help="device mesh, e.g. data=2,fsdp=2,tensor=2 (one size may be -1: "
@@ -182,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("prompts", nargs="+", metavar="PROMPT")
     generate.add_argument("--run", required=True, help="the run directory (--out of train)")
     _add_sampling_flags(generate, temperature=0.8)
+    _add_compile_cache_flag(generate)
     generate.set_defaults(func=_generate_command)
 
     decode = commands.add_parser(
@@ -193,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--examples", type=int, default=5,
                         help="held-out examples decoded when no source is given")
     _add_sampling_flags(decode, temperature=0.0)
+    _add_compile_cache_flag(decode)
     decode.set_defaults(func=_decode_command)
     return parser
 
@@ -206,6 +210,24 @@ def _add_sampling_flags(parser, *, temperature: float) -> None:
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
 
 
+def _add_compile_cache_flag(parser) -> None:
+    parser.add_argument("--compile-cache", metavar="DIR",
+                        help="keep compiled programs in DIR (created if missing): a rerun "
+                             "with the same shapes loads them instead of compiling")
+
+
+def _compile_cache(directory: Optional[str]):
+    """The --compile-cache context (checked before anything runs), or a no-op."""
+    if directory is None:
+        return contextlib.nullcontext()
+    from jaxformer.compilation_cache import check_cache_dir, compilation_cache  # noqa: PLC0415
+    try:
+        check_cache_dir(directory)
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+    return compilation_cache(directory)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of `jaxformer` and `python -m jaxformer`; returns the exit status."""
     parser = build_parser()
@@ -214,7 +236,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.print_help()
         return 2
     try:
-        return args.func(args)
+        with _compile_cache(args.compile_cache):
+            return args.func(args)
     except UsageError as error:
         print(f"jaxformer {args.command}: error: {error}", file=sys.stderr)
         return 2

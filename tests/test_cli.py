@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 
+import jax
 import pytest
 
 import jaxformer.training
@@ -32,9 +33,15 @@ TINY = ["train", "--preset", "tiny", "--layers", "1", "--max-len", "6", "--batch
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
+def compile_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("compile-cache"))
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, compile_cache):
     out = str(tmp_path_factory.mktemp("runs") / "copy")
-    return out, main(TINY + ["--out", out])
+    jax.clear_caches()  # compiled here, not reused from another file: the cache fills
+    return out, main(TINY + ["--out", out, "--compile-cache", compile_cache])
 
 
 def test_train_fills_the_run_directory(finished_run, capsys):
@@ -161,8 +168,9 @@ def test_corrupt_checkpoint_gives_a_clear_error(finished_run, tmp_path, capsys):
     (["--heads", "3"], "not divisible by num_heads=3"),
     (["--vocab", "4"], "vocab_size must be an int >= 5"),
     (["--save-every", "0"], "--save-every must be positive"),
+    (["--compile-cache", os.path.join(REPO, "pyproject.toml")], "is a file, not a directory"),
 ], ids=["length-beyond-model", "zero-steps", "dropout", "negative-lr", "heads", "vocab",
-        "save-every"])
+        "save-every", "compile-cache-file"])
 def test_bad_flags_are_refused_before_anything_runs(flags, message, tmp_path, capsys):
     out = tmp_path / "run"
     assert main(TINY + flags + ["--out", str(out)]) == 2
@@ -242,3 +250,30 @@ def test_resume_keeps_the_saved_mesh_when_it_fits(capsys):
     assert _mesh_spec(resume, "data=2,fsdp=2,tensor=1") is None
     assert "saved mesh data=2,fsdp=2,tensor=1 does not fit 1 device" in capsys.readouterr().err
     assert _mesh_spec(chosen, one) == "data=-1"
+
+
+def test_a_rerun_loads_the_compiled_programs_from_the_compile_cache(finished_run,
+                                                                    compile_cache, tmp_path):
+    """Last in this file: it empties JAX's in-memory caches, so the run must read
+    the programs finished_run wrote to --compile-cache, and train identically."""
+    assert any(name.startswith("jit_train_step") for name in os.listdir(compile_cache))
+    hits = []
+
+    def count(event, **_):
+        if event == "/jax/compilation_cache/cache_hits":
+            hits.append(event)
+
+    jax.clear_caches()
+    jax.monitoring.register_event_listener(count)
+    try:
+        out = str(tmp_path / "rerun")
+        assert main(TINY + ["--out", out, "--compile-cache", compile_cache]) == 0
+    finally:
+        jax.monitoring.unregister_event_listener(count)
+    assert hits  # loaded, not compiled
+    assert jax.config.jax_compilation_cache_dir is None  # the setting ends with the command
+
+    def losses(run):
+        with open(os.path.join(run, "metrics.jsonl")) as f:
+            return [(r["step"], r["loss"], r["grad_norm"]) for r in map(json.loads, f)]
+    assert losses(out) == losses(finished_run[0])
