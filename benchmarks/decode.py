@@ -7,14 +7,16 @@ side by side in one process:
 
   jax cached     `jaxformer.decoding.greedy_decode`: one jitted `lax.scan`,
                  KV cache carried as a pytree, cross K/V projected once,
-                 compiled with `decode_loop.DECODE_COMPILER_OPTIONS` (on the
-                 CPU: XLA's own dots rather than YNNPACK's). Data-parallel:
-                 every CPU core is a JAX device
-                 (`sharding.use_cpu_cores_as_devices`), the batch is split
-                 over them and the parameters replicated (`--devices 1`: one
-                 device owning all cores, JAX's default). Also timed: the
-                 same loop on one of those devices (one core), with
+                 compiled with `decode_loop.decode_compiler_options` (on a
+                 CPU split into a device per core: XLA's own dots rather
+                 than YNNPACK's). Data-parallel: every CPU core is a JAX
+                 device (`sharding.use_cpu_cores_as_devices`), the batch is
+                 split over them and the parameters replicated. Also timed:
+                 the same loop on one of those devices (one core), with
                  `lax.while_loop`, and compiled with XLA's default options.
+                 `--devices 1`: one device owning all cores, JAX's default and
+                 what a new user gets (YNNPACK's dots); ratio_vs_hf is then the
+                 one-device figure.
   jax recompute  `greedy_decode_recompute`: the seeds' algorithm compiled --
                  a full decoder pass over the (B, N) prefix buffer every step
                  (data-parallel like the cached loop; XLA's default options).

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import os
 from typing import Any, Callable, Optional
 
 import flax.struct
@@ -52,19 +53,37 @@ TRACE_COUNTS: collections.Counter = collections.Counter()
 
 LogitsFn = Callable[[jnp.ndarray, Any, jnp.ndarray], tuple[jnp.ndarray, Any]]
 
-# XLA compiler options of the decode loops, by backend. XLA:CPU hands matmuls to
-# YNNPACK by default; a decode step's are small, (B, D) x (D, F) for B rows, and
-# for those XLA's own dots are faster: on the bench workload (batch 32, 128
-# steps, split over 2 CPU cores) 0.71 s against 0.88 s with YNNPACK, medians
-# of paired rounds in `benchmarks/decode.py`, which times both. Same tokens.
-# Training keeps the defaults: its larger matmuls are faster with YNNPACK
-# (benchmarks/train.py: 0.93 s against 1.17 s per step). Other backends
-# compile with their defaults.
-DECODE_COMPILER_OPTIONS = {"cpu": {"xla_cpu_experimental_ynn_fusion_type": ""}}
+# XLA:CPU hands matmuls to YNNPACK by default. Which dots serve a decode loop
+# best depends on how many cores a CPU device owns (bench workload, batch 32,
+# 128 steps, medians of paired rounds on 2 cores, same tokens):
+# - one core per device (`sharding.use_cpu_cores_as_devices`, the batch split
+#   over the cores): XLA's own dots, 352 against 386 ms with YNNPACK;
+# - one device owning both cores (JAX's default): YNNPACK, 743 against 838 ms
+#   with XLA's dots (YNNPACK's small-matmul kernels are faster on one thread).
+# `benchmarks/decode.py` times both settings. Other backends compile with
+# their defaults, and so does training (its larger matmuls are faster with YNNPACK).
+XLA_DOTS = {"cpu": {"xla_cpu_experimental_ynn_fusion_type": ""}}
 
 
-def decode_jit(*, static_argnames: tuple[str, ...]):
-    """`jax.jit` with the `DECODE_COMPILER_OPTIONS` of the default backend.
+def decode_compiler_options(backend: str, *, devices: Optional[int] = None,
+                            cores: Optional[int] = None) -> Optional[dict]:
+    """The XLA compiler options a decode loop compiles with on `backend`.
+
+    XLA's own dots (`XLA_DOTS`) on a CPU split into a device per core (`devices`
+    local CPU devices >= `cores`, both looked up by default); XLA's defaults
+    otherwise.
+    """
+    if backend != "cpu":
+        return XLA_DOTS.get(backend)
+    devices = jax.local_device_count("cpu") if devices is None else devices
+    cores = (os.cpu_count() or 1) if cores is None else cores
+    return XLA_DOTS["cpu"] if devices >= cores else None
+
+
+def decode_jit(*, static_argnames: tuple[str, ...],
+               options: Callable[[str], Optional[dict]] = decode_compiler_options):
+    """`jax.jit` with the compiler `options(backend)` of the default backend
+    (default: `decode_compiler_options`).
 
     The backend is looked up at the first call (not at import, which would
     initialise JAX's backends); one compiled function per backend and shape.
@@ -79,7 +98,7 @@ def decode_jit(*, static_argnames: tuple[str, ...]):
             backend = jax.default_backend()
             if backend not in jitted:
                 jitted[backend] = jax.jit(fn, static_argnames=static_argnames,
-                                          compiler_options=DECODE_COMPILER_OPTIONS.get(backend))
+                                          compiler_options=options(backend))
             return jitted[backend]
 
         @functools.wraps(fn)

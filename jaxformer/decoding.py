@@ -146,7 +146,8 @@ def greedy_decode_one(model: Transformer, params, src_S: jnp.ndarray, *, max_new
     `jax.vmap(lambda s: greedy_decode_one(model, params, s, max_new_tokens=N))(src_BS)`
     is batched decoding; it equals `greedy_decode(model, params, src_BS, ...)`.
     Compile it with `decode_loop.decode_jit(static_argnames=())(fn)` rather than
-    `jax.jit` to get the `DECODE_COMPILER_OPTIONS` the library's own loops use.
+    `jax.jit` to get the compiler options the library's own loops use
+    (`decode_loop.decode_compiler_options`).
     `src_mask_S` (S,) bool marks visible source positions (default: not PAD).
     Concrete token ids are checked (a no-op on the tracers of `vmap`/`jit`).
     """
@@ -174,7 +175,7 @@ class RecomputeCarry:
     src_mask: jax.Array
 
 
-# XLA's default options, not DECODE_COMPILER_OPTIONS: a full pass has large
+# XLA's default options, not decode_compiler_options: a full pass has large
 # (B * N, D) matmuls, which are no faster without YNNPACK, and this loop
 # compiled without YNNPACK and split over 2 CPU devices returned wrong tokens,
 # differently from run to run (bench workload at N = 128; one device was right).

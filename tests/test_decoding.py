@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jaxformer as jf
-from jaxformer import decoding, sampling, sharding
+from jaxformer import decode_loop, decoding, sampling, sharding
 from jaxformer.decode_inputs import left_align
 from jaxformer.decode_loop import memory_cache
 from jaxformer.masks import causal_mask
@@ -170,21 +170,33 @@ def test_compiled_once_per_shape(encdec_post):
     assert decoding.TRACE_COUNTS["encdec"] == before + 1
 
 
+def test_decode_compiler_options_follow_the_cores_of_a_device():
+    """XLA's own dots on a CPU split into a device per core, YNNPACK (XLA's default)
+    on a device that owns several cores; other backends keep their defaults."""
+    options = decode_loop.decode_compiler_options
+    assert options("cpu", devices=2, cores=2) == decode_loop.XLA_DOTS["cpu"]
+    assert options("cpu", devices=8, cores=2) == decode_loop.XLA_DOTS["cpu"]
+    assert options("cpu", devices=1, cores=2) is None
+    assert options("gpu", devices=1, cores=2) is None
+
+
 def test_decode_compiler_options_apply_and_keep_the_tokens(encdec_post):
-    """The loop compiles with DECODE_COMPILER_OPTIONS (on the CPU: no YNNPACK fusion)
-    and decodes exactly what the same loop compiled with XLA's defaults decodes."""
+    """The loop compiles with `decode_compiler_options` of this process's devices and
+    decodes exactly what the same loop compiled with the other choice decodes."""
     config, model, params, src = encdec_post
     kwargs = dict(max_new_tokens=N_NEW, select=sampling.greedy, loop="scan",
                   return_logits=True)
     args = (model, params, src, None, jax.random.PRNGKey(0))
+    chosen = decode_loop.decode_compiler_options(jax.default_backend())
     ours = decoding._encdec_jit(*args, **kwargs)
-    defaults = jax.jit(decoding._encdec_jit.__wrapped__,
-                       static_argnames=decoding._encdec_jit.static_argnames)(*args, **kwargs)
-    np.testing.assert_array_equal(ours.tokens, defaults.tokens)
-    np.testing.assert_allclose(ours.logits, defaults.logits, atol=1e-5)
+    other = None if chosen else decode_loop.XLA_DOTS.get(jax.default_backend())
+    theirs = jax.jit(decoding._encdec_jit.__wrapped__, compiler_options=other,
+                     static_argnames=decoding._encdec_jit.static_argnames)(*args, **kwargs)
+    np.testing.assert_array_equal(ours.tokens, theirs.tokens)
+    np.testing.assert_allclose(ours.logits, theirs.logits, atol=1e-5)
     if jax.default_backend() == "cpu":
         compiled = decoding._encdec_jit.lower(*args, **kwargs).compile().as_text()
-        assert "__ynn_fusion" not in compiled
+        assert ("__ynn_fusion" in compiled) == (chosen is None)
 
 
 def test_memory_cache_repeats_each_example_for_its_beams(encdec_post):
