@@ -9,7 +9,8 @@ time of every XLA:CPU kernel (all threads) per step, by kind:
   attention matmul  the dots with batch dimensions (Q K^T and weights V per head)
   dropout/mask  selects and the fusions that draw and apply masks
   copy/layout   copies, transposes and bitcast fusions (layout changes)
-  loop          while-loop and call bookkeeping
+  loop          call and conditional bookkeeping (while loops are containers:
+                their body's kernels count, the loop's own span does not)
   elementwise   every other fusion (norms, softmax, GELU/ReLU, AdamW, ...)
 
 Kernel time sums over threads, so on 2 cores it can exceed the wall time of a
@@ -60,8 +61,11 @@ import hf_peer  # Hugging Face transformers' MarianMTModel (optional)
 from jaxformer.training import TrainConfig, train_functions
 
 BATCH, SRC_LEN, NEW_TOKENS = 32, 32, 128
-# Trace events that are not kernels: runtime, Python and executor spans.
-NOT_KERNELS = ("ThunkExecutor", "$", "np.", "Pjit", "Slinky", "end:", "Common", "Parse")
+# Trace events that are not kernels: runtime, Python and executor spans, and
+# while loops (with YNNPACK dots a loop's event spans its whole body, whose
+# kernels are events of their own).
+NOT_KERNELS = ("ThunkExecutor", "$", "np.", "Pjit", "Slinky", "end:", "Common", "Parse",
+               "while")
 
 
 def kind(name: str, batched_dots: frozenset = frozenset()) -> str:
@@ -76,7 +80,7 @@ def kind(name: str, batched_dots: frozenset = frozenset()) -> str:
         return "dropout/mask"
     if name.startswith(("copy", "transpose", "bitcast")) or "copy" in name:
         return "copy/layout"
-    if name.startswith(("while", "call", "conditional")):
+    if name.startswith(("call", "conditional")):
         return "loop"
     return "elementwise"
 
