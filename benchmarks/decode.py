@@ -15,8 +15,7 @@ side by side in one process:
                  the same loop on one of those devices (one core), with
                  `lax.while_loop`, and compiled with XLA's default options.
                  `--devices 1`: one device owning all cores, JAX's default and
-                 what a new user gets (YNNPACK's dots); ratio_vs_hf is then the
-                 one-device figure.
+                 what a new user gets (YNNPACK's dots).
   jax recompute  `greedy_decode_recompute`: the seeds' algorithm compiled --
                  a full decoder pass over the (B, N) prefix buffer every step
                  (data-parallel like the cached loop; XLA's default options).
@@ -29,8 +28,13 @@ side by side in one process:
   hf generate    Hugging Face `MarianMTModel.generate` (benchmarks/hf_peer.py):
                  greedy with its KV cache (use_cache=True), the same sizes, random
                  weights, EOS disabled; torch threads = cores. ratio_vs_hf is
-                 against the batch split over the cores, ratio_vs_hf_one_device
-                 against the whole batch on one JAX device.
+                 against this run's devices (the batch split over the cores);
+                 ratio_vs_hf_one_device against the whole batch on one JAX
+                 device that owns every core, JAX's default and what a GPU or
+                 TPU user's single device compares to (timed with HF again, in
+                 a child process with --devices 1, since a process's CPU devices
+                 are fixed at start); ratio_vs_hf_one_core against one of this
+                 run's one-core devices.
 
 All of them generate every one of the N tokens: the JAX scan always runs N
 steps, and the seed loop only stops early if *every* row emits EOS in the
@@ -58,6 +62,8 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 from typing import Optional
 
@@ -105,6 +111,45 @@ def block(result):
     return jax.tree_util.tree_map(lambda x: x.block_until_ready(), result)
 
 
+def vs_hf_only(rounds: int) -> dict:
+    """The cached loop on this process's devices against HF generate, interleaved
+    rounds, medians; prints and returns one JSON line."""
+    transformers = hf_peer.load()
+    if transformers is None:
+        raise SystemExit("--vs-hf-only needs transformers (pip install -e '.[bench]')")
+    torch.set_num_threads(os.cpu_count() or 1)
+    src_np = np.random.default_rng(0).integers(3, VOCAB, (BATCH, SRC_LEN))
+    config = jf.bench(max_len=max(STEP_LENGTHS))
+    model = jf.Transformer(config)
+    src = jnp.asarray(src_np, jnp.int32)
+    params = model.init(jax.random.PRNGKey(0), src, src[:, :4])["params"]
+    hf_generate = hf_peer.MarianGreedy(transformers, config, src_np)
+    jax_run = lambda: block(decoding.greedy_decode(model, params, src,  # noqa: E731
+                                                   max_new_tokens=NEW_TOKENS))
+    jax_run(), hf_generate(4)  # compile; warm up
+    jax_s, hf_s = [], []
+    for _ in range(rounds):
+        jax_s.append(once(jax_run)[0])
+        hf_s.append(once(lambda: hf_generate(NEW_TOKENS))[0])
+    out = {"jax_devices": len(jax.devices()), "jax_s": round(statistics.median(jax_s), 4),
+           "hf_s": round(statistics.median(hf_s), 4),
+           "ratio_vs_hf": round(statistics.median(h / j for h, j in zip(hf_s, jax_s)), 2),
+           "tokens_per_s": round(BATCH * NEW_TOKENS / statistics.median(jax_s), 1)}
+    print(json.dumps(out))
+    return out
+
+
+def child_vs_hf_one_device(rounds: int) -> dict:
+    """`vs_hf_only` in a child process whose CPU is one JAX device (JAX's default)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--devices", "1", "--vs-hf-only",
+           "--rounds", str(rounds)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"the one-device child failed ({' '.join(cmd)}):\n"
+                         + done.stderr[-2000:])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main(argv: Optional[list[str]] = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of the fast decoders")
@@ -112,8 +157,14 @@ def main(argv: Optional[list[str]] = None) -> dict:
                         help="paired rounds of the 128-token decoders (jax variants and seed torch)")
     parser.add_argument("--devices", type=int, default=os.cpu_count() or 1,
                         help="JAX CPU devices to split the cores into (default: one per core)")
+    parser.add_argument("--vs-hf-only", action="store_true",
+                        help="only the cached loop against HF generate, interleaved: one JSON "
+                             "line (what the default run starts with --devices 1 for the "
+                             "one-device figure)")
     args = parser.parse_args(argv)
     sharding.use_cpu_cores_as_devices(args.devices)  # before JAX's first computation
+    if args.vs_hf_only:
+        return vs_hf_only(args.rounds)
 
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
@@ -154,8 +205,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
             max_new_tokens=NEW_TOKENS, select=sampling.greedy, loop="scan",
             return_logits=False)),
     }
-    if mesh.devices.size > 1:  # the whole batch on one device (one core)
-        jax_runs["jax cached (1 device)"] = cached(NEW_TOKENS, p=params, s=src)
+    if mesh.devices.size > 1:  # the whole batch on one of those devices (one core)
+        jax_runs["jax cached (1 core)"] = cached(NEW_TOKENS, p=params, s=src)
     first_s, results = {}, {}
     for name, run in jax_runs.items():
         first_s[name], results[name] = once(run)
@@ -267,6 +318,15 @@ def main(argv: Optional[list[str]] = None) -> dict:
                          while_s=timed(cached(NEW_TOKENS, "while", p=biased), args.repeats)[1])
             break
 
+    # 7. One device that owns every core (JAX's default), in a child process: a
+    # process's CPU devices are fixed when JAX starts.
+    one_device = None
+    if mesh.devices.size > 1 and transformers is not None:
+        one_device = child_vs_hf_one_device(args.rounds)
+        print(f"one device owning all {threads} cores (child process): jax "
+              f"{one_device['jax_s']:.3f} s, hf {one_device['hf_s']:.3f} s, "
+              f"ratio_vs_hf {one_device['ratio_vs_hf']}")
+
     # Report.
     cached_row = rows["jax cached (scan)"]
     speedup_seed = speedup("jax cached (scan)")
@@ -304,12 +364,16 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "speedup_vs_recompute": round(speedup_recompute, 2),
         "speedup_vs_seed_torch": round(speedup_seed, 2),
         "target_30x_met": speedup_seed >= 30,
-        # vs Hugging Face MarianMTModel.generate (None: transformers absent). One
-        # device = the whole batch on one JAX device; the other splits the batch
-        # over the CPU cores (one device each).
+        # vs Hugging Face MarianMTModel.generate (None: transformers absent).
+        # ratio_vs_hf: this run's devices (by default the batch split over the
+        # cores, one device each); one device: the whole batch on one JAX device
+        # that owns every core, JAX's default (a child process with --devices 1);
+        # one core: the whole batch on one of this run's one-core devices.
         "ratio_vs_hf": vs_hf("jax cached (scan)"),
-        "ratio_vs_hf_one_device": vs_hf("jax cached (1 device)" if mesh.devices.size > 1
-                                        else "jax cached (scan)"),
+        "ratio_vs_hf_one_device": (one_device["ratio_vs_hf"] if one_device else
+                                   vs_hf("jax cached (scan)")),
+        **({"ratio_vs_hf_one_core": vs_hf("jax cached (1 core)")}
+           if "jax cached (1 core)" in rows else {}),
         "hf_tokens_per_s": (round(rows[hf_name]["tokens_per_s"], 1)
                             if transformers is not None else None),
         "speedup_vs_seed_torch_by_round": [
@@ -320,9 +384,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "xla_default_options_tokens_per_s": round(
             rows["jax cached (XLA default)"]["tokens_per_s"], 1),
         "xla_default_options_speedup_vs_seed_torch": round(speedup("jax cached (XLA default)"), 2),
-        **({"one_device_tokens_per_s": round(rows["jax cached (1 device)"]["tokens_per_s"], 1),
-            "one_device_speedup_vs_seed_torch": round(speedup("jax cached (1 device)"), 2)}
-           if "jax cached (1 device)" in rows else {}),
+        **({"one_device_tokens_per_s": one_device["tokens_per_s"]} if one_device else {}),
+        **({"one_core_tokens_per_s": round(rows["jax cached (1 core)"]["tokens_per_s"], 1),
+            "one_core_speedup_vs_seed_torch": round(speedup("jax cached (1 core)"), 2)}
+           if "jax cached (1 core)" in rows else {}),
         "recompute_tokens_per_s": round(rows["jax recompute"]["tokens_per_s"], 1),
         "recompute_compile_s": round(rows["jax recompute"]["compile_s"], 2),
         "seed_torch_tokens_per_s": round(rows[seed_name]["tokens_per_s"], 1),
