@@ -59,7 +59,7 @@ LogitsFn = Callable[[jnp.ndarray, Any, jnp.ndarray], tuple[jnp.ndarray, Any]]
 # - one core per device (`sharding.use_cpu_cores_as_devices`, the batch split
 #   over the cores): XLA's own dots, 352 against 386 ms with YNNPACK;
 # - one device owning both cores (JAX's default): YNNPACK, 743 against 838 ms
-#   with XLA's dots (YNNPACK's small-matmul kernels are faster on one thread).
+#   with XLA's dots.
 # `benchmarks/decode.py` times both settings. Other backends compile with
 # their defaults, and so does training (its larger matmuls are faster with YNNPACK).
 XLA_DOTS = {"cpu": {"xla_cpu_experimental_ynn_fusion_type": ""}}
@@ -80,10 +80,8 @@ def decode_compiler_options(backend: str, *, devices: Optional[int] = None,
     return XLA_DOTS["cpu"] if devices >= cores else None
 
 
-def decode_jit(*, static_argnames: tuple[str, ...],
-               options: Callable[[str], Optional[dict]] = decode_compiler_options):
-    """`jax.jit` with the compiler `options(backend)` of the default backend
-    (default: `decode_compiler_options`).
+def decode_jit(*, static_argnames: tuple[str, ...]):
+    """`jax.jit` with the `decode_compiler_options` of the default backend.
 
     The backend is looked up at the first call (not at import, which would
     initialise JAX's backends); one compiled function per backend and shape.
@@ -98,7 +96,7 @@ def decode_jit(*, static_argnames: tuple[str, ...],
             backend = jax.default_backend()
             if backend not in jitted:
                 jitted[backend] = jax.jit(fn, static_argnames=static_argnames,
-                                          compiler_options=options(backend))
+                                          compiler_options=decode_compiler_options(backend))
             return jitted[backend]
 
         @functools.wraps(fn)
