@@ -41,7 +41,8 @@ from jaxformer.rope import apply_rope
 
 
 class KV(NamedTuple):
-    """Projected keys and values, each (B, G, S, K) (G = H without grouped-query attention)."""
+    """Projected keys and values, each (B, G, S, K) (G = H without grouped-query attention),
+    or each a tuple of such parts along S (a decode cache's past and current chunk)."""
 
     key: jnp.ndarray
     value: jnp.ndarray
@@ -61,7 +62,9 @@ def dot_product_attention(
     Args:
       query_BHTK, key_BHSK, value_BHSK: queries, keys, values. Keys and values
         may have G heads with G dividing H (grouped-query attention): query
-        head h then reads kv head h // (H / G).
+        head h then reads kv head h // (H / G). They may also be tuples of
+        parts along S (a decode cache's past and current chunk), attended as
+        their concatenation without building it.
       mask: boolean, broadcastable to (B, H, T, S); True = may attend.
       dropout_rate, dropout_rng: dropout on the weights (off if rng is None).
 
@@ -75,13 +78,29 @@ def dot_product_attention(
     runs in float32 whatever the compute dtype.
     """
     batch, heads, num_queries, depth = query_BHTK.shape
-    kv_heads, num_keys = key_BHSK.shape[1], key_BHSK.shape[2]
-    if kv_heads == heads:
-        logits_BHTS = jnp.einsum("bhtk,bhsk->bhts", query_BHTK, key_BHSK)
-    else:  # R = H / G query heads per kv head: (B, G, R, T, K) against (B, G, S, K)
-        query_BGRTK = query_BHTK.reshape(batch, kv_heads, heads // kv_heads, num_queries, depth)
-        logits_BHTS = jnp.einsum("bgrtk,bgsk->bgrts", query_BGRTK, key_BHSK).reshape(
-            batch, heads, num_queries, num_keys)
+    # Keys and values may come in parts along S (a decode cache's read-only past
+    # and its current chunk): each part is read in place, never concatenated.
+    keys = key_BHSK if isinstance(key_BHSK, tuple) else (key_BHSK,)
+    values = value_BHSK if isinstance(value_BHSK, tuple) else (value_BHSK,)
+    kv_heads = keys[0].shape[1]
+    group = heads // kv_heads  # R = H / G query heads per kv head
+
+    def scores(key_BGSK):  # (B, H, T, S) of one part
+        if group == 1:
+            return jnp.einsum("bhtk,bhsk->bhts", query_BHTK, key_BGSK)
+        query_BGRTK = query_BHTK.reshape(batch, kv_heads, group, num_queries, depth)
+        return jnp.einsum("bgrtk,bgsk->bgrts", query_BGRTK, key_BGSK).reshape(
+            batch, heads, num_queries, key_BGSK.shape[2])
+
+    def mix(weights_BHTS, value_BGSK):  # (B, H, T, K) of one part
+        if group == 1:
+            return jnp.einsum("bhts,bhsk->bhtk", weights_BHTS, value_BGSK)
+        weights_BGRTS = weights_BHTS.reshape(batch, kv_heads, group, num_queries,
+                                             value_BGSK.shape[2])
+        return jnp.einsum("bgrts,bgsk->bgrtk", weights_BGRTS, value_BGSK).reshape(
+            batch, heads, num_queries, depth)
+
+    logits_BHTS = jnp.concatenate([scores(k) for k in keys], axis=-1)
     logits_BHTS = (logits_BHTS / math.sqrt(depth)).astype(jnp.float32)
     if mask is not None:
         logits_BHTS = jnp.where(mask, logits_BHTS, jnp.finfo(jnp.float32).min)
@@ -89,14 +108,12 @@ def dot_product_attention(
     if dropout_rng is not None and dropout_rate > 0.0:
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights_BHTS.shape)
         weights_BHTS = jnp.where(keep, weights_BHTS / (1.0 - dropout_rate), 0.0)
-    weights_BHTS = weights_BHTS.astype(value_BHSK.dtype)
-    if kv_heads == heads:
-        out_BHTK = jnp.einsum("bhts,bhsk->bhtk", weights_BHTS, value_BHSK)
-    else:
-        weights_BGRTS = weights_BHTS.reshape(batch, kv_heads, heads // kv_heads, num_queries,
-                                             num_keys)
-        out_BHTK = jnp.einsum("bgrts,bgsk->bgrtk", weights_BGRTS, value_BHSK).reshape(
-            batch, heads, num_queries, depth)
+    weights_BHTS = weights_BHTS.astype(values[0].dtype)
+    out_BHTK, offset = None, 0
+    for value_BGSK in values:
+        part = mix(weights_BHTS[..., offset:offset + value_BGSK.shape[2]], value_BGSK)
+        out_BHTK = part if out_BHTK is None else out_BHTK + part
+        offset += value_BGSK.shape[2]
     return out_BHTK, weights_BHTS
 
 
@@ -180,8 +197,10 @@ class MultiHeadAttention(nn.Module):
         query_BHTK = self._rotate(
             _heads_major(checkpoint_name(self.query(inputs_q_BTD), "query_proj")), positions_BT)
         if self.config.attention_impl == "jax":  # wants (B, T, H, K); takes G < H kv heads
+            key, value = (jnp.concatenate(x, axis=2) if isinstance(x, tuple) else x
+                          for x in kv)  # a cache in parts (past, chunk): one array
             out_BTHK = jax.nn.dot_product_attention(
-                *map(_heads_major, (query_BHTK, kv.key, kv.value)), mask=mask)
+                *map(_heads_major, (query_BHTK, key, value)), mask=mask)
             return checkpoint_name(self.out(out_BTHK), "out_proj")
         rate = self.config.attention_dropout
         dropout_rng = None if deterministic or rate == 0.0 else self.make_rng("dropout")

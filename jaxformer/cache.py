@@ -21,6 +21,15 @@ row b occupies slots `start_B[b]..`, and its token in slot t sits at position
 Cross-attention keys/values of the encoder memory live in the cache too, each
 (B, H, S, K): projected once before the loop (`Transformer.cross_kv`) and read,
 never rewritten, by every step.
+
+Chunks. A step's attention reads every slot it spans, written or not, so a
+cache of T_max slots costs T_max reads per step from the first step on. A
+loop run in segments (`decode_loop(..., segments=n)`) keeps the slots in two
+parts instead: `past_kv`, the P slots of earlier segments (read, never
+written), and `self_kv`, the current segment's chunk. `fold` moves a full
+chunk into the past between segments (one copy per segment); a step then
+reads P + chunk slots, on average about half of T_max. Slot numbers stay
+global: the chunk's slot i is slot P + i.
 """
 
 from __future__ import annotations
@@ -48,6 +57,8 @@ class DecodeCache:
       cross_kv: per decoder layer, cross-attention keys/values (B, G, S, K), or None
         (decoder-only LM).
       cross_mask: (B, 1, 1, S) bool, True = memory position may be attended, or None.
+      past_kv: per decoder layer, keys and values (B, G, P, K) of slots 0..P-1 when the
+        cache is kept in chunks (`self_kv` then holds slots P..), or None.
     """
 
     self_kv: tuple[KV, ...]
@@ -55,15 +66,21 @@ class DecodeCache:
     start_B: jax.Array
     cross_kv: Optional[tuple[KV, ...]] = None
     cross_mask: Optional[jax.Array] = None
+    past_kv: Optional[tuple[KV, ...]] = None
 
     @property
     def batch(self) -> int:
         return self.start_B.shape[0]
 
     @property
+    def past_len(self) -> int:
+        """P: slots held in `past_kv` (0 without)."""
+        return 0 if self.past_kv is None else self.past_kv[0].key.shape[2]
+
+    @property
     def max_len(self) -> int:
-        """T_max: the number of slots."""
-        return self.self_kv[0].key.shape[2]
+        """T_max: the number of slots, past and current chunk."""
+        return self.past_len + self.self_kv[0].key.shape[2]
 
 
 def init_cache(config: TransformerConfig, batch: int, max_len: int,
@@ -98,9 +115,14 @@ def check_cache(cache: DecodeCache, config: TransformerConfig) -> None:
     if len(cache.self_kv) != config.num_decoder_layers:
         raise ValueError(f"cache has {len(cache.self_kv)} layers, config has "
                          f"{config.num_decoder_layers} decoder layers")
-    batch, slots = cache.batch, cache.max_len
+    batch, slots = cache.batch, cache.max_len - cache.past_len
     want = (batch, config.kv_heads, slots, config.head_dim)
     chex.assert_shape([x for kv in cache.self_kv for x in kv], want)
+    if cache.past_kv is not None:
+        if len(cache.past_kv) != config.num_decoder_layers:
+            raise ValueError("cache.past_kv must have one KV per decoder layer")
+        chex.assert_shape([x for kv in cache.past_kv for x in kv],
+                          (batch, config.kv_heads, cache.past_len, config.head_dim))
     chex.assert_shape(cache.index, ())
     chex.assert_type([cache.index, cache.start_B], jnp.int32)
     if cache.cross_kv is not None:
@@ -156,8 +178,28 @@ def cached_forward(model, params, cache: DecodeCache,
         {"params": params}, tokens_BT, self_attention_mask(cache, num_queries),
         cache.cross_kv, cache.cross_mask,
         positions_BT=positions(cache, num_queries), caches=cache.self_kv,
-        cache_index=cache.index, deterministic=True, method=_call_decoder)
+        cache_index=cache.index - cache.past_len, past_kvs=cache.past_kv,
+        deterministic=True, method=_call_decoder)
     return logits_BTV, cache.replace(self_kv=self_kv, index=cache.index + num_queries)
+
+
+def fold(cache: DecodeCache, chunk_len: int) -> DecodeCache:
+    """The cache with its current chunk moved into the past and an empty chunk of
+    `chunk_len` slots after it (one copy of the keys/values written so far).
+
+    Every slot of the current chunk must have been written: a slot that was
+    not would stay visible to later queries (masks go by slot number).
+    """
+
+    def joined(past: Optional[KV], chunk: KV) -> KV:
+        if past is None:
+            return chunk
+        return KV(*(jnp.concatenate(pair, axis=2) for pair in zip(past, chunk)))
+
+    pasts = (None,) * len(cache.self_kv) if cache.past_kv is None else cache.past_kv
+    empty = tuple(KV(*(jnp.zeros(x.shape[:2] + (chunk_len,) + x.shape[3:], x.dtype)
+                       for x in kv)) for kv in cache.self_kv)
+    return cache.replace(past_kv=tuple(map(joined, pasts, cache.self_kv)), self_kv=empty)
 
 
 def with_memory(model, params, cache: DecodeCache, memory_BSD: jnp.ndarray,

@@ -211,9 +211,33 @@ def advance(state: DecodeState, logits_BV: jnp.ndarray, cache: Any, *,
         finished_B=state.finished_B | (token_B == eos_id), logits_BNV=logits_BNV)
 
 
+# A loop of N steps runs in N // SEGMENT_STEPS segments, at most MAX_SEGMENTS, by
+# default (`segments_for`). Bench workload, one 2-core CPU device, 128 steps,
+# paired rounds, same tokens: 1 segment 712 ms, 2 627, 4 594, 8 585; compile
+# (with one call) 1.7, 2.3, 3.5, 5.8 s: each segment is a loop body of its own.
+SEGMENT_STEPS, MAX_SEGMENTS = 32, 4
+
+
+def segments_for(num_steps: int, segments: Optional[int] = None) -> int:
+    """`segments` if given (a positive int, checked), else the default for `num_steps`."""
+    if segments is None:
+        return max(1, min(MAX_SEGMENTS, num_steps // SEGMENT_STEPS))
+    if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1:
+        raise ValueError(f"segments must be a positive int or None, got {segments!r}")
+    return segments
+
+
+def segment_lengths(num_steps: int, segments: int) -> tuple[int, ...]:
+    """`num_steps` split into `segments` (at most one a step) near-equal parts, longest first."""
+    segments = max(1, min(segments, num_steps))
+    size, extra = divmod(num_steps, segments)
+    return tuple(size + (i < extra) for i in range(segments))
+
+
 def decode_loop(logits_fn: LogitsFn, state: DecodeState, num_steps: int, *,
                 select: sampling.Selector = sampling.greedy, eos_id: int, pad_id: int,
-                loop: str = "scan", processors: tuple = ()) -> DecodeState:
+                loop: str = "scan", processors: tuple = (), segments: int = 1,
+                fold: Optional[Callable[[Any, int], Any]] = None) -> DecodeState:
     """Run `num_steps` (static) decode steps from `state`: feed, pick, record.
 
     Args:
@@ -223,6 +247,11 @@ def decode_loop(logits_fn: LogitsFn, state: DecodeState, num_steps: int, *,
       select: `(logits_BV, rng) -> token_B`.
       loop: "scan" (always num_steps) or "while" (stops when all rows finished).
       processors: logits processors applied before `select` (see `processors.py`).
+      segments, fold: run the steps as `segment_lengths(num_steps, segments)`, one
+        loop each, with `cache = fold(cache, next_length)` between two (a chunked
+        cache, `cache.fold`: each segment attends over the slots written so far
+        instead of all of them). The cache must start with room for exactly the
+        first segment. Same tokens; one compiled loop body per segment.
     """
 
     def body(state: DecodeState) -> DecodeState:
@@ -230,14 +259,21 @@ def decode_loop(logits_fn: LogitsFn, state: DecodeState, num_steps: int, *,
         return advance(state, logits_BV, cache, select=select, eos_id=eos_id, pad_id=pad_id,
                        processors=processors)
 
-    if loop == "scan":
-        state, _ = jax.lax.scan(lambda s, _: (body(s), None), state, None, length=num_steps)
-        return state
-    if loop == "while":
-        stop = state.step + num_steps
+    def run(state: DecodeState, steps: int) -> DecodeState:
+        if loop == "scan":
+            return jax.lax.scan(lambda s, _: (body(s), None), state, None, length=steps)[0]
+        stop = state.step + steps
         return jax.lax.while_loop(
             lambda s: (s.step < stop) & ~jnp.all(s.finished_B), body, state)
-    raise ValueError(f"loop must be 'scan' or 'while', got {loop!r}")
+
+    if loop not in ("scan", "while"):
+        raise ValueError(f"loop must be 'scan' or 'while', got {loop!r}")
+    lengths = segment_lengths(num_steps, segments) if fold is not None else (num_steps,)
+    for i, steps in enumerate(lengths):
+        if i:
+            state = state.replace(cache=fold(state.cache, steps))
+        state = run(state, steps)
+    return state
 
 
 def cached_logits_fn(model, params) -> LogitsFn:

@@ -50,7 +50,7 @@ from jaxformer.decode_inputs import (check_encdec, check_loop, check_max_new_tok
 # TRACE_COUNTS counts their traces: importable from here as before the split.
 from jaxformer.decode_loop import (TRACE_COUNTS, DecodeResult, DecodeState, advance,
                                    cached_logits_fn, decode_jit, decode_loop, encode_memory,
-                                   init_state, memory_cache)
+                                   init_state, memory_cache, segment_lengths, segments_for)
 from jaxformer.masks import causal_mask
 from jaxformer.model import DecoderOnlyLM, Transformer
 
@@ -63,32 +63,36 @@ __all__ = ["DecodeResult", "DecodeState", "TRACE_COUNTS", "generate", "greedy_de
 
 def _encdec_core(model: Transformer, params, src, src_mask, rng, *, max_new_tokens: int,
                  select, loop: str, return_logits: bool, processors: tuple = (),
-                 prefix_BP=None, prefix_len_B=None) -> DecodeResult:
+                 prefix_BP=None, prefix_len_B=None, segments: int = 1) -> DecodeResult:
     """Traceable encoder-decoder decode of a batch (no host checks)."""
     c = model.config
-    cache = memory_cache(model, params, src, src_mask, max_new_tokens)
+    cache = memory_cache(model, params, src, src_mask,
+                         segment_lengths(max_new_tokens, segments)[0])
     state = init_state(jnp.full((src.shape[0],), c.bos_id, jnp.int32), cache, max_new_tokens,
                        pad_id=c.pad_id, rng=rng,
                        vocab_size=c.tgt_vocab_size if return_logits else None,
                        prefix_BP=prefix_BP, prefix_len_B=prefix_len_B)
     state = decode_loop(cached_logits_fn(model, params), state, max_new_tokens, select=select,
-                        eos_id=c.eos_id, pad_id=c.pad_id, loop=loop, processors=processors)
+                        eos_id=c.eos_id, pad_id=c.pad_id, loop=loop, processors=processors,
+                        segments=segments, fold=cache_lib.fold)
     return state.result
 
 
 @decode_jit(static_argnames=("model", "max_new_tokens", "select", "loop", "return_logits",
-                             "processors"))
+                             "processors", "segments"))
 def _encdec_jit(model, params, src, src_mask, rng, prefix_BP=None, prefix_len_B=None, *,
-                max_new_tokens, select, loop, return_logits, processors=()):
+                max_new_tokens, select, loop, return_logits, processors=(), segments=1):
     TRACE_COUNTS["encdec"] += 1
     return _encdec_core(model, params, src, src_mask, rng, max_new_tokens=max_new_tokens,
                         select=select, loop=loop, return_logits=return_logits,
-                        processors=processors, prefix_BP=prefix_BP, prefix_len_B=prefix_len_B)
+                        processors=processors, prefix_BP=prefix_BP, prefix_len_B=prefix_len_B,
+                        segments=segments)
 
 
 def greedy_decode(model: Transformer, params, src_BS, *, max_new_tokens: int,
                   src_mask=None, loop: str = "scan", return_logits: bool = False,
-                  processors=None, prefix=None, prefix_lengths=None) -> DecodeResult:
+                  processors=None, prefix=None, prefix_lengths=None,
+                  segments: Optional[int] = None) -> DecodeResult:
     """Greedy decoding of an encoder-decoder `Transformer`, compiled once per shape.
 
     Args:
@@ -103,6 +107,10 @@ def greedy_decode(model: Transformer, params, src_BS, *, max_new_tokens: int,
       prefix: (P,) or (B, P) ids forced as the first tokens after BOS (per row;
         ragged with `prefix_lengths` (B,)); they appear in the output and count
         towards max_new_tokens. See `decode_inputs.check_prefix`.
+      segments: run the loop in this many segments over a chunked cache, each
+        attending over the slots written so far (`decode_loop.decode_loop`);
+        default `decode_loop.segments_for(max_new_tokens)`: 1 below 64 steps,
+        up to 4. More segments read less per step and compile longer.
     Returns:
       DecodeResult(tokens (B, N) int32, lengths (B,) int32[, logits]).
     Raises:
@@ -114,13 +122,15 @@ def greedy_decode(model: Transformer, params, src_BS, *, max_new_tokens: int,
     return _encdec_jit(*decodable(model, params), jnp.asarray(src_BS), src_mask,
                        jax.random.PRNGKey(0), prefix_BP, prefix_len_B,
                        max_new_tokens=int(max_new_tokens), select=sampling.greedy, loop=loop,
-                       return_logits=return_logits, processors=procs)
+                       return_logits=return_logits, processors=procs,
+                       segments=segments_for(int(max_new_tokens), segments))
 
 
 def sample(model: Transformer, params, src_BS, *, max_new_tokens: int, rng: jax.Array,
            temperature: float = 1.0, top_k: Optional[int] = None,
            top_p: Optional[float] = None, src_mask=None, loop: str = "scan",
-           processors=None, prefix=None, prefix_lengths=None) -> DecodeResult:
+           processors=None, prefix=None, prefix_lengths=None,
+           segments: Optional[int] = None) -> DecodeResult:
     """Ancestral sampling (temperature, then top-k, then top-p) with an explicit key.
 
     The same `rng` gives the same tokens (step t uses `fold_in(rng, t)`);
@@ -134,7 +144,8 @@ def sample(model: Transformer, params, src_BS, *, max_new_tokens: int, rng: jax.
     check_rng(rng)
     return _encdec_jit(*decodable(model, params), jnp.asarray(src_BS), src_mask, rng,
                        prefix_BP, prefix_len_B, max_new_tokens=int(max_new_tokens),
-                       select=select, loop=loop, return_logits=False, processors=procs)
+                       select=select, loop=loop, return_logits=False, processors=procs,
+                       segments=segments_for(int(max_new_tokens), segments))
 
 
 def greedy_decode_one(model: Transformer, params, src_S: jnp.ndarray, *, max_new_tokens: int,
@@ -221,14 +232,19 @@ def greedy_decode_recompute(model: Transformer, params, src_BS, *, max_new_token
 
 
 def _lm_core(model: DecoderOnlyLM, params, prompt_BP, lengths_B, rng, *, max_new_tokens: int,
-             select, loop: str, return_logits: bool, processors: tuple = ()) -> DecodeResult:
+             select, loop: str, return_logits: bool, processors: tuple = (),
+             segments: int = 1) -> DecodeResult:
     c = model.config
     batch, width = prompt_BP.shape
-    cache = cache_lib.init_cache(c, batch, width + max_new_tokens - 1)
+    lengths = segment_lengths(max_new_tokens - 1, segments)
+    chunked = len(lengths) > 1  # then the prompt fills the past, the loop its chunks
+    cache = cache_lib.init_cache(c, batch, width if chunked else width + max_new_tokens - 1)
     cache = cache.replace(start_B=(width - lengths_B).astype(jnp.int32))
     # Prefill: the whole (left-aligned) prompt in one parallel pass.
     logits_BPV, cache = cache_lib.cached_forward(
         model, params, cache, left_align(prompt_BP, lengths_B, c.pad_id))
+    if chunked:
+        cache = cache_lib.fold(cache, lengths[0])
     state = init_state(jnp.full((batch,), c.pad_id, jnp.int32), cache, max_new_tokens,
                        pad_id=c.pad_id, rng=rng,
                        vocab_size=c.tgt_vocab_size if return_logits else None)
@@ -237,24 +253,25 @@ def _lm_core(model: DecoderOnlyLM, params, prompt_BP, lengths_B, rng, *, max_new
                     pad_id=c.pad_id, processors=processors)
     state = decode_loop(cached_logits_fn(model, params), state, max_new_tokens - 1,
                         select=select, eos_id=c.eos_id, pad_id=c.pad_id, loop=loop,
-                        processors=processors)
+                        processors=processors, segments=segments, fold=cache_lib.fold)
     return state.result
 
 
 @decode_jit(static_argnames=("model", "max_new_tokens", "select", "loop", "return_logits",
-                             "processors"))
+                             "processors", "segments"))
 def _lm_jit(model, params, prompt_BP, lengths_B, rng, *, max_new_tokens, select, loop,
-            return_logits, processors=()):
+            return_logits, processors=(), segments=1):
     TRACE_COUNTS["lm"] += 1
     return _lm_core(model, params, prompt_BP, lengths_B, rng, max_new_tokens=max_new_tokens,
                     select=select, loop=loop, return_logits=return_logits,
-                    processors=processors)
+                    processors=processors, segments=segments)
 
 
 def generate(model: DecoderOnlyLM, params, prompt_BP, *, max_new_tokens: int,
              prompt_lengths=None, rng: Optional[jax.Array] = None, temperature: float = 0.0,
              top_k: Optional[int] = None, top_p: Optional[float] = None, loop: str = "scan",
-             return_logits: bool = False, processors=None) -> DecodeResult:
+             return_logits: bool = False, processors=None,
+             segments: Optional[int] = None) -> DecodeResult:
     """Continue right-padded prompts with a decoder-only LM: prefill once, then loop.
 
     Args:
@@ -265,7 +282,8 @@ def generate(model: DecoderOnlyLM, params, prompt_BP, *, max_new_tokens: int,
         (PAD must then only trail).
       rng: key for sampling; needed iff temperature > 0.
       temperature, top_k, top_p: as `sample`; temperature 0 (default) = greedy.
-      loop, return_logits, processors: as `greedy_decode` (step 0 = the first new token).
+      loop, return_logits, processors, segments: as `greedy_decode` (step 0 = the first
+        new token; the segments split the N - 1 steps after the prompt).
     Returns:
       DecodeResult of the new tokens only (B, N).
     """
@@ -287,4 +305,5 @@ def generate(model: DecoderOnlyLM, params, prompt_BP, *, max_new_tokens: int,
                    jnp.asarray(lengths, jnp.int32),
                    jax.random.PRNGKey(0) if rng is None else rng,
                    max_new_tokens=int(max_new_tokens), select=select, loop=loop,
-                   return_logits=return_logits, processors=procs)
+                   return_logits=return_logits, processors=procs,
+                   segments=segments_for(int(max_new_tokens) - 1, segments))

@@ -238,6 +238,7 @@ class DecoderLayer(nn.Module):
         *,
         cache: Optional[KV] = None,
         cache_index: Optional[jnp.ndarray] = None,
+        past: Optional[KV] = None,
         positions_BT: Optional[jnp.ndarray] = None,
         deterministic: bool = True,
     ) -> tuple[jnp.ndarray, Optional[KV]]:
@@ -252,6 +253,9 @@ class DecoderLayer(nn.Module):
             new keys/values are written at `cache_index` (a scalar) and the
             queries attend over the whole cache, so `self_mask` must hide the
             slots not yet written.
+          past: keys/values (B, G, P, K) of the P slots before the cache's first
+            (read, never written: a decode cache kept in chunks); the queries
+            attend over past then cache, and `self_mask` spans P + T_max slots.
           positions_BT: (B|1, T) positions of the inputs for RoPE (default
             0..T-1); cached keys were rotated by theirs when written.
         Returns:
@@ -264,7 +268,8 @@ class DecoderLayer(nn.Module):
                 start = (0, 0, cache_index, 0)
                 kv = KV(jax.lax.dynamic_update_slice(cache.key, kv.key.astype(cache.key.dtype), start),
                         jax.lax.dynamic_update_slice(cache.value, kv.value.astype(cache.value.dtype), start))
-            out = self.self_attn(h_BTD, kv, self_mask, positions_BT=positions_BT,
+            seen = kv if past is None else KV((past.key, kv.key), (past.value, kv.value))
+            out = self.self_attn(h_BTD, seen, self_mask, positions_BT=positions_BT,
                                  deterministic=deterministic)
             return out, (kv if cache is not None else None)
 

@@ -114,13 +114,14 @@ class Decoder(nn.Module):
         positions_BT: Optional[jnp.ndarray] = None,
         caches: Optional[Sequence[KV]] = None,
         cache_index: Optional[jnp.ndarray] = None,
+        past_kvs: Optional[Sequence[KV]] = None,
         deterministic: bool = True,
     ) -> tuple[jnp.ndarray, Optional[tuple[KV, ...]]]:
         """Returns (logits (B, T, V) in float32, updated per-layer caches or None).
 
         Without `caches` this is the parallel (training) pass. With them, the
         T new tokens are written at `cache_index` of every layer's cache and
-        attend over it: see `DecoderLayer`. With `config.scan_layers`,
+        attend over it, after `past_kvs` if given: see `DecoderLayer`. With `config.scan_layers`,
         `cross_kvs` is the memory (B, S, D) itself (each scanned layer projects
         it) and there are no caches (decoding runs `stacking.unscanned`).
         """
@@ -139,6 +140,7 @@ class Decoder(nn.Module):
                 y_BTD, cache = layer(
                     y_BTD, self_mask, cross_kvs[i] if self.cross_attention else None, cross_mask,
                     cache=None if caches is None else caches[i], cache_index=cache_index,
+                    past=None if past_kvs is None else past_kvs[i],
                     positions_BT=positions_BT, deterministic=deterministic)
                 new_caches.append(cache)
         if self.config.use_final_norm:

@@ -84,6 +84,30 @@ def test_step_by_step_and_prefill_equal_the_parallel_pass(norm):
         np.testing.assert_allclose(logits[:, 0], full[:, t], atol=1e-5, rtol=1e-5)
 
 
+def test_fold_moves_the_chunk_into_the_past_and_steps_continue_exactly():
+    """A prefill of 5 slots folded into the past, then steps in chunks of 2 folded in
+    turn: the logits of the one causal forward pass, and the past holds the keys
+    and values written so far, in slot order."""
+    config, model, params, tokens = _lm("pre")
+    full = model.apply({"params": params}, tokens, jf.causal_mask(tokens.shape[1]))
+    step = jax.jit(lambda c, t: cache_lib.cached_forward(model, params, c, t))
+    cache = cache_lib.init_cache(config, 2, 5)
+    _, cache = step(cache, tokens[:, :5])
+    written = cache.self_kv
+    cache = cache_lib.fold(cache, 2)
+    assert (cache.past_len, cache.max_len, int(cache.index)) == (5, 7, 5)
+    cache_lib.check_cache(cache, config)
+    for ours, ref in zip(jax.tree.leaves(cache.past_kv), jax.tree.leaves(written)):
+        np.testing.assert_array_equal(ours, ref)
+    assert not any(np.any(x) for x in jax.tree.leaves(cache.self_kv))  # a fresh chunk
+    for t in range(5, tokens.shape[1]):
+        if t in (7,):
+            cache = cache_lib.fold(cache, 2)
+        logits, cache = step(cache, tokens[:, t:t + 1])
+        np.testing.assert_allclose(logits[:, 0], full[:, t], atol=1e-5, rtol=1e-5)
+    assert (cache.past_len, cache.max_len) == (7, 9)
+
+
 def test_cached_step_sees_earlier_keys_and_not_unwritten_slots():
     """The causal rule of a cached step, shown directly."""
     config, model, params, tokens = _lm("post")

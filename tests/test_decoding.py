@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import jaxformer as jf
+from jaxformer import cache as cache_lib
 from jaxformer import decode_loop, decoding, sampling, sharding
 from jaxformer.decode_inputs import left_align
 from jaxformer.decode_loop import memory_cache
@@ -246,6 +247,8 @@ def small():
     pytest.param(dict(src_mask=jnp.ones((2, 1, 1, 4))), TypeError, "src_mask",
                  id="mask_not_bool"),
     pytest.param(dict(loop="for"), ValueError, "loop", id="bad_loop"),
+    pytest.param(dict(segments=0), ValueError, "segments", id="zero_segments"),
+    pytest.param(dict(segments=2.0), ValueError, "segments", id="float_segments"),
 ])
 def test_bad_inputs_raise_before_compiling(small, kwargs, error, match):
     config, model, params, src = small
@@ -374,6 +377,73 @@ def test_modern_blocks_ragged_prompt_generate_equals_recomputation(case):
     tokens, logits = reference_lm_greedy(model, params, prompt, lengths, 6)
     np.testing.assert_array_equal(result.tokens, tokens)
     np.testing.assert_allclose(result.logits, logits, atol=1e-5, rtol=1e-5)
+
+
+# Segments: the loop in several parts over a chunked cache (`cache.fold`), each
+# attending over the slots written so far. Same tokens as one loop, and as
+# recomputation; N = 10 in 3 segments is 4 + 3 + 3 steps.
+
+
+@pytest.mark.parametrize("loop", ["scan", "while"])
+def test_segmented_decode_equals_recomputation(encdec, loop):
+    config, model, params, src = encdec
+    result = decoding.greedy_decode(model, params, src, max_new_tokens=N_NEW, loop=loop,
+                                    return_logits=True, segments=3)
+    tokens, lengths, logits = reference_greedy(model, params, src, N_NEW)
+    np.testing.assert_array_equal(result.tokens, tokens)
+    np.testing.assert_array_equal(result.lengths, lengths)
+    for row, length in enumerate(lengths):
+        np.testing.assert_allclose(result.logits[row, :length], logits[row, :length],
+                                   atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", list(MODERN_ENCDEC))
+def test_segmented_modern_blocks_equal_one_segment(case):
+    """Grouped-query attention over a cache in parts, RoPE positions across folds."""
+    config, model, params, src = _build_encdec_config(MODERN_ENCDEC[case])
+    one, three = (decoding.greedy_decode(model, params, src, max_new_tokens=N_NEW,
+                                         return_logits=True, segments=s) for s in (1, 3))
+    np.testing.assert_array_equal(three.tokens, one.tokens)
+    np.testing.assert_allclose(three.logits, one.logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["post", *MODERN_LM])
+def test_segmented_generate_equals_recomputation(case):
+    """Ragged prompts: the prefill becomes the past, the 5 later steps run as 2 + 2 + 1."""
+    config, model, params, prompt, lengths = (
+        _build_lm(case) if case == "post" else _build_lm_config(MODERN_LM[case]))
+    result = decoding.generate(model, params, prompt, max_new_tokens=6, return_logits=True,
+                               segments=3)
+    tokens, logits = reference_lm_greedy(model, params, prompt, lengths, 6)
+    np.testing.assert_array_equal(result.tokens, tokens)
+    np.testing.assert_allclose(result.logits, logits, atol=1e-5, rtol=1e-5)
+
+
+def test_segments_fold_the_cache_between_loops():
+    """Each segment's step sees the slots written before it as the past and a chunk of
+    its own length: the loop reads what was written, not all N slots."""
+    config = jf.tiny()
+    seen = []
+
+    def logits_fn(token_B, cache, step):  # runs at trace time: once per segment
+        seen.append((cache.past_len, cache.max_len - cache.past_len))
+        return jnp.zeros((2, config.tgt_vocab_size)), cache.replace(index=cache.index + 1)
+
+    state = decode_loop.init_state(jnp.ones((2,), jnp.int32),
+                                   cache_lib.init_cache(config, 2, 4), N_NEW, pad_id=0)
+    for loop in ("scan", "while"):
+        seen.clear()
+        out = decode_loop.decode_loop(logits_fn, state, N_NEW, eos_id=2, pad_id=0, loop=loop,
+                                      segments=3, fold=cache_lib.fold)
+        assert seen == [(0, 4), (4, 3), (7, 3)] and int(out.step) == N_NEW
+    assert decode_loop.segment_lengths(10, 3) == (4, 3, 3)
+    assert decode_loop.segment_lengths(2, 5) == (1, 1)  # never an empty segment
+
+
+def test_default_segments_grow_with_the_steps():
+    assert [decode_loop.segments_for(n) for n in (10, 63, 64, 96, 128, 4096)] == [
+        1, 1, 2, 3, 4, 4]
+    assert decode_loop.segments_for(10, 5) == 5
 
 
 def test_lm_while_equals_scan_and_padding_width_does_not_matter():
