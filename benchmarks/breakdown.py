@@ -55,7 +55,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxformer as jf
-from jaxformer import decoding, sampling
+from jaxformer import decode_loop as loop_lib, decoding, sampling
 
 import hf_peer  # Hugging Face transformers' MarianMTModel (optional)
 from jaxformer.training import TrainConfig, train_functions
@@ -113,7 +113,8 @@ def decode_loop():
     params = model.init(jax.random.PRNGKey(0), src[:1], src[:1])["params"]
     hlo = decoding._encdec_jit.lower(  # what greedy_decode compiles
         model, params, src, None, jax.random.PRNGKey(0), max_new_tokens=NEW_TOKENS,
-        select=sampling.greedy, loop="scan", return_logits=False).compile().as_text()
+        select=sampling.greedy, loop="scan", return_logits=False,
+        segments=loop_lib.segments_for(NEW_TOKENS)).compile().as_text()
 
     def run(n):
         start = time.perf_counter()
@@ -133,8 +134,10 @@ def decode_roofline(config) -> dict:
     """What one bench decode step must at least cost on this machine.
 
     A step multiplies every decoder weight with B = 32 rows (FLOPs) and reads
-    every weight, the whole self-attention cache (all T_max = N slots: the
-    attention spans them, masked) and the cross-attention keys/values (bytes).
+    every weight, the self-attention cache slots it spans and the
+    cross-attention keys/values (bytes). With the loop in segments (the
+    default, `loop_lib.segments_for`) a step of segment i spans the slots of
+    segments 0..i; averaged over the N steps that is about 60 % of N at 4.
     The machine's matmul peak (float32 2048^3) and read bandwidth (a sum over
     64 MiB, more than the last-level cache) are measured here; the floor is
     FLOPs / peak + bytes / bandwidth (no overlap) and their max (perfect overlap).
@@ -142,8 +145,11 @@ def decode_roofline(config) -> dict:
     D, F, H, L = config.d_model, config.d_ff, config.num_heads, config.num_decoder_layers
     V, K, B = config.tgt_vocab_size, config.head_dim, BATCH
     weights = L * (6 * D * D + 2 * D * F) + D * V  # self q,k,v,o; cross q,o; FFN; output
-    flops = 2 * B * weights + L * 2 * 2 * B * H * K * (NEW_TOKENS + SRC_LEN)
-    cache_bytes = L * 2 * B * H * (NEW_TOKENS + SRC_LEN) * K * 4  # keys and values, f32
+    lengths = loop_lib.segment_lengths(NEW_TOKENS, loop_lib.segments_for(NEW_TOKENS))
+    spans = [sum(lengths[:i + 1]) for i in range(len(lengths))]  # slots segment i reads
+    slots = sum(n * span for n, span in zip(lengths, spans)) / NEW_TOKENS  # a step, on average
+    flops = 2 * B * weights + L * 2 * 2 * B * H * K * (slots + SRC_LEN)
+    cache_bytes = L * 2 * B * H * (slots + SRC_LEN) * K * 4  # keys and values, f32
     nbytes = weights * 4 + cache_bytes
     n = 2048
     a = jnp.ones((n, n), jnp.float32)
@@ -156,7 +162,7 @@ def decode_roofline(config) -> dict:
     peak = 2 * n ** 3 / best(mm, (a, a))
     bandwidth = big.nbytes / best(total, (big,))
     compute_ms, memory_ms = flops / peak * 1e3, nbytes / bandwidth * 1e3
-    return {"step_gflop": flops / 1e9, "step_mib": nbytes / 2 ** 20,
+    return {"slots_read": slots, "step_gflop": flops / 1e9, "step_mib": nbytes / 2 ** 20,
             "cache_mib": cache_bytes / 2 ** 20, "peak_gflops": peak / 1e9,
             "bandwidth_gbs": bandwidth / 1e9, "step_compute_ms": compute_ms,
             "step_memory_ms": memory_ms, "step_floor_ms": compute_ms + memory_ms,
@@ -274,7 +280,8 @@ def main(argv=None) -> dict:
 def decode_limits(wall_ms: float) -> dict:
     """The roofline of a decode step, and what it allows against Hugging Face."""
     roof = decode_roofline(jf.bench())
-    print(f"\nroofline of one decode step (batch {BATCH}, cache of {NEW_TOKENS} slots): "
+    print(f"\nroofline of one decode step (batch {BATCH}, {roof['slots_read']:.0f} of "
+          f"{NEW_TOKENS} cache slots read on average): "
           f"{roof['step_gflop']:.3f} GFLOP at a matmul peak of {roof['peak_gflops']:.0f} "
           f"GFLOP/s = {roof['step_compute_ms']:.2f} ms; {roof['step_mib']:.1f} MiB read "
           f"({roof['cache_mib']:.1f} MiB of it keys/values) at {roof['bandwidth_gbs']:.1f} "

@@ -73,7 +73,7 @@ import numpy as np
 import torch
 
 import jaxformer as jf
-from jaxformer import decoding, sampling, sharding
+from jaxformer import decode_loop, decoding, sampling, sharding
 
 import hf_peer  # Hugging Face transformers' MarianMTModel (optional)
 from seed001 import Transformer as SeedTransformer  # the peer, verbatim from seed 001
@@ -203,7 +203,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "jax cached (XLA default)": lambda: block(default_options(
             model, params_all, src_split, None, jax.random.PRNGKey(0),
             max_new_tokens=NEW_TOKENS, select=sampling.greedy, loop="scan",
-            return_logits=False)),
+            return_logits=False, segments=decode_loop.segments_for(NEW_TOKENS))),
     }
     if mesh.devices.size > 1:  # the whole batch on one of those devices (one core)
         jax_runs["jax cached (1 core)"] = cached(NEW_TOKENS, p=params, s=src)
