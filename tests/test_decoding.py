@@ -68,6 +68,17 @@ def reference_greedy(model, params, src, n_new):
     return tokens, lengths, np.stack(all_logits, axis=1)
 
 
+def assert_is_reference_greedy(result, model, params, src):
+    """`result` (with logits) has the tokens, lengths and logits (up to each row's
+    EOS) of `reference_greedy`."""
+    tokens, lengths, logits = reference_greedy(model, params, src, N_NEW)
+    np.testing.assert_array_equal(result.tokens, tokens)
+    np.testing.assert_array_equal(result.lengths, lengths)
+    for row, length in enumerate(lengths):  # logits after EOS are not part of the contract
+        np.testing.assert_allclose(result.logits[row, :length], logits[row, :length],
+                                   atol=1e-5, rtol=1e-5)
+
+
 def _build_encdec(norm):
     return _build_encdec_config(jf.tiny(norm=norm))
 
@@ -362,11 +373,7 @@ def test_modern_blocks_cached_greedy_equals_recomputation(case):
     config, model, params, src = _build_encdec_config(MODERN_ENCDEC[case])
     result = decoding.greedy_decode(model, params, src, max_new_tokens=N_NEW,
                                     return_logits=True)
-    tokens, lengths, logits = reference_greedy(model, params, src, N_NEW)
-    np.testing.assert_array_equal(result.tokens, tokens)
-    for row, length in enumerate(lengths):
-        np.testing.assert_allclose(result.logits[row, :length], logits[row, :length],
-                                   atol=1e-5, rtol=1e-5)
+    assert_is_reference_greedy(result, model, params, src)
 
 
 @pytest.mark.parametrize("case", list(MODERN_LM))
@@ -389,12 +396,7 @@ def test_segmented_decode_equals_recomputation(encdec, loop):
     config, model, params, src = encdec
     result = decoding.greedy_decode(model, params, src, max_new_tokens=N_NEW, loop=loop,
                                     return_logits=True, segments=3)
-    tokens, lengths, logits = reference_greedy(model, params, src, N_NEW)
-    np.testing.assert_array_equal(result.tokens, tokens)
-    np.testing.assert_array_equal(result.lengths, lengths)
-    for row, length in enumerate(lengths):
-        np.testing.assert_allclose(result.logits[row, :length], logits[row, :length],
-                                   atol=1e-5, rtol=1e-5)
+    assert_is_reference_greedy(result, model, params, src)
 
 
 @pytest.mark.parametrize("case", list(MODERN_ENCDEC))
