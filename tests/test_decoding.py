@@ -111,12 +111,7 @@ def test_cached_greedy_equals_full_recomputation(encdec):
     config, model, params, src = encdec
     result = decoding.greedy_decode(model, params, src, max_new_tokens=N_NEW,
                                     return_logits=True)
-    tokens, lengths, logits = reference_greedy(model, params, src, N_NEW)
-    np.testing.assert_array_equal(result.tokens, tokens)
-    np.testing.assert_array_equal(result.lengths, lengths)
-    for row, length in enumerate(lengths):  # logits after EOS are not part of the contract
-        np.testing.assert_allclose(result.logits[row, :length], logits[row, :length],
-                                   atol=1e-5, rtol=1e-5)
+    assert_is_reference_greedy(result, model, params, src)
 
 
 def test_output_convention(encdec):
