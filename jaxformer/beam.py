@@ -26,17 +26,19 @@ finite.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
+from jaxformer import cache as cache_lib
 from jaxformer import processors as processors_lib
 from jaxformer.attention import KV
 from jaxformer.decode_inputs import check_encdec, decodable
 from jaxformer.decode_loop import (TRACE_COUNTS, DecodeResult, cached_logits_fn, decode_jit,
-                                   memory_cache)
+                                   memory_cache, run_in_segments, segment_lengths,
+                                   segments_for)
 from jaxformer.model import Transformer
 
 DEAD = -1e9  # log-probability of a beam that must never be chosen (finite: no NaN)
@@ -98,8 +100,9 @@ def beam_step(state: BeamState, logits_RV: jnp.ndarray, cache, *, beam_size: int
     # The cache rows follow their parents (cross keys/values are equal within a batch
     # element, so only the self-attention cache is gathered).
     rows_R = (jnp.arange(batch)[:, None] * width + parent_BW).reshape(-1)
-    cache = cache.replace(self_kv=tuple(KV(kv.key[rows_R], kv.value[rows_R])
-                                        for kv in cache.self_kv))
+    def reorder(kvs):  # every beam continues its parent's keys and values
+        return None if kvs is None else tuple(KV(kv.key[rows_R], kv.value[rows_R]) for kv in kvs)
+    cache = cache.replace(self_kv=reorder(cache.self_kv), past_kv=reorder(cache.past_kv))
     return state.replace(
         step=state.step + 1, token_R=token_BW.reshape(-1), cache=cache,
         tokens_BWN=tokens_BWN, log_prob_BW=log_prob_BW,
@@ -117,15 +120,16 @@ def force_prefix_logits(logits_RV, step, prefix_RP, prefix_len_R):
 
 
 @decode_jit(static_argnames=("model", "max_new_tokens", "beam_size", "length_penalty",
-                             "processors"))
+                             "processors", "segments"))
 def _beam_jit(model, params, src, src_mask, prefix_BP=None, prefix_len_B=None, *,
-              max_new_tokens, beam_size, length_penalty, processors=()):
+              max_new_tokens, beam_size, length_penalty, processors=(), segments=1):
     TRACE_COUNTS["beam"] += 1
     c = model.config
     batch, width = src.shape[0], beam_size
     # Row b * W + w is beam w of example b. Repeating the memory costs W times
     # one cross projection, once; the loop never re-projects it.
-    cache = memory_cache(model, params, src, src_mask, max_new_tokens, repeats=width)
+    cache = memory_cache(model, params, src, src_mask,
+                         segment_lengths(max_new_tokens, segments)[0], repeats=width)
     state = BeamState(
         step=jnp.zeros((), jnp.int32),
         token_R=jnp.full((batch * width,), c.bos_id, jnp.int32),
@@ -154,7 +158,8 @@ def _beam_jit(model, params, src, src_mask, prefix_BP=None, prefix_len_B=None, *
                          length_penalty=length_penalty, eos_id=c.eos_id,
                          pad_id=c.pad_id), None
 
-    state, _ = jax.lax.scan(body, state, None, length=max_new_tokens)
+    state = run_in_segments(lambda s, steps: jax.lax.scan(body, s, None, length=steps)[0],
+                            state, max_new_tokens, segments, cache_lib.fold)
     scores_BW = length_normalised(state.log_prob_BW, state.lengths_BW, length_penalty)
     best_B1 = jnp.argmax(scores_BW, axis=1)[:, None]
     return DecodeResult(
@@ -165,15 +170,15 @@ def _beam_jit(model, params, src, src_mask, prefix_BP=None, prefix_len_B=None, *
 
 def beam_search(model: Transformer, params, src_BS, *, max_new_tokens: int, beam_size: int,
                 length_penalty: float = 0.6, src_mask=None, processors=None, prefix=None,
-                prefix_lengths=None) -> DecodeResult:
+                prefix_lengths=None, segments: Optional[int] = None) -> DecodeResult:
     """Beam search decoding of an encoder-decoder `Transformer`.
 
     Args:
       model, params, src_BS, max_new_tokens, src_mask: as `decoding.greedy_decode`.
       beam_size: W >= 1 beams per example (W <= target vocabulary).
       length_penalty: alpha >= 0 of the GNMT penalty (0 = raw log-probability).
-      processors, prefix, prefix_lengths: as `decoding.greedy_decode`; forced
-        prefix tokens add 0 to the log-probability.
+      processors, prefix, prefix_lengths, segments: as `decoding.greedy_decode`;
+        forced prefix tokens add 0 to the log-probability.
     Returns:
       DecodeResult(tokens (B, N) of the best beam, lengths (B,), scores (B,) its
       length-normalised log-probability).
@@ -190,4 +195,4 @@ def beam_search(model: Transformer, params, src_BS, *, max_new_tokens: int, beam
     return _beam_jit(*decodable(model, params), jnp.asarray(src_BS), src_mask,
                      prefix_BP, prefix_len_B, max_new_tokens=int(max_new_tokens),
                      beam_size=beam_size, length_penalty=float(length_penalty),
-                     processors=procs)
+                     processors=procs, segments=segments_for(int(max_new_tokens), segments))

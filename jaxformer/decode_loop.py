@@ -268,8 +268,14 @@ def decode_loop(logits_fn: LogitsFn, state: DecodeState, num_steps: int, *,
 
     if loop not in ("scan", "while"):
         raise ValueError(f"loop must be 'scan' or 'while', got {loop!r}")
-    lengths = segment_lengths(num_steps, segments) if fold is not None else (num_steps,)
-    for i, steps in enumerate(lengths):
+    return run_in_segments(run, state, num_steps, segments if fold else 1, fold)
+
+
+def run_in_segments(run: Callable[[Any, int], Any], state, num_steps: int, segments: int,
+                    fold: Optional[Callable[[Any, int], Any]]):
+    """`run(state, steps)` for each of `segment_lengths(num_steps, segments)`, with
+    `state.cache = fold(state.cache, steps)` before every segment but the first."""
+    for i, steps in enumerate(segment_lengths(num_steps, segments)):
         if i:
             state = state.replace(cache=fold(state.cache, steps))
         state = run(state, steps)
