@@ -28,7 +28,8 @@ loop run in segments (`decode_loop(..., segments=n)`) keeps the slots in two
 parts instead: `past_kv`, the P slots of earlier segments (read, never
 written), and `self_kv`, the current segment's chunk. `fold` moves a full
 chunk into the past between segments (one copy per segment); a step then
-reads P + chunk slots, on average about half of T_max. Slot numbers stay
+reads P + chunk slots, on average about 60 % of T_max at 4 segments
+(80 of 128). Slot numbers stay
 global: the chunk's slot i is slot P + i.
 """
 
