@@ -7,10 +7,10 @@ time of every XLA:CPU kernel (all threads) per step, by kind:
 
   matmul        YNNPACK / XLA dot kernels (ynn_fusion, dot, dot_general)
   attention matmul  the dots with batch dimensions (Q K^T and weights V per head)
-  dropout/mask  selects and the fusions that draw and apply masks
+  dropout/mask  selects, compares and the fusions that draw and apply masks
   copy/layout   copies, transposes and bitcast fusions (layout changes)
-  loop          call and conditional bookkeeping (while loops are containers:
-                their body's kernels count, the loop's own span does not)
+  loop          call bookkeeping (while loops and conditionals are containers:
+                their bodies' kernels count, their own spans do not)
   elementwise   every other fusion (norms, softmax, GELU/ReLU, AdamW, ...)
 
 Kernel time sums over threads, so on 2 cores it can exceed the wall time of a
@@ -24,6 +24,13 @@ the masked attention reads every step) at the machine's read bandwidth, both
 measured in the run; and, with transformers installed, Hugging Face's greedy
 `generate` on the same sizes, so the best ratio_vs_hf this machine allows is
 printed beside today's.
+
+`train` also prints what XLA:CPU's dot kernels allow the step: each of its
+dots (shapes and dimension numbers read from the compiled HLO) compiled and
+timed alone, summed, against the (2048)^3 matmul peak of benchmarks/train.py
+(the faster of jax and torch), so the best
+fraction_of_matmul_peak with every other kernel free; and, with transformers
+installed, Hugging Face's train step on the same batch, so the best ratio_vs_hf.
 
 `compile` times where the train step's compile goes instead: jaxformer's
 tracing and lowering, then XLA:CPU's phases from the same kind of trace (HLO
@@ -46,6 +53,7 @@ import collections
 import glob
 import gzip
 import json
+import math
 import re
 import statistics
 import tempfile
@@ -61,11 +69,12 @@ import hf_peer  # Hugging Face transformers' MarianMTModel (optional)
 from jaxformer.training import TrainConfig, train_functions
 
 BATCH, SRC_LEN, NEW_TOKENS = 32, 32, 128
-# Trace events that are not kernels: runtime, Python and executor spans, and
-# while loops (with YNNPACK dots a loop's event spans its whole body, whose
-# kernels are events of their own).
+# Trace events that are not kernels: runtime, Python and executor spans, while
+# loops (with YNNPACK dots a loop's event spans its whole body, whose kernels are
+# events of their own) and conditionals (dropout draws its masks in one: its
+# event spans the branch's kernel).
 NOT_KERNELS = ("ThunkExecutor", "$", "np.", "Pjit", "Slinky", "end:", "Common", "Parse",
-               "while")
+               "while", "cond.")
 
 
 def kind(name: str, batched_dots: frozenset = frozenset()) -> str:
@@ -76,7 +85,7 @@ def kind(name: str, batched_dots: frozenset = frozenset()) -> str:
     name = re.sub(r"\.\d+$", "", name)
     if name.startswith(("ynn_fusion", "dot", "convolution")):
         return "matmul"
-    if "select" in name or name.startswith(("compare", "rng")):
+    if "select" in name or "compare" in name or name.startswith("rng"):
         return "dropout/mask"
     if name.startswith(("copy", "transpose", "bitcast")) or "copy" in name:
         return "copy/layout"
@@ -103,6 +112,7 @@ def train_step():
             box["state"], metrics = step(box["state"], batch)
         float(metrics["loss"])
         return time.perf_counter() - start
+    run.batch = batch
     return run, "train step", step.as_text()
 
 
@@ -151,22 +161,62 @@ def decode_roofline(config) -> dict:
     flops = 2 * B * weights + L * 2 * 2 * B * H * K * (slots + SRC_LEN)
     cache_bytes = L * 2 * B * H * (slots + SRC_LEN) * K * 4  # keys and values, f32
     nbytes = weights * 4 + cache_bytes
-    n = 2048
-    a = jnp.ones((n, n), jnp.float32)
-    mm, total = jax.jit(jnp.matmul), jax.jit(jnp.sum)
     big = jnp.ones((64 << 20) // 4, jnp.float32)
-
-    def best(fn, arg):
-        fn(*arg).block_until_ready()
-        return min(once(lambda: fn(*arg).block_until_ready()) for _ in range(10))
-    peak = 2 * n ** 3 / best(mm, (a, a))
-    bandwidth = big.nbytes / best(total, (big,))
+    peak = matmul_peak()
+    bandwidth = big.nbytes / best_time(jax.jit(jnp.sum), big)
     compute_ms, memory_ms = flops / peak * 1e3, nbytes / bandwidth * 1e3
     return {"slots_read": slots, "step_gflop": flops / 1e9, "step_mib": nbytes / 2 ** 20,
             "cache_mib": cache_bytes / 2 ** 20, "peak_gflops": peak / 1e9,
             "bandwidth_gbs": bandwidth / 1e9, "step_compute_ms": compute_ms,
             "step_memory_ms": memory_ms, "step_floor_ms": compute_ms + memory_ms,
             "step_floor_overlapped_ms": max(compute_ms, memory_ms)}
+
+
+def best_time(fn, *args, repeats: int = 10) -> float:
+    """Fastest of `repeats` calls of `fn(*args)`, seconds (after one warm-up call)."""
+    fn(*args).block_until_ready()
+    return min(once(lambda: fn(*args).block_until_ready()) for _ in range(repeats))
+
+
+def matmul_peak(n: int = 2048) -> float:
+    """FLOP/s of a float32 (n x n) @ (n x n) with XLA on this machine."""
+    a = jnp.ones((n, n), jnp.float32)
+    return 2 * n ** 3 / best_time(jax.jit(jnp.matmul), a, a)
+
+
+def hlo_dots(hlo_text: str) -> collections.Counter:
+    """{(lhs shape, rhs shape, dimension numbers): count} of the dots in compiled HLO
+    text (inside fusions too: their operands are the fused computation's parameters)."""
+    dots = collections.Counter()
+    for computation in re.split(r"\n(?=%|ENTRY)", hlo_text):
+        shapes = dict(re.findall(r"%([\w.\-]+) = f32\[([\d,]*)\]", computation))
+        for operands, attrs in re.findall(
+                r"= f32\[[\d,]*\]\S* dot\(([^)]*)\), ([^\n]*)", computation):
+            lhs, rhs = (shapes[name] for name in re.findall(r"%([\w.\-]+)", operands))
+
+            def dims(key):
+                found = re.search(key + r"=\{([\d,]*)\}", attrs)
+                return tuple(int(d) for d in found.group(1).split(",")) if found else ()
+            shape = (lambda text: tuple(int(d) for d in text.split(",") if d))
+            dots[(shape(lhs), shape(rhs),
+                  ((dims("lhs_contracting_dims"), dims("rhs_contracting_dims")),
+                   (dims("lhs_batch_dims"), dims("rhs_batch_dims"))))] += 1
+    return dots
+
+
+def dots_alone(hlo_text: str) -> tuple[float, float]:
+    """(seconds, FLOPs) of a step's dots, each compiled and timed on its own: what
+    the step costs with every other kernel free and every dot as fast as it runs
+    alone (the fastest of 10 calls)."""
+    seconds = flops = 0.0
+    key = jax.random.PRNGKey(0)
+    for (lhs, rhs, dimension_numbers), count in hlo_dots(hlo_text).items():
+        a, b = jax.random.normal(key, lhs), jax.random.normal(key, rhs)
+        dot = jax.jit(lambda a, b, d=dimension_numbers: jax.lax.dot_general(a, b, d))
+        contracted = math.prod(lhs[i] for i in dimension_numbers[0][0])
+        flops += count * 2 * math.prod(jax.eval_shape(dot, a, b).shape) * contracted
+        seconds += count * best_time(dot, a, b)
+    return seconds, flops
 
 
 def once(fn) -> float:
@@ -273,6 +323,8 @@ def main(argv=None) -> dict:
               "matmul_share": round(by_kind["matmul"] / total, 3)}
     if args.what == "decode":
         result.update(decode_limits(wall))
+    else:
+        result.update(train_limits(hlo, wall, run.batch))
     print(json.dumps(result))
     return result
 
@@ -304,6 +356,34 @@ def decode_limits(wall_ms: float) -> dict:
         out.update(hf_ms=round(hf_ms, 1), ratio_vs_hf=round(hf_ms / wall_ms, 3),
                    ratio_vs_hf_at_floor=round(hf_ms / floor, 3),
                    ratio_vs_hf_at_overlapped_floor=round(hf_ms / overlapped, 3))
+    return out
+
+
+def train_limits(hlo_text: str, wall_ms: float, batch) -> dict:
+    """What XLA:CPU's dot kernels allow the train step: its dots alone, against the
+    machine's matmul peak and, with transformers, against Hugging Face's step."""
+    from train import matmul_peak as peaks  # noqa: PLC0415 (imports torch)
+
+    alone_s, flops = dots_alone(hlo_text)
+    peak = max(peaks().values())  # as benchmarks/train.py: the faster of jax and torch
+    alone_ms = alone_s * 1e3
+    print(f"\nthe step's dots, each alone: {alone_ms:.0f} ms for {flops / 1e9:.2f} GFLOP "
+          f"({flops / alone_s / 1e9:.0f} GFLOP/s; peak {peak / 1e9:.0f}, train.py's). "
+          f"fraction_of_matmul_peak now {flops / wall_ms * 1e3 / peak:.2f}, with every "
+          f"other kernel free {flops / alone_s / peak:.2f}")
+    out = {"dots_alone_ms": round(alone_ms, 1), "step_gflop": round(flops / 1e9, 2),
+           "matmul_peak_gflops": round(peak / 1e9, 1),
+           "fraction_of_matmul_peak": round(flops / wall_ms * 1e3 / peak, 3),
+           "fraction_of_matmul_peak_at_dots_alone": round(flops / alone_s / peak, 3)}
+    transformers = hf_peer.load()
+    if transformers is not None:
+        hf = hf_peer.MarianTrainStep(transformers, jf.bench(), batch)
+        hf()  # warm-up
+        hf_ms = statistics.median(once(hf) for _ in range(5)) * 1e3
+        print(f"hf train step: {hf_ms:.0f} ms; ratio_vs_hf now {hf_ms / wall_ms:.2f}, "
+              f"at the dots alone {hf_ms / alone_ms:.2f}")
+        out.update(hf_ms=round(hf_ms, 1), ratio_vs_hf=round(hf_ms / wall_ms, 3),
+                   ratio_vs_hf_at_dots_alone=round(hf_ms / alone_ms, 3))
     return out
 
 

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxformer.config import TransformerConfig
+from jaxformer.dropout import apply_dropout
 from jaxformer.partitioning import logical
 from jaxformer.rope import apply_rope
 
@@ -106,8 +107,7 @@ def dot_product_attention(
         logits_BHTS = jnp.where(mask, logits_BHTS, jnp.finfo(jnp.float32).min)
     weights_BHTS = jax.nn.softmax(logits_BHTS, axis=-1)
     if dropout_rng is not None and dropout_rate > 0.0:
-        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights_BHTS.shape)
-        weights_BHTS = jnp.where(keep, weights_BHTS / (1.0 - dropout_rate), 0.0)
+        weights_BHTS = apply_dropout(weights_BHTS, dropout_rate, dropout_rng)
     weights_BHTS = weights_BHTS.astype(values[0].dtype)
     out_BHTK, offset = None, 0
     for value_BGSK in values:

@@ -20,6 +20,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxformer.attention import KV, MultiHeadAttention, dense_init
 from jaxformer.config import TransformerConfig
+from jaxformer.dropout import Dropout
 from jaxformer.partitioning import ACTIVATION_BTD, constrain, logical
 
 
@@ -107,7 +108,7 @@ class PositionEmbedding(nn.Module):
         if positions_BT is None:
             positions_BT = jnp.arange(x_BTD.shape[1])[None, :]
         if self.kind == "none":
-            x_BTD = nn.Dropout(c.embedding_dropout)(x_BTD, deterministic=deterministic)
+            x_BTD = Dropout(c.embedding_dropout)(x_BTD, deterministic=deterministic)
             return constrain(x_BTD, ACTIVATION_BTD)
         length = c.max_len if self.length is None else self.length
         if self.kind == "learned":
@@ -122,7 +123,7 @@ class PositionEmbedding(nn.Module):
         else:
             table = jnp.asarray(sinusoidal_table(length, c.d_model))
         x_BTD = x_BTD + jnp.take(table, positions_BT, axis=0).astype(x_BTD.dtype)
-        x_BTD = nn.Dropout(c.embedding_dropout)(x_BTD, deterministic=deterministic)
+        x_BTD = Dropout(c.embedding_dropout)(x_BTD, deterministic=deterministic)
         return constrain(x_BTD, ACTIVATION_BTD)
 
 
@@ -154,11 +155,11 @@ class FeedForward(nn.Module):
         else:
             h_BTF = activation_fn(c.activation)(
                 checkpoint_name(up(name="wi")(x_BTD), "ffn_wi"))
-        h_BTF = nn.Dropout(c.ffn_dropout)(h_BTF, deterministic=deterministic)
+        h_BTF = Dropout(c.ffn_dropout)(h_BTF, deterministic=deterministic)
         return checkpoint_name(down(h_BTF), "ffn_wo")
 
 
-def _residual(config: TransformerConfig, norm: nn.Module, dropout: nn.Dropout,
+def _residual(config: TransformerConfig, norm: nn.Module, dropout: Dropout,
               sublayer: Callable, x_BTD: jnp.ndarray, deterministic: bool):
     """Apply `sublayer` with residual and LayerNorm in the configured placement.
 
@@ -185,7 +186,7 @@ class EncoderLayer(nn.Module):
         self.ffn = FeedForward(c)
         self.self_attn_norm = layer_norm(c)
         self.ffn_norm = layer_norm(c)
-        self.dropout = nn.Dropout(c.residual_dropout)
+        self.dropout = Dropout(c.residual_dropout)
 
     def __call__(self, x_BSD: jnp.ndarray, mask: Optional[jnp.ndarray], *,
                  deterministic: bool = True) -> jnp.ndarray:
@@ -223,7 +224,7 @@ class DecoderLayer(nn.Module):
             self.cross_attn_norm = layer_norm(c)
         self.ffn = FeedForward(c)
         self.ffn_norm = layer_norm(c)
-        self.dropout = nn.Dropout(c.residual_dropout)
+        self.dropout = Dropout(c.residual_dropout)
 
     def cross_kv(self, memory_BSD: jnp.ndarray) -> KV:
         """Project the encoder memory once; reuse it for every decoder call."""
