@@ -66,3 +66,12 @@ def test_a_dropout_mask_compiles_to_one_loop_free_kernel():
     assert " while(" not in fused
     if jax.default_backend() == "cpu":  # what the module works around: JAX's rolled loop
         assert " while(" in plain
+
+
+def test_the_train_steps_dropout_key_is_jax_fold_in_without_a_loop():
+    from jaxformer.training import dropout_key
+
+    for step in (0, 7, 2 ** 31 - 1):
+        _same(jax.random.key_data(dropout_key(KEY, jnp.int32(step))), jax.random.fold_in(KEY, step))
+    compiled = jax.jit(dropout_key).lower(KEY, jnp.int32(3)).compile().as_text()
+    assert " while(" not in compiled
