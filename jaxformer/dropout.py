@@ -9,7 +9,7 @@ the forward select, the backward select and the transposes feeding the weight
 gradients each recompute it, and each copy is code XLA compiles again. On the
 bench train step (42 dropout sites) that was about 5,000 hash instructions in
 124 kernels; with the conditional it is one kernel per site. The step compiles in
-about 8 instead of 10.4 s (`python benchmarks/breakdown.py compile`), with the same
+about 8.4 instead of 10.4 s (`python benchmarks/breakdown.py compile`), with the same
 losses, bit for bit, and the same step time.
 
 `Dropout` is `flax.linen.Dropout` (a subclass of the same name, so the same
