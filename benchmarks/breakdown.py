@@ -18,6 +18,12 @@ step. The largest single kernels are listed too, with the op that produced
 them. What a step would cost if everything but the matmuls were free is
 matmul / total of the wall time: the ceiling for removing overhead.
 
+`train` and `decode` also time the program's dots alone: each dot of the
+compiled HLO (shapes and dimension numbers; inside loop bodies counted once per
+trip) compiled and timed on its own, warm, times how often it runs. That sum is
+what the program would cost with every other kernel free and every dot as fast
+as XLA:CPU runs it alone: the floor these kernels allow.
+
 `decode` also prints the step's roofline: its FLOPs at the machine's matmul
 peak plus its bytes (weights, and the keys/values of all N cache slots, which
 the masked attention reads every step) at the machine's read bandwidth, both
@@ -25,12 +31,11 @@ measured in the run; and, with transformers installed, Hugging Face's greedy
 `generate` on the same sizes, so the best ratio_vs_hf this machine allows is
 printed beside today's.
 
-`train` also prints what XLA:CPU's dot kernels allow the step: each of its
-dots (shapes and dimension numbers read from the compiled HLO) compiled and
-timed alone, summed, against the (2048)^3 matmul peak of benchmarks/train.py
-(the faster of jax and torch), so the best
-fraction_of_matmul_peak with every other kernel free; and, with transformers
-installed, Hugging Face's train step on the same batch, so the best ratio_vs_hf.
+`train` sets its dots alone against the (2048)^3 matmul peak of
+benchmarks/train.py (the faster of jax and torch), so the best
+fraction_of_matmul_peak with every other kernel free, and, with transformers
+installed, against Hugging Face's train step on the same batch: the best
+ratio_vs_hf.
 
 `compile` times where the train step's compile goes instead: jaxformer's
 tracing and lowering, then XLA:CPU's phases from the same kind of trace (HLO
@@ -50,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import glob
 import gzip
 import json
@@ -184,11 +190,40 @@ def matmul_peak(n: int = 2048) -> float:
     return 2 * n ** 3 / best_time(jax.jit(jnp.matmul), a, a)
 
 
+def computation_runs(hlo_text: str) -> collections.Counter:
+    """How often each computation of compiled HLO text runs per call of the program:
+    ENTRY once, a while body `known_trip_count` times its caller, any other callee
+    (fusions, conditional branches, reducers) once per run of its caller."""
+    texts = {re.match(r"(?:ENTRY )?%([\w.\-]+)", c).group(1): c
+             for c in re.split(r"\n(?=%|ENTRY)", hlo_text) if c.startswith(("%", "ENTRY"))}
+    callees = {}
+    for name, text in texts.items():
+        edges = []
+        for line in text.splitlines():
+            trips = re.search(r'known_trip_count":\{"n":"(\d+)"', line)
+            for attr, callee in re.findall(r"(body|condition|calls|to_apply)=%([\w.\-]+)", line):
+                edges.append((callee, int(trips.group(1)) if attr == "body" and trips else 1))
+            for branches in re.findall(r"branch_computations=\{([^}]*)\}", line):
+                edges += [(callee, 1) for callee in re.findall(r"%([\w.\-]+)", branches)]
+        callees[name] = edges
+    runs = collections.Counter()
+
+    def visit(name, times):
+        runs[name] += times
+        for callee, multiplier in callees.get(name, ()):
+            visit(callee, times * multiplier)
+    visit(re.search(r"^ENTRY %([\w.\-]+)", hlo_text, re.M).group(1), 1)
+    return runs
+
+
 def hlo_dots(hlo_text: str) -> collections.Counter:
-    """{(lhs shape, rhs shape, dimension numbers): count} of the dots in compiled HLO
-    text (inside fusions too: their operands are the fused computation's parameters)."""
+    """{(lhs shape, rhs shape, dimension numbers): runs per call} of the f32 dots in
+    compiled HLO text (inside fusions and loop bodies too: a fusion's operands are
+    its computation's parameters; a loop body's dots run once per trip)."""
+    runs = computation_runs(hlo_text)
     dots = collections.Counter()
     for computation in re.split(r"\n(?=%|ENTRY)", hlo_text):
+        name = re.match(r"(?:ENTRY )?%?([\w.\-]*)", computation).group(1)
         shapes = dict(re.findall(r"%([\w.\-]+) = f32\[([\d,]*)\]", computation))
         for operands, attrs in re.findall(
                 r"= f32\[[\d,]*\]\S* dot\(([^)]*)\), ([^\n]*)", computation):
@@ -200,22 +235,42 @@ def hlo_dots(hlo_text: str) -> collections.Counter:
             shape = (lambda text: tuple(int(d) for d in text.split(",") if d))
             dots[(shape(lhs), shape(rhs),
                   ((dims("lhs_contracting_dims"), dims("rhs_contracting_dims")),
-                   (dims("lhs_batch_dims"), dims("rhs_batch_dims"))))] += 1
+                   (dims("lhs_batch_dims"), dims("rhs_batch_dims"))))] += runs[name]
     return dots
 
 
-def dots_alone(hlo_text: str) -> tuple[float, float]:
-    """(seconds, FLOPs) of a step's dots, each compiled and timed on its own: what
-    the step costs with every other kernel free and every dot as fast as it runs
-    alone (the fastest of 10 calls)."""
-    seconds = flops = 0.0
+def dot_seconds(lhs: tuple, rhs: tuple, dimension_numbers) -> float:
+    """Seconds of one f32 dot_general alone, warm: the fastest of 10 calls, each of
+    `repeats` dots in one compiled loop for small dots (a call's dispatch would
+    otherwise dominate). Each trip's lhs depends on the last product, so XLA cannot
+    hoist the dot out of the loop."""
     key = jax.random.PRNGKey(0)
-    for (lhs, rhs, dimension_numbers), count in hlo_dots(hlo_text).items():
-        a, b = jax.random.normal(key, lhs), jax.random.normal(key, rhs)
-        dot = jax.jit(lambda a, b, d=dimension_numbers: jax.lax.dot_general(a, b, d))
+    a, b = jax.random.normal(key, lhs), jax.random.normal(key, rhs)
+
+    def repeated(a, b, repeats):
+        def trip(_, a):
+            out = jax.lax.dot_general(a, b, dimension_numbers)
+            return a + 0.0 * out.reshape(-1)[0]  # x * 0 is not folded for floats
+        return jax.lax.fori_loop(0, repeats, trip, a)
+    one = best_time(jax.jit(lambda a, b: jax.lax.dot_general(a, b, dimension_numbers)), a, b)
+    if one > 1e-3:
+        return one
+    repeats = 100
+    return best_time(jax.jit(functools.partial(repeated, repeats=repeats)), a, b) / repeats
+
+
+def dots_alone(hlo_text: str) -> tuple[float, float]:
+    """(seconds, FLOPs) of a program's dots, each compiled and timed on its own
+    (`dot_seconds`) times how often it runs: what the program costs with every
+    other kernel free and every dot as fast as it runs alone."""
+    seconds = flops = 0.0
+    for (lhs, rhs, dimension_numbers), runs in hlo_dots(hlo_text).items():
         contracted = math.prod(lhs[i] for i in dimension_numbers[0][0])
-        flops += count * 2 * math.prod(jax.eval_shape(dot, a, b).shape) * contracted
-        seconds += count * best_time(dot, a, b)
+        out = jax.eval_shape(lambda a, b: jax.lax.dot_general(a, b, dimension_numbers),
+                             jax.ShapeDtypeStruct(lhs, jnp.float32),
+                             jax.ShapeDtypeStruct(rhs, jnp.float32))
+        flops += runs * 2 * math.prod(out.shape) * contracted
+        seconds += runs * dot_seconds(lhs, rhs, dimension_numbers)
     return seconds, flops
 
 
@@ -322,15 +377,16 @@ def main(argv=None) -> dict:
               **{re.sub(r"[/ ]", "_", k) + "_ms": round(v, 1) for k, v in by_kind.items()},
               "matmul_share": round(by_kind["matmul"] / total, 3)}
     if args.what == "decode":
-        result.update(decode_limits(wall))
+        result.update(decode_limits(hlo, wall))
     else:
         result.update(train_limits(hlo, wall, run.batch))
     print(json.dumps(result))
     return result
 
 
-def decode_limits(wall_ms: float) -> dict:
-    """The roofline of a decode step, and what it allows against Hugging Face."""
+def decode_limits(hlo_text: str, wall_ms: float) -> dict:
+    """The roofline of a decode step, the loop's dots alone, and what they allow
+    against Hugging Face."""
     roof = decode_roofline(jf.bench())
     print(f"\nroofline of one decode step (batch {BATCH}, {roof['slots_read']:.0f} of "
           f"{NEW_TOKENS} cache slots read on average): "
@@ -342,7 +398,12 @@ def decode_limits(wall_ms: float) -> dict:
                          for k in ("floor_ms", "floor_overlapped_ms"))
     print(f"{NEW_TOKENS} steps: measured {wall_ms:.0f} ms; floor {floor:.0f} ms "
           f"(compute + memory), {overlapped:.0f} ms if they overlapped perfectly")
+    alone_s, flops = dots_alone(hlo_text)
+    alone_ms = alone_s * 1e3
+    print(f"the loop's dots (encoder and prefill included), each alone: {alone_ms:.0f} ms "
+          f"for {flops / 1e9:.1f} GFLOP ({flops / alone_s / 1e9:.0f} GFLOP/s)")
     out = {"floor_ms": round(floor, 1), "floor_overlapped_ms": round(overlapped, 1),
+           "dots_alone_ms": round(alone_ms, 1),
            **{k: round(v, 3) for k, v in roof.items()}}
     transformers = hf_peer.load()
     if transformers is not None:
@@ -352,8 +413,10 @@ def decode_limits(wall_ms: float) -> dict:
         hf(4)  # warm-up
         hf_ms = statistics.median(once(lambda: hf(NEW_TOKENS)) for _ in range(3)) * 1e3
         print(f"hf generate: {hf_ms:.0f} ms; ratio_vs_hf now {hf_ms / wall_ms:.2f}, at the "
-              f"floor {hf_ms / floor:.2f}, at the overlapped floor {hf_ms / overlapped:.2f}")
+              f"floor {hf_ms / floor:.2f}, at the overlapped floor {hf_ms / overlapped:.2f}, "
+              f"at the dots alone {hf_ms / alone_ms:.2f}")
         out.update(hf_ms=round(hf_ms, 1), ratio_vs_hf=round(hf_ms / wall_ms, 3),
+                   ratio_vs_hf_at_dots_alone=round(hf_ms / alone_ms, 3),
                    ratio_vs_hf_at_floor=round(hf_ms / floor, 3),
                    ratio_vs_hf_at_overlapped_floor=round(hf_ms / overlapped, 3))
     return out
