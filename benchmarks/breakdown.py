@@ -168,7 +168,7 @@ def decode_roofline(config) -> dict:
     cache_bytes = L * 2 * B * H * (slots + SRC_LEN) * K * 4  # keys and values, f32
     nbytes = weights * 4 + cache_bytes
     big = jnp.ones((64 << 20) // 4, jnp.float32)
-    peak = matmul_peak()
+    peak = xla_matmul_peak()
     bandwidth = big.nbytes / best_time(jax.jit(jnp.sum), big)
     compute_ms, memory_ms = flops / peak * 1e3, nbytes / bandwidth * 1e3
     return {"slots_read": slots, "step_gflop": flops / 1e9, "step_mib": nbytes / 2 ** 20,
@@ -184,7 +184,7 @@ def best_time(fn, *args, repeats: int = 10) -> float:
     return min(once(lambda: fn(*args).block_until_ready()) for _ in range(repeats))
 
 
-def matmul_peak(n: int = 2048) -> float:
+def xla_matmul_peak(n: int = 2048) -> float:
     """FLOP/s of a float32 (n x n) @ (n x n) with XLA on this machine."""
     a = jnp.ones((n, n), jnp.float32)
     return 2 * n ** 3 / best_time(jax.jit(jnp.matmul), a, a)
@@ -425,10 +425,10 @@ def decode_limits(hlo_text: str, wall_ms: float) -> dict:
 def train_limits(hlo_text: str, wall_ms: float, batch) -> dict:
     """What XLA:CPU's dot kernels allow the train step: its dots alone, against the
     machine's matmul peak and, with transformers, against Hugging Face's step."""
-    from train import matmul_peak as peaks  # noqa: PLC0415 (imports torch)
+    from train import matmul_peak  # noqa: PLC0415 (imports torch)
 
     alone_s, flops = dots_alone(hlo_text)
-    peak = max(peaks().values())  # as benchmarks/train.py: the faster of jax and torch
+    peak = max(matmul_peak().values())  # as benchmarks/train.py: the faster of jax and torch
     alone_ms = alone_s * 1e3
     print(f"\nthe step's dots, each alone: {alone_ms:.0f} ms for {flops / 1e9:.2f} GFLOP "
           f"({flops / alone_s / 1e9:.0f} GFLOP/s; peak {peak / 1e9:.0f}, train.py's). "
