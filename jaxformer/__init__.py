@@ -7,6 +7,12 @@ Dimension key, used in names (`x_BTD`, `mask_BHTS`) and einsum strings:
 Masks are boolean, True = may attend.
 """
 
+# First, before JAX's CPU backend starts: XLA:CPU's per-step temporaries reuse
+# freed memory instead of faulting fresh pages in every step (jaxformer.host_memory).
+from jaxformer import host_memory
+
+KEEPS_FREED_MEMORY = host_memory.keep_freed_memory()
+
 from jaxformer.attention import KV, MultiHeadAttention, dot_product_attention
 from jaxformer.config import PRESETS, TransformerConfig, bench, copy_task, llama, tiny
 from jaxformer.layers import DecoderLayer, EncoderLayer, FeedForward, sinusoidal_table
