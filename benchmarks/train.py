@@ -19,7 +19,11 @@ source + EOS, so T = 33). Both sides train on the same batch every step
               peer a user would pick; skipped, saying so, without transformers.
 
 They alternate in windows of --steps steps (--rounds times) so that load from
-other processes hits both alike; the figures are medians over the windows.
+other processes hits both alike; the figures are medians over the windows. One
+untimed window of each side comes first: the process's heap reaches its steady
+size there (jaxformer.host_memory keeps freed memory, and the first steps of
+jaxformer and torch, sharing one heap, still grow it: 18,000 page faults a
+jaxformer step in the first two windows here, none after).
 tokens/s = B * (S + T) / (seconds per step), source and target tokens both
 processed. compile_s: jaxformer's lower + compile of the train step; the
 torch column reports its first (warm-up) step for comparison.
@@ -283,8 +287,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     hf_side = None
     if transformers is not None:
         hf_side = HFSide(hf_peer.MarianTrainStep(transformers, config, batch_np))
-        hf_side.run(1)  # warm-up
-    jax_side.run(1)  # first run of the compiled step (allocations)
+        hf_side.run(args.steps)  # warm-up windows, untimed
+    jax_side.run(args.steps)
+    torch_side.run(args.steps)
 
     jax_times, torch_times, hf_times = [], [], []
     for _ in range(args.rounds):
@@ -362,7 +367,8 @@ def lm_main(args) -> dict:
     jax_side = JaxLMSide(config, data, BATCH)
     torch_side = TorchLMSide(config, jax.device_get(jax_side.batch))
     torch_side.one_step()
-    jax_side.run(1)
+    jax_side.run(args.steps)  # warm-up windows, untimed
+    torch_side.run(args.steps)
     jax_times, torch_times = [], []
     for _ in range(args.rounds):
         jax_times.append(jax_side.run(args.steps))
