@@ -5,8 +5,8 @@ the bench train step) with `malloc` and frees it when the execution ends. glibc
 serves a block that large with a fresh `mmap` and returns it with `munmap`, so
 every step faulted its temporaries in again, a 4 KiB page at a time: 72,000
 minor faults and about 110 ms of kernel time per bench train step summed over
-both cores, 231-253 ms a step against 200-220 ms with the memory kept (three
-processes each, alternating, on a 2-core CPU). The cost fell on the kernels that
+both cores, 231-253 ms a step against 177-186 ms with the memory kept
+(alternating processes on a 2-core CPU; the same parameters bit for bit). The cost fell on the kernels that
 first write a temporary: broadcasts, copies and dropout masks ran 2-5x slower.
 
 `keep_freed_memory()` changes two things, before JAX's CPU backend starts:
@@ -38,12 +38,19 @@ import os
 import platform
 
 import jax
-from jax._src import xla_bridge
 
 # mallopt's parameters (glibc's malloc.h).
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
 _NEVER = -1  # M_TRIM_THRESHOLD is a size_t inside glibc: -1 is its largest value
 OPT_OUT = "JAXFORMER_KEEP_FREED_MEMORY"
+
+
+def _backends_started() -> bool:
+    try:
+        from jax._src import xla_bridge  # noqa: PLC0415 (JAX's own, not public API)
+        return xla_bridge.backends_are_initialized()
+    except (ImportError, AttributeError):  # another JAX: assume started, change nothing
+        return True
 
 
 def keep_freed_memory() -> bool:
@@ -57,7 +64,7 @@ def keep_freed_memory() -> bool:
         return False
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
-    if xla_bridge.backends_are_initialized():
+    if _backends_started():
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt
