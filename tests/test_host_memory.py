@@ -65,3 +65,17 @@ def test_temporaries_are_not_faulted_in_again_at_every_execution():
 
 def test_does_nothing_once_the_backend_has_started():
     assert run(TOO_LATE) == {"kept": False, "again": False}
+
+
+DISPATCH = """
+import json, jaxformer
+from jax._src import xla_bridge
+print(json.dumps({"kept": jaxformer.KEEPS_FREED_MEMORY,
+                  "async": xla_bridge._CPU_ENABLE_ASYNC_DISPATCH.value}))
+"""
+
+
+def test_one_device_calls_run_inline_unless_the_environment_says_otherwise():
+    assert run(DISPATCH) == {"kept": True, "async": False}
+    assert run(DISPATCH, JAX_CPU_ENABLE_ASYNC_DISPATCH="1") == {"kept": True, "async": True}
+    assert run(DISPATCH, JAXFORMER_KEEP_FREED_MEMORY="0") == {"kept": False, "async": True}
