@@ -35,7 +35,8 @@ printed beside today's.
 benchmarks/train.py (the faster of jax and torch), so the best
 fraction_of_matmul_peak with every other kernel free, and, with transformers
 installed, against Hugging Face's train step on the same batch: the best
-ratio_vs_hf.
+ratio_vs_hf. It also times the step with every dropout rate 0 beside the step as
+it is (interleaved): what dropout costs, and the fraction of peak with it free.
 
 `compile` times where the train step's compile goes instead: jaxformer's
 tracing and lowering, then XLA:CPU's phases from the same kind of trace (HLO
@@ -106,9 +107,10 @@ def bench_train_functions(config=None):
     return train_functions(jf.bench() if config is None else config, tc)
 
 
-def train_step():
-    """(run n steps -> seconds, what)"""
-    fns = bench_train_functions()
+def train_step(config=None):
+    """(run n steps -> seconds, what, compiled HLO) of the bench train step (`config`:
+    the bench model's, by default)."""
+    fns = bench_train_functions(config)
     batch, box = fns.batch(0, 0), {"state": fns.init(0)}
     step, _ = fns.compiled_step(box["state"], batch)
 
@@ -379,7 +381,7 @@ def main(argv=None) -> dict:
     if args.what == "decode":
         result.update(decode_limits(hlo, wall))
     else:
-        result.update(train_limits(hlo, wall, run.batch))
+        result.update(train_limits(hlo, wall, run))
     print(json.dumps(result))
     return result
 
@@ -422,9 +424,10 @@ def decode_limits(hlo_text: str, wall_ms: float) -> dict:
     return out
 
 
-def train_limits(hlo_text: str, wall_ms: float, batch) -> dict:
-    """What XLA:CPU's dot kernels allow the train step: its dots alone, against the
-    machine's matmul peak and, with transformers, against Hugging Face's step."""
+def train_limits(hlo_text: str, wall_ms: float, run) -> dict:
+    """What XLA:CPU's dot kernels allow the train step (`run`): its dots alone,
+    against the machine's matmul peak and, with transformers, against Hugging
+    Face's step; and what the step costs with dropout off."""
     from train import matmul_peak  # noqa: PLC0415 (imports torch)
 
     alone_s, flops = dots_alone(hlo_text)
@@ -437,10 +440,11 @@ def train_limits(hlo_text: str, wall_ms: float, batch) -> dict:
     out = {"dots_alone_ms": round(alone_ms, 1), "step_gflop": round(flops / 1e9, 2),
            "matmul_peak_gflops": round(peak / 1e9, 1),
            "fraction_of_matmul_peak": round(flops / wall_ms * 1e3 / peak, 3),
-           "fraction_of_matmul_peak_at_dots_alone": round(flops / alone_s / peak, 3)}
+           "fraction_of_matmul_peak_at_dots_alone": round(flops / alone_s / peak, 3),
+           **dropout_cost(run, flops, peak)}
     transformers = hf_peer.load()
     if transformers is not None:
-        hf = hf_peer.MarianTrainStep(transformers, jf.bench(), batch)
+        hf = hf_peer.MarianTrainStep(transformers, jf.bench(), run.batch)
         hf()  # warm-up
         hf_ms = statistics.median(once(hf) for _ in range(5)) * 1e3
         print(f"hf train step: {hf_ms:.0f} ms; ratio_vs_hf now {hf_ms / wall_ms:.2f}, "
@@ -448,6 +452,27 @@ def train_limits(hlo_text: str, wall_ms: float, batch) -> dict:
         out.update(hf_ms=round(hf_ms, 1), ratio_vs_hf=round(hf_ms / wall_ms, 3),
                    ratio_vs_hf_at_dots_alone=round(hf_ms / alone_ms, 3))
     return out
+
+
+def dropout_cost(run, flops: float, peak: float, rounds: int = 5) -> dict:
+    """The bench step with every dropout rate 0 beside the step as it is (`run`),
+    interleaved, medians: what dropout costs in wall time (its masks are
+    `jax.random.bernoulli`'s threefry bits, flax's, bit for bit), and the fraction of
+    the matmul `peak` (FLOP/s) the step's `flops` would reach with dropout free."""
+    rates = dict.fromkeys(("attention_dropout", "residual_dropout", "embedding_dropout",
+                           "ffn_dropout"), 0.0)
+    without, _, _ = train_step(jf.bench(**rates))
+    without(2)  # compile and warm up
+    times = {"with": [], "without": []}
+    for _ in range(rounds):
+        times["with"].append(run(3) / 3)
+        times["without"].append(without(3) / 3)
+    with_ms, without_ms = (statistics.median(times[k]) * 1e3 for k in ("with", "without"))
+    fraction = flops / without_ms * 1e3 / peak
+    print(f"dropout off (every rate 0), interleaved: {without_ms:.1f} ms a step against "
+          f"{with_ms:.1f}; fraction_of_matmul_peak with dropout free {fraction:.2f}")
+    return {"dropout_off_ms": round(without_ms, 1), "dropout_on_ms": round(with_ms, 1),
+            "fraction_of_matmul_peak_without_dropout": round(fraction, 3)}
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxformer import kernel_grad
 from jaxformer.config import TransformerConfig
 from jaxformer.dropout import apply_dropout
 from jaxformer.partitioning import logical
@@ -142,7 +143,8 @@ class MultiHeadAttention(nn.Module):
 
     def setup(self):
         c = self.config
-        common = dict(dtype=c.compute_dtype, param_dtype=c.params_dtype)
+        common = dict(dtype=c.compute_dtype, param_dtype=c.params_dtype,
+                      dot_general=kernel_grad.for_config(c))
         bias = c.has_attention_bias
 
         def names(kernel, bias_names):  # logical axes (jaxformer.partitioning)

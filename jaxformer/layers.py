@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxformer import kernel_grad
 from jaxformer.attention import KV, MultiHeadAttention, dense_init
 from jaxformer.config import TransformerConfig
 from jaxformer.dropout import Dropout
@@ -140,7 +141,8 @@ class FeedForward(nn.Module):
     @nn.compact
     def __call__(self, x_BTD: jnp.ndarray, *, deterministic: bool = True) -> jnp.ndarray:
         c = self.config
-        common = dict(dtype=c.compute_dtype, use_bias=c.ffn_bias, param_dtype=c.params_dtype)
+        common = dict(dtype=c.compute_dtype, use_bias=c.ffn_bias, param_dtype=c.params_dtype,
+                      dot_general=kernel_grad.for_config(c))
         up = functools.partial(  # (D, F): up and gate projections
             nn.Dense, features=c.d_ff, kernel_init=logical(dense_init(), ("embed", "mlp")),
             bias_init=logical(nn.initializers.zeros, ("mlp",)), **common)

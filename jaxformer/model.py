@@ -32,7 +32,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxformer import checks, layer_stack
+from jaxformer import checks, kernel_grad, layer_stack
 from jaxformer.attention import KV, dense_init
 from jaxformer.config import TransformerConfig
 from jaxformer.layers import (DecoderLayer, EncoderLayer, PositionEmbedding, TokenEmbedding,
@@ -96,6 +96,7 @@ class Decoder(nn.Module):
             # norm_dtype: logits are computed in float32 under precision="mixed".
             self.out_proj = nn.Dense(c.tgt_vocab_size, dtype=c.norm_dtype,
                                      use_bias=c.output_bias, param_dtype=c.params_dtype,
+                                     dot_general=kernel_grad.for_config(c),
                                      kernel_init=logical(dense_init(), ("embed", "vocab")),
                                      bias_init=logical(nn.initializers.zeros, ("vocab",)))
 
