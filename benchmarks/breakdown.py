@@ -78,10 +78,10 @@ from jaxformer.training import TrainConfig, train_functions
 BATCH, SRC_LEN, NEW_TOKENS = 32, 32, 128
 # Trace events that are not kernels: runtime, Python and executor spans, while
 # loops (with YNNPACK dots a loop's event spans its whole body, whose kernels are
-# events of their own) and conditionals (dropout draws its masks in one: its
-# event spans the branch's kernel).
+# events of their own), conditionals (dropout draws its masks in one: its
+# event spans the branch's kernel) and the thread pool's instant markers.
 NOT_KERNELS = ("ThunkExecutor", "$", "np.", "Pjit", "Slinky", "end:", "Common", "Parse",
-               "while", "cond.")
+               "while", "cond.", "Threadpool")
 
 
 def kind(name: str, batched_dots: frozenset = frozenset()) -> str:
