@@ -155,7 +155,7 @@ class TransformerConfig(ConfigMixin):
     precision: Precision = "default"
     # The gradient of a Dense kernel: "layout", one matmul whose product is
     # already in the kernel's layout, the smaller operand transposed (a custom
-    # VJP, jaxformer.kernel_grad: 6 % off the bench train step on CPU; no
+    # VJP, jaxformer.kernel_grad: 10 % off the bench train step on CPU; no
     # forward-mode autodiff through Dense layers; unrolled stacks without remat
     # only, as checkpoint policies must see the matmuls); "autodiff", JAX's own
     # rule, for jax.jvp / jax.jacfwd through the model.

@@ -3,6 +3,8 @@ kernel's layout give JAX's own outputs and gradients, produce the kernel gradien
 as the module says (no transpose after the dot when in <= out), and leave
 forward-mode autodiff to kernel_grad="autodiff"."""
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -68,11 +70,24 @@ def test_kernel_gradient_is_one_dot_in_the_kernels_layout_when_in_le_out(in_size
     dots, transposes = _kernel_grad_eqns(kernel_grad.dot_general, in_size, out_size)
     if in_size <= out_size:  # x transposed by XLA; the product is (in, out) already
         assert dots == [(in_size, out_size)] and not transposes
-    else:  # g, the smaller, transposed by XLA; the (out, in) product transposed once
-        assert dots == [(out_size, in_size)] and len(transposes) == 1
+    else:  # g, the smaller, transposed by XLA; the (out, in) product transposed after,
+        assert dots == [(out_size, in_size)] and not transposes  # inside a conditional
     # JAX's own rule always forms (out, in) and transposes it
     dots, transposes = _kernel_grad_eqns(lax.dot_general, in_size, out_size)
     assert dots == [(out_size, in_size)] and len(transposes) == 1
+
+
+def test_compiled_kernel_gradient_keeps_its_out_in_product():
+    """in > out: the kernel gradient is the (out, in) product dot(g, x), transposed
+    after. Left bare, XLA folds that transpose into the dot, which then forms (in, out)
+    reading x column-major (a dot YNNPACK does not take): the compiled program must
+    still compute the (out, in) product."""
+    x = jnp.ones((64, 48))
+    grad = jax.jit(jax.grad(lambda k: jnp.sum(jnp.sin(kernel_grad.dot_general(
+        x, k, (((1,), (0,)), ((), ())))))))
+    hlo = grad.lower(jnp.ones((48, 16))).compile().as_text()
+    products = re.findall(r"= (f32\[\d+,\d+\])\{[\d,]+\} (?:dot|fusion)\(.*(?:dot_general|__ynn)", hlo)
+    assert "f32[16,48]" in products and "f32[48,16]" not in products, products
 
 
 def test_other_dimension_numbers_go_to_lax_dot_general():
