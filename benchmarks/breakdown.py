@@ -7,6 +7,7 @@ time of every XLA:CPU kernel (all threads) per step, by kind:
 
   matmul        YNNPACK / XLA dot kernels (ynn_fusion, dot, dot_general)
   attention matmul  the dots with batch dimensions (Q K^T and weights V per head)
+  reduction     YNNPACK fusions without a dot (sums and maxima of softmax and norms)
   dropout/mask  selects, compares and the fusions that draw and apply masks
   copy/layout   copies, transposes and bitcast fusions (layout changes)
   loop          call bookkeeping (while loops and conditionals are containers:
@@ -65,6 +66,7 @@ import re
 import statistics
 import tempfile
 import time
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -84,11 +86,10 @@ NOT_KERNELS = ("ThunkExecutor", "$", "np.", "Pjit", "Slinky", "end:", "Common", 
                "while", "cond.", "Threadpool")
 
 
-def kind(name: str, batched_dots: frozenset = frozenset()) -> str:
-    """The kind of kernel `name`; `batched_dots`: the names of dots with batch
-    dimensions (attention's per-head products)."""
-    if name in batched_dots:
-        return "attention matmul"
+def kind(name: str, named: Optional[dict] = None) -> str:
+    """The kind of kernel `name`; `named`: kinds by name (`named_kinds`)."""
+    if named and name in named:
+        return named[name]
     name = re.sub(r"\.\d+$", "", name)
     if name.startswith(("ynn_fusion", "dot", "convolution")):
         return "matmul"
@@ -143,9 +144,50 @@ def decode_loop():
     return run, f"greedy decode of {NEW_TOKENS} tokens", hlo
 
 
-def batched_dots(hlo_text: str) -> frozenset:
-    """Names of the dot instructions with batch dimensions in compiled HLO text."""
-    return frozenset(re.findall(r"%([\w.\-]+) = \S+ dot\([^\n]*lhs_batch_dims", hlo_text))
+def named_kinds(hlo_text: str) -> dict[str, str]:
+    """The kernels whose kind their name does not tell, from compiled HLO text:
+    dots with batch dimensions ("attention matmul") and YNNPACK fusions without a
+    dot (its reductions: softmax's and the norms' sums and maxima, "reduction")."""
+    kinds = {name: "attention matmul" for name in
+             re.findall(r"%([\w.\-]+) = \S+ dot\([^\n]*lhs_batch_dims", hlo_text)}
+    computations = {m.group(1): m.group(2) for m in
+                    re.finditer(r"^%([\w.\-]+) [^\n]*\{\n(.*?)\n\}", hlo_text, re.M | re.S)}
+    for name, callee in re.findall(r"%(ynn_fusion[\w.\-]*) = [^\n]*calls=%([\w.\-]+)", hlo_text):
+        if " dot(" not in computations.get(callee, " dot("):
+            kinds[name] = "reduction"
+    return kinds
+
+
+def ffn_from_memory(config, pairs_in_cache: int = 4, pairs_in_memory: int = 32,
+                    steps: int = 32) -> tuple[float, float]:
+    """(microseconds, microseconds): one decoder FFN on B = 32 rows, relu(x W1) W2,
+    when its weights stay in cache against when they come from memory.
+
+    A loop applies `pairs_in_cache` distinct (W1, W2) pairs (8 MiB at the bench
+    sizes) or `pairs_in_memory` (64 MiB, twice a 32 MiB last-level cache) in turn,
+    each FFN feeding the next; same FLOPs per FFN. The decode loop's weights and
+    keys/values together (`decode_roofline`'s step_mib) are what decides which
+    case its dots are in.
+    """
+    D, F = config.d_model, config.d_ff
+
+    def per_ffn(pairs: int) -> float:
+        keys = jax.random.split(jax.random.PRNGKey(0), 2 * pairs)
+        w1 = tuple(jax.random.normal(k, (D, F)) / math.sqrt(D) for k in keys[:pairs])
+        w2 = tuple(jax.random.normal(k, (F, D)) / math.sqrt(F) for k in keys[pairs:])
+        rounds = pairs_in_memory // pairs  # the same number of FFNs either way
+
+        @jax.jit
+        def run(x, w1, w2):
+            def step(x, _):
+                for _ in range(rounds):
+                    for a, b in zip(w1, w2):
+                        x = jnp.tanh(jax.nn.relu(x @ a) @ b)
+                return x, None
+            return jax.lax.scan(step, x, None, length=steps)[0]
+        x = jax.random.normal(jax.random.PRNGKey(1), (BATCH, D))
+        return best_time(run, x, w1, w2, repeats=5) / (steps * pairs_in_memory) * 1e6
+    return per_ffn(pairs_in_cache), per_ffn(pairs_in_memory)
 
 
 def decode_roofline(config) -> dict:
@@ -261,19 +303,28 @@ def dot_seconds(lhs: tuple, rhs: tuple, dimension_numbers) -> float:
     return best_time(jax.jit(functools.partial(repeated, repeats=repeats)), a, b) / repeats
 
 
-def dots_alone(hlo_text: str) -> tuple[float, float]:
-    """(seconds, FLOPs) of a program's dots, each compiled and timed on its own
-    (`dot_seconds`) times how often it runs: what the program costs with every
-    other kernel free and every dot as fast as it runs alone."""
-    seconds = flops = 0.0
+def dots_alone(hlo_text: str) -> dict[str, tuple[float, float]]:
+    """{kind: (seconds, FLOPs)} of a program's dots, each compiled and timed on its
+    own (`dot_seconds`) times how often it runs, by `kind` ("matmul": the
+    projections; "attention matmul": the dots with batch dimensions): what the
+    program costs with every other kernel free and every dot as fast as it runs
+    alone."""
+    out = collections.defaultdict(lambda: (0.0, 0.0))
     for (lhs, rhs, dimension_numbers), runs in hlo_dots(hlo_text).items():
         contracted = math.prod(lhs[i] for i in dimension_numbers[0][0])
-        out = jax.eval_shape(lambda a, b: jax.lax.dot_general(a, b, dimension_numbers),
-                             jax.ShapeDtypeStruct(lhs, jnp.float32),
-                             jax.ShapeDtypeStruct(rhs, jnp.float32))
-        flops += runs * 2 * math.prod(out.shape) * contracted
-        seconds += runs * dot_seconds(lhs, rhs, dimension_numbers)
-    return seconds, flops
+        out_shape = jax.eval_shape(
+            lambda a, b: jax.lax.dot_general(a, b, dimension_numbers),
+            jax.ShapeDtypeStruct(lhs, jnp.float32), jax.ShapeDtypeStruct(rhs, jnp.float32)).shape
+        name = "attention matmul" if dimension_numbers[1][0] else "matmul"
+        seconds, flops = out[name]
+        out[name] = (seconds + runs * dot_seconds(lhs, rhs, dimension_numbers),
+                     flops + runs * 2 * math.prod(out_shape) * contracted)
+    return dict(out)
+
+
+def total(by_kind: dict[str, tuple[float, float]]) -> tuple[float, float]:
+    """(seconds, FLOPs) summed over `dots_alone`'s kinds."""
+    return tuple(map(sum, zip(*by_kind.values())))
 
 
 def once(fn) -> float:
@@ -355,7 +406,7 @@ def main(argv=None) -> dict:
     if args.what == "compile":
         return compile_main()
     run, what, hlo = train_step() if args.what == "train" else decode_loop()
-    batched = batched_dots(hlo)
+    named = named_kinds(hlo)
     run(2)  # compile and warm up
     wall = statistics.median(run(1) for _ in range(args.steps)) * 1e3
     with tempfile.TemporaryDirectory() as trace_dir:
@@ -365,7 +416,7 @@ def main(argv=None) -> dict:
     per_step = {name: us / 1e3 / args.steps for name, us in busy.items()}
     by_kind = collections.Counter()
     for name, ms in per_step.items():
-        by_kind[kind(name, batched)] += ms
+        by_kind[kind(name, named)] += ms
     total = sum(by_kind.values())
     print(f"bench {what}: wall {wall:.1f} ms; kernel busy time summed over threads "
           f"{total:.1f} ms per step")
@@ -379,16 +430,17 @@ def main(argv=None) -> dict:
               **{re.sub(r"[/ ]", "_", k) + "_ms": round(v, 1) for k, v in by_kind.items()},
               "matmul_share": round(by_kind["matmul"] / total, 3)}
     if args.what == "decode":
-        result.update(decode_limits(hlo, wall))
+        result.update(decode_limits(hlo, wall, by_kind))
     else:
         result.update(train_limits(hlo, wall, run))
     print(json.dumps(result))
     return result
 
 
-def decode_limits(hlo_text: str, wall_ms: float) -> dict:
-    """The roofline of a decode step, the loop's dots alone, and what they allow
-    against Hugging Face."""
+def decode_limits(hlo_text: str, wall_ms: float, in_loop_ms: dict) -> dict:
+    """The roofline of a decode step, the loop's dots alone against the same dots
+    in the loop (`in_loop_ms`: kernel ms by kind), and what they allow against
+    Hugging Face."""
     roof = decode_roofline(jf.bench())
     print(f"\nroofline of one decode step (batch {BATCH}, {roof['slots_read']:.0f} of "
           f"{NEW_TOKENS} cache slots read on average): "
@@ -400,12 +452,25 @@ def decode_limits(hlo_text: str, wall_ms: float) -> dict:
                          for k in ("floor_ms", "floor_overlapped_ms"))
     print(f"{NEW_TOKENS} steps: measured {wall_ms:.0f} ms; floor {floor:.0f} ms "
           f"(compute + memory), {overlapped:.0f} ms if they overlapped perfectly")
-    alone_s, flops = dots_alone(hlo_text)
+    alone = dots_alone(hlo_text)
+    alone_s, flops = total(alone)
     alone_ms = alone_s * 1e3
     print(f"the loop's dots (encoder and prefill included), each alone: {alone_ms:.0f} ms "
           f"for {flops / 1e9:.1f} GFLOP ({flops / alone_s / 1e9:.0f} GFLOP/s)")
+    slowdown = {}
+    for name, (seconds, _) in sorted(alone.items()):
+        slowdown[name] = in_loop_ms[name] / (seconds * 1e3)
+        print(f"  {name}: {in_loop_ms[name]:.0f} ms in the loop, {seconds * 1e3:.0f} ms alone "
+              f"({slowdown[name]:.1f}x)")
+    hot_us, cold_us = ffn_from_memory(jf.bench())
+    print(f"a step reads {roof['step_mib']:.1f} MiB of weights and keys/values; one FFN "
+          f"(B = {BATCH}) takes {hot_us:.0f} us with its weights in cache (8 MiB of them) "
+          f"and {cold_us:.0f} us from memory (64 MiB), {cold_us / hot_us:.1f}x")
     out = {"floor_ms": round(floor, 1), "floor_overlapped_ms": round(overlapped, 1),
-           "dots_alone_ms": round(alone_ms, 1),
+           "dots_alone_ms": round(alone_ms, 1), "ffn_weights_in_cache_us": round(hot_us, 1),
+           "ffn_weights_from_memory_us": round(cold_us, 1),
+           **{f"{name.replace(' ', '_')}_in_loop_vs_alone": round(x, 2)
+              for name, x in slowdown.items()},
            **{k: round(v, 3) for k, v in roof.items()}}
     transformers = hf_peer.load()
     if transformers is not None:
@@ -430,7 +495,7 @@ def train_limits(hlo_text: str, wall_ms: float, run) -> dict:
     Face's step; and what the step costs with dropout off."""
     from train import matmul_peak  # noqa: PLC0415 (imports torch)
 
-    alone_s, flops = dots_alone(hlo_text)
+    alone_s, flops = total(dots_alone(hlo_text))
     peak = max(matmul_peak().values())  # as benchmarks/train.py: the faster of jax and torch
     alone_ms = alone_s * 1e3
     print(f"\nthe step's dots, each alone: {alone_ms:.0f} ms for {flops / 1e9:.2f} GFLOP "
