@@ -30,11 +30,14 @@ torch column reports its first (warm-up) step for comparison.
 compile_s_from_cache: the same once the program is in a persistent compile cache
 (`jaxformer train --compile-cache DIR`, a rerun): tracing, lowering and loading.
 
-The ceiling: a plain float32 (2048 x 2048) @ (2048 x 2048) matmul, timed in
-this run with both jax and torch; the faster is the machine's peak FLOP/s.
-Model FLOPs per train step are counted analytically (3 x the forward's matmul
-and attention FLOPs: forward + two backward products) and the same count is
-used for both implementations; fraction_of_matmul_peak = FLOPs/s / peak.
+The ceiling: a plain float32 (2048 x 2048) @ (2048 x 2048) matmul, timed with
+both jax and torch after every round; the faster is the machine's peak FLOP/s
+at that moment. Model FLOPs per train step are counted analytically (3 x the
+forward's matmul and attention FLOPs: forward + two backward products) and the
+same count is used for both implementations; fraction_of_matmul_peak = the
+median over rounds of FLOPs/s / peak, each round's step against the peak
+measured right after it (a ratio side by side, like the others: a slow period
+slows both).
 
 `--lm`: the decoder-only LM instead (bench widths in seed 004's layer: 4 Post-LN
 layers, GELU, dropout 0.1, bytes), against seed 004's PyTorch decoder layer
@@ -275,7 +278,6 @@ def main(argv: Optional[list[str]] = None) -> dict:
           f"S={SRC_LEN}, T={tgt_len}, {flops_per_step / 1e9:.1f} GFLOP per train step",
           flush=True)
 
-    peak_before = matmul_peak()
     jax_side = JaxSide(config, BATCH, SRC_LEN)  # compiles: compile_s
     compile_s_from_cache = jax_side.compile_from_cache()
     batch_np = jax.device_get(jax_side.batch)
@@ -291,14 +293,15 @@ def main(argv: Optional[list[str]] = None) -> dict:
     jax_side.run(args.steps)
     torch_side.run(args.steps)
 
-    jax_times, torch_times, hf_times = [], [], []
+    jax_times, torch_times, hf_times, peaks = [], [], [], []
     for _ in range(args.rounds):
         jax_times.append(jax_side.run(args.steps))
         torch_times.append(torch_side.run(args.steps))
         if hf_side is not None:
             hf_times.append(hf_side.run(args.steps))
-    peak_after = matmul_peak()
-    peak = max(*peak_before.values(), *peak_after.values())
+        peaks.append(matmul_peak())  # this round's: the machine's speed drifts
+    round_peaks = [max(p.values()) for p in peaks]
+    peak = statistics.median(round_peaks)
 
     rows = {}
     sides = [("jaxformer", jax_times), ("seed torch", torch_times)]
@@ -308,16 +311,18 @@ def main(argv: Optional[list[str]] = None) -> dict:
         step_s = statistics.median(times)
         rows[name] = {"step_s": step_s, "tokens_per_s": tokens_per_step / step_s,
                       "flops_per_s": flops_per_step / step_s,
-                      "fraction_of_matmul_peak": flops_per_step / step_s / peak}
+                      # each round's step against the peak measured right after it
+                      "fraction_of_matmul_peak": statistics.median(
+                          flops_per_step / t / p for t, p in zip(times, round_peaks))}
     rows["jaxformer"]["compile_s"] = jax_side.compile_s
     rows["seed torch"]["compile_s"] = torch_first
     if hf_side is not None:
         rows["hf marian"]["compile_s"] = 0.0
 
-    print(f"matmul peak (float32 2048^3): jax {peak_before['jax'] / 1e9:.1f} / "
-          f"{peak_after['jax'] / 1e9:.1f}, torch {peak_before['torch'] / 1e9:.1f} / "
-          f"{peak_after['torch'] / 1e9:.1f} GFLOP/s (before / after); peak = "
-          f"{peak / 1e9:.1f}")
+    print("matmul peak (float32 2048^3) after each round, GFLOP/s: jax "
+          + " ".join(f"{p['jax'] / 1e9:.0f}" for p in peaks) + "; torch "
+          + " ".join(f"{p['torch'] / 1e9:.0f}" for p in peaks)
+          + f"; median of the faster {peak / 1e9:.1f}")
     print(f"{'':<12}{'step ms':>10}{'tokens/s':>12}{'GFLOP/s':>10}{'of peak':>9}"
           f"{'compile s':>11}  windows (ms)")
     for (name, times), row in zip(sides, rows.values()):
