@@ -25,7 +25,11 @@ trip) compiled and timed on its own, warm, times how often it runs. That sum is
 what the program would cost with every other kernel free and every dot as fast
 as XLA:CPU runs it alone: the floor these kernels allow.
 
-`decode` also prints the step's roofline: its FLOPs at the machine's matmul
+`decode` sets each kind of dot in the loop (kernel time from the trace)
+against the same dots alone, and times one FFN with its weights in cache
+against from memory (more distinct weights than the last-level cache holds),
+since a decode step reads more weights and keys/values than that cache holds.
+It also prints the step's roofline: its FLOPs at the machine's matmul
 peak plus its bytes (weights, and the keys/values of all N cache slots, which
 the masked attention reads every step) at the machine's read bandwidth, both
 measured in the run; and, with transformers installed, Hugging Face's greedy
@@ -322,7 +326,7 @@ def dots_alone(hlo_text: str) -> dict[str, tuple[float, float]]:
     return dict(out)
 
 
-def total(by_kind: dict[str, tuple[float, float]]) -> tuple[float, float]:
+def all_dots(by_kind: dict[str, tuple[float, float]]) -> tuple[float, float]:
     """(seconds, FLOPs) summed over `dots_alone`'s kinds."""
     return tuple(map(sum, zip(*by_kind.values())))
 
@@ -453,7 +457,7 @@ def decode_limits(hlo_text: str, wall_ms: float, in_loop_ms: dict) -> dict:
     print(f"{NEW_TOKENS} steps: measured {wall_ms:.0f} ms; floor {floor:.0f} ms "
           f"(compute + memory), {overlapped:.0f} ms if they overlapped perfectly")
     alone = dots_alone(hlo_text)
-    alone_s, flops = total(alone)
+    alone_s, flops = all_dots(alone)
     alone_ms = alone_s * 1e3
     print(f"the loop's dots (encoder and prefill included), each alone: {alone_ms:.0f} ms "
           f"for {flops / 1e9:.1f} GFLOP ({flops / alone_s / 1e9:.0f} GFLOP/s)")
@@ -495,7 +499,7 @@ def train_limits(hlo_text: str, wall_ms: float, run) -> dict:
     Face's step; and what the step costs with dropout off."""
     from train import matmul_peak  # noqa: PLC0415 (imports torch)
 
-    alone_s, flops = total(dots_alone(hlo_text))
+    alone_s, flops = all_dots(dots_alone(hlo_text))
     peak = max(matmul_peak().values())  # as benchmarks/train.py: the faster of jax and torch
     alone_ms = alone_s * 1e3
     print(f"\nthe step's dots, each alone: {alone_ms:.0f} ms for {flops / 1e9:.2f} GFLOP "
