@@ -90,6 +90,21 @@ def test_compiled_kernel_gradient_keeps_its_out_in_product():
     assert "f32[16,48]" in products and "f32[48,16]" not in products, products
 
 
+def test_compiled_kernel_gradient_is_row_major_for_its_users():
+    """in > out: the transposed kernel gradient reaches its users (here an update
+    like the optimizer's) row-major. Were the transpose a layout change (a bitcast),
+    each user would read it through a strided transpose of its own."""
+    x = jnp.ones((64, 48))
+
+    def update(kernel):
+        grad = jax.grad(lambda k: jnp.sum(jnp.sin(kernel_grad.dot_general(
+            x, k, (((1,), (0,)), ((), ()))))))(kernel)
+        return kernel - grad / jnp.sqrt(jnp.sum(grad * grad))
+    hlo = jax.jit(update).lower(jnp.ones((48, 16))).compile().as_text()
+    results = re.findall(r"= \((f32\[[\d,]+\]\{[\d,]+\})\) conditional\(", hlo)
+    assert results and "f32[48,16]{0,1}" not in results, results
+
+
 def test_other_dimension_numbers_go_to_lax_dot_general():
     x, kernel = jnp.ones((3, 4, 5)), jnp.ones((3, 5, 6))
     batched = (((2,), (1,)), ((0,), (0,)))  # a batch dimension: not a Dense
