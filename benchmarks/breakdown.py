@@ -1,6 +1,6 @@
 """Where a bench step's time goes: XLA's own per-op timings, grouped by kind of work.
 
-Runs the bench train step (dropout 0.1, AdamW; `jaxformer.training`) or the
+Runs the bench train step (dropout 0.1, AdamW; `jaxformer.train.training`) or the
 bench greedy decode (batch 32, 128 new tokens, one device) under
 `jax.profiler.trace`, reads the Perfetto trace it writes, and sums the busy
 time of every XLA:CPU kernel (all threads) per step, by kind:
@@ -76,10 +76,10 @@ import jax
 import jax.numpy as jnp
 
 import jaxformer as jf
-from jaxformer import decode_loop as loop_lib, decoding, sampling
+from jaxformer.decode import loop as loop_lib, api as decoding, sampling
 
 import hf_peer  # Hugging Face transformers' MarianMTModel (optional)
-from jaxformer.training import TrainConfig, train_functions
+from jaxformer.train.training import TrainConfig, train_functions
 
 BATCH, SRC_LEN, NEW_TOKENS = 32, 32, 128
 # Trace events that are not kernels: runtime, Python and executor spans, while
@@ -134,7 +134,7 @@ def decode_loop():
     model = jf.Transformer(config)
     src = jax.random.randint(jax.random.PRNGKey(1), (BATCH, SRC_LEN), 3, config.src_vocab_size)
     params = model.init(jax.random.PRNGKey(0), src[:1], src[:1])["params"]
-    hlo = decoding._encdec_jit.lower(  # what greedy_decode compiles
+    hlo = decoding.encdec_program.lower(  # what greedy_decode compiles
         model, params, src, None, jax.random.PRNGKey(0), max_new_tokens=NEW_TOKENS,
         select=sampling.greedy, loop="scan", return_logits=False,
         segments=loop_lib.segments_for(NEW_TOKENS)).compile().as_text()

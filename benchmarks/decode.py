@@ -5,7 +5,7 @@ Workload (../shared/DESIGN.md "bench"): vocab 100, d_model 256, 8 heads, d_ff
 128 new tokens; random weights, eval mode (no dropout). Three decoders run
 side by side in one process:
 
-  jax cached     `jaxformer.decoding.greedy_decode`: one jitted `lax.scan`,
+  jax cached     `jaxformer.decode.api.greedy_decode`: one jitted `lax.scan`,
                  KV cache carried as a pytree, cross K/V projected once,
                  compiled with `decode_loop.decode_compiler_options` (on a
                  CPU split into a device per core: XLA's own dots rather
@@ -73,7 +73,8 @@ import numpy as np
 import torch
 
 import jaxformer as jf
-from jaxformer import decode_loop, decoding, sampling, sharding
+from jaxformer.decode import loop as decode_loop, api as decoding, sampling
+from jaxformer.parallel import sharding
 
 import hf_peer  # Hugging Face transformers' MarianMTModel (optional)
 from seed001 import Transformer as SeedTransformer  # the peer, verbatim from seed 001
@@ -194,8 +195,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
           f"torch {torch.__version__} with {threads} threads")
 
     # 1. First calls: compile time, and the tokens every variant must agree on.
-    default_options = jax.jit(decoding._encdec_jit.__wrapped__,
-                              static_argnames=decoding._encdec_jit.static_argnames)
+    default_options = jax.jit(decoding.encdec_program.__wrapped__,
+                              static_argnames=decoding.encdec_program.static_argnames)
     jax_runs = {
         "jax cached (scan)": cached(NEW_TOKENS),
         "jax cached (while)": cached(NEW_TOKENS, "while"),

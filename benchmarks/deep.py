@@ -1,7 +1,7 @@
 """Deep models: compile time of scanned vs unrolled stacks, remat memory and cost.
 
 Bench widths (../shared/DESIGN.md): vocab 100, d_model 256, 8 heads, d_ff 1024,
-float32, the jitted AdamW train step of `jaxformer.training.make_train_step`.
+float32, the jitted AdamW train step of `jaxformer.train.training.make_train_step`.
 
 1. Compile seconds (lower + compile) of the train step at 2 and 24 layers,
    scanned and unrolled: the decoder-only LM (batch 32 x 32 tokens, no
@@ -64,11 +64,11 @@ import jax
 import jax.numpy as jnp
 
 import jaxformer as jf
-from jaxformer import layer_stack, stacking
-from jaxformer.data import LMBatch
-from jaxformer.decoding import greedy_decode
-from jaxformer.tasks import Batch
-from jaxformer.training import TrainConfig, _init_state, make_optimizer, make_train_step
+from jaxformer.nn import stack as layer_stack, stacking
+from jaxformer.train.data import LMBatch
+from jaxformer.decode.api import greedy_decode
+from jaxformer.train.tasks import Batch
+from jaxformer.train.training import TrainConfig, init_train_state, make_optimizer, make_train_step
 
 BATCH, LENGTH = 32, 32
 
@@ -102,7 +102,7 @@ def train_step(config, batch: int, length: int):
     model = (jf.DecoderOnlyLM if config.num_encoder_layers == 0 else jf.Transformer)(config)
     tx = make_optimizer(TrainConfig())
     shapes = ((1, length),) if config.num_encoder_layers == 0 else ((1, length), (1, length + 1))
-    init = jax.jit(lambda seed: _init_state(model, tx, shapes, seed))
+    init = jax.jit(lambda seed: init_train_state(model, tx, shapes, seed))
     return make_train_step(model, tx), init, batch_for(config, batch, length)
 
 

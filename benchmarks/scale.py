@@ -36,8 +36,8 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)  # before JAX starts its backends
 
 import jaxformer as jf  # noqa: E402
-from jaxformer import partitioning  # noqa: E402
-from jaxformer.training import TrainConfig, train_functions  # noqa: E402
+from jaxformer.parallel import partitioning  # noqa: E402
+from jaxformer.train.training import TrainConfig, train_functions  # noqa: E402
 
 MESHES = ("data=8", "fsdp=8", "tensor=8")
 BATCH, SRC_LEN, VOCAB = 32, 32, 104

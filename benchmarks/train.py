@@ -6,7 +6,7 @@ batch 32, source length 32, copy task (target input = BOS + source, labels =
 source + EOS, so T = 33). Both sides train on the same batch every step
 (data generation is not timed):
 
-  jaxformer   `jaxformer.training`: the jitted train step of `jaxformer train`
+  jaxformer   `jaxformer.train.training`: the jitted train step of `jaxformer train`
               (AdamW + clipping + schedule, the state donated), compiled once.
   seed torch  seed 001's PyTorch classes, copied below unchanged, trained the
               way seed 001 trains them: CrossEntropyLoss(ignore_index=0), Adam,
@@ -21,7 +21,7 @@ source + EOS, so T = 33). Both sides train on the same batch every step
 They alternate in windows of --steps steps (--rounds times) so that load from
 other processes hits both alike; the figures are medians over the windows. One
 untimed window of each side comes first: the process's heap reaches its steady
-size there (jaxformer.host_memory keeps freed memory, and the first steps of
+size there (jaxformer.backends.host_memory keeps freed memory, and the first steps of
 jaxformer and torch, sharing one heap, still grow it: 18,000 page faults a
 jaxformer step in the first two windows here, none after).
 tokens/s = B * (S + T) / (seconds per step), source and target tokens both
@@ -68,9 +68,9 @@ import torch
 import torch.nn as nn
 
 import jaxformer as jf
-from jaxformer.compilation_cache import compilation_cache
-from jaxformer.data import ByteTokenizer, TextData, segment_mask
-from jaxformer.training import TrainConfig, train_functions
+from jaxformer.cli.compile_cache import compilation_cache
+from jaxformer.train.data import ByteTokenizer, TextData, segment_mask
+from jaxformer.train.training import TrainConfig, train_functions
 
 import hf_peer  # Hugging Face transformers' MarianMTModel (optional)
 from seed001 import Transformer as SeedTransformer  # the peer, verbatim from seed 001

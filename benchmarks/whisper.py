@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 import ctranslate2  # noqa: E402
 
-from jaxformer import audio  # noqa: E402
+from jaxformer.models import audio  # noqa: E402
 from jaxformer.models import whisper  # noqa: E402
 
 MAX_LENGTH = 64

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxformer as jf
-from jaxformer import decoding
+from jaxformer.decode import api as decoding
 
 NEW_TOKENS = 12
 

@@ -12,7 +12,7 @@ held-out sequences (0.999 measured for both norms), e.g.
 The task: random ids 3..31 of length 1..10 (per example, PAD-filled); the
 target is BOS + the source, the labels the source + EOS. The held-out
 sequences are a hash partition of all sequences the training stream never
-emits (`jaxformer.tasks`). Seed 001 trains the same model for 50 steps and
+emits (`jaxformer.train.tasks`). Seed 001 trains the same model for 50 steps and
 its greedy output repeats one token; warmup, enough steps and AdamW make the
 difference. Everything here comes from the library: `jaxformer train` runs
 the same code with checkpoints, plots and a run directory.
@@ -24,8 +24,8 @@ import argparse
 import json
 
 import jaxformer as jf
-from jaxformer.decoding import greedy_decode
-from jaxformer.training import TrainConfig, evaluate, fit
+from jaxformer.decode.api import greedy_decode
+from jaxformer.train.training import TrainConfig, evaluate, fit
 
 
 def main(argv=None) -> dict:

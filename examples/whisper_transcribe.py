@@ -17,7 +17,7 @@ import importlib.util
 import os
 import sys
 
-from jaxformer import audio
+from jaxformer.models import audio
 from jaxformer.models import whisper
 
 

@@ -7,27 +7,21 @@ Dimension key, used in names (`x_BTD`, `mask_BHTS`) and einsum strings:
 Masks are boolean, True = may attend.
 """
 
-# First, before JAX's CPU backend starts: XLA:CPU's per-step temporaries reuse
-# freed memory instead of faulting fresh pages in every step (jaxformer.host_memory).
-from jaxformer import host_memory
-
-KEEPS_FREED_MEMORY = host_memory.keep_freed_memory()
-
-from jaxformer.attention import KV, MultiHeadAttention, dot_product_attention
+from jaxformer.nn.attention import KV, MultiHeadAttention, dot_product_attention
 from jaxformer.config import PRESETS, TransformerConfig, bench, copy_task, llama, tiny
-from jaxformer.layers import DecoderLayer, EncoderLayer, FeedForward, sinusoidal_table
-from jaxformer.masks import (causal_mask, combine_masks, cross_mask, decoder_self_mask,
+from jaxformer.nn.layers import DecoderLayer, EncoderLayer, FeedForward, sinusoidal_table
+from jaxformer.nn.masks import (causal_mask, combine_masks, cross_mask, decoder_self_mask,
                              padding_mask)
-from jaxformer.model import (Decoder, DecoderOnlyLM, Encoder, Transformer, attention_weights,
+from jaxformer.nn.model import (Decoder, DecoderOnlyLM, Encoder, Transformer, attention_weights,
                              count_params)
 # Decoding (after the models it drives).
-from jaxformer.beam import beam_search
-from jaxformer.cache import DecodeCache, init_cache
-from jaxformer.decoding import (DecodeResult, DecodeState, generate, greedy_decode,
+from jaxformer.decode.beam import beam_search
+from jaxformer.decode.cache import DecodeCache, init_cache
+from jaxformer.decode.api import (DecodeResult, DecodeState, generate, greedy_decode,
                                 greedy_decode_one, sample)
-from jaxformer.processors import force_token, min_length, suppress_at_step, suppress_tokens
-from jaxformer.sampling import make_sampler
-from jaxformer.stacking import stack_layers, unstack_layers
+from jaxformer.decode.processors import force_token, min_length, suppress_at_step, suppress_tokens
+from jaxformer.decode.sampling import make_sampler
+from jaxformer.nn.stacking import stack_layers, unstack_layers
 
 __all__ = [
     "attention_weights",

@@ -1,7 +1,7 @@
-"""`python -m jaxformer ...` is the `jaxformer` command (see `jaxformer.cli`)."""
+"""`python -m jaxformer ...` is the `jaxformer` command (see `jaxformer.cli.main`)."""
 
 import sys
 
-from jaxformer.cli import main
+from jaxformer.cli.main import main
 
 sys.exit(main())

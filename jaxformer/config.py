@@ -20,7 +20,6 @@ Rope = Literal["none", "half", "interleaved"]
 AttentionImpl = Literal["einsum", "jax"]
 Remat = Literal["none", "full", "save_proj", "save_dots"]
 Precision = Literal["default", "mixed"]
-KernelGrad = Literal["layout", "autodiff"]
 
 _CHOICES = {
     "norm": ("post", "pre"),
@@ -35,8 +34,12 @@ _CHOICES = {
     "encoder_input": ("tokens", "embedded"),
     "remat": ("none", "full", "save_proj", "save_dots"),
     "precision": ("default", "mixed"),
-    "kernel_grad": ("layout", "autodiff"),
 }
+
+
+# Fields of earlier versions, read and ignored (they changed no result): run
+# directories and checkpoints saved with them still load.
+LEGACY_FIELDS = ("kernel_grad",)
 
 
 class ConfigMixin:
@@ -51,6 +54,7 @@ class ConfigMixin:
     @classmethod
     def from_dict(cls, values: dict):
         known = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in values.items() if k not in LEGACY_FIELDS}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"{cls.__name__}: unknown field(s) {unknown}")
@@ -143,7 +147,7 @@ class TransformerConfig(ConfigMixin):
     attention_impl: AttentionImpl = "einsum"
     # Deep stacks (see layer_stack.py). scan_layers: each stack is one
     # `nn.scan`ned layer with stacked (L, ...) parameters `layers/...` instead
-    # of `layers_0..layers_{L-1}` (convert with jaxformer.stacking).
+    # of `layers_0..layers_{L-1}` (convert with jaxformer.nn.stacking).
     scan_layers: bool = False
     # Rematerialisation of each layer on the backward pass: "none", "full",
     # "save_proj" (keep the projection matmuls) or "save_dots" (keep all matmuls).
@@ -153,13 +157,11 @@ class TransformerConfig(ConfigMixin):
     # norms, softmax, logits and loss in float32; leave dtype/param_dtype at
     # float32 (it sets them).
     precision: Precision = "default"
-    # The gradient of a Dense kernel: "layout", one matmul whose product is
-    # already in the kernel's layout, the smaller operand transposed (a custom
-    # VJP, jaxformer.kernel_grad: 10 % off the bench train step on CPU; no
-    # forward-mode autodiff through Dense layers; unrolled stacks without remat
-    # only, as checkpoint policies must see the matmuls); "autodiff", JAX's own
-    # rule, for jax.jvp / jax.jacfwd through the model.
-    kernel_grad: KernelGrad = "layout"
+    # XLA:CPU fusion steering (jaxformer.backends.cpu): Dense kernel gradients in
+    # the kernel's layout (a custom VJP: no jax.jvp / jax.jacfwd through the
+    # model) and dropout masks drawn once. Same values; gated by
+    # lax.platform_dependent, so GPU and TPU programs never contain them.
+    cpu_tuning: bool = False
 
     def __post_init__(self):
         for name in ("src_vocab_size", "tgt_vocab_size", "d_model", "num_heads",
@@ -185,8 +187,9 @@ class TransformerConfig(ConfigMixin):
         for name, choices in _CHOICES.items():
             _require(getattr(self, name) in choices, name,
                      f"must be one of {choices}, got {getattr(self, name)!r}")
-        _require(isinstance(self.scan_layers, bool), "scan_layers",
-                 f"must be a bool, got {self.scan_layers!r}")
+        for name in ("scan_layers", "cpu_tuning"):
+            _require(isinstance(getattr(self, name), bool), name,
+                     f"must be a bool, got {getattr(self, name)!r}")
         _require(self.precision != "mixed" or (self.dtype, self.param_dtype)
                  == ("float32", "float32"), "precision",
                  '"mixed" sets bfloat16 compute and float32 params itself: leave dtype and '

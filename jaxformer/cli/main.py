@@ -1,0 +1,776 @@
+"""The `jaxformer` command (also `python -m jaxformer`).
+
+    jaxformer train                       # copy task, copy_task model, Post-LN
+    jaxformer train --norm pre --out runs/pre
+    jaxformer train --task reverse --steps 1500
+    jaxformer train --out runs/x --resume # continue an interrupted run
+    jaxformer train --task lm --data 'texts/*.txt'   # a byte-level LM on text files
+    jaxformer train --mesh data=2,fsdp=2,tensor=2    # shard over 8 devices (default: data)
+    jaxformer generate --run runs/lm "def main("     # continue a prompt with a trained LM
+    jaxformer decode --run runs/copy "5 6 7"         # decode a source with a trained model
+
+A run directory (`--out`, default runs/<task>-<norm>-<time>) holds:
+
+    config.json     model and training configuration (what --resume reads)
+    metrics.jsonl   one JSON record per step (a later record of a step supersedes)
+    checkpoints/    Orbax checkpoints: every --save-every steps, at the end, on Ctrl-C
+    loss.png        loss and token accuracy against step
+    attention.png   decoder cross-attention of the trained model on a held-out example
+    summary.json    the final JSON line
+
+With --task lm the model is `DecoderOnlyLM` on packed windows of the text
+(`jaxformer.train.data`), loss.png also shows the held-out loss, there is no
+attention.png, and the summary reports held-out bits per byte beside the
+unigram and xz baselines of the same bytes, and a few sampled continuations of
+held-out prompts are printed.
+
+At the end the trained model greedy-decodes the held-out set (sequences the
+training stream never contains, see `jaxformer.train.tasks`), prints a few sources
+and predictions side by side, then one JSON line with exact_match,
+token_accuracy, steps and wall_s.
+
+Several hosts: start the same command on each, adding `--coordinator
+HOST:PORT --num-processes N --process-id I` (HOST:PORT on process 0, which
+writes the run directory; `jaxformer.parallel.distributed`); the mesh spans every
+host's devices. `--cpu-devices N` splits a CPU into N devices (for trying
+meshes on one machine).
+
+Exit status: 0 done, 1 non-finite loss, 2 bad input or checkpoint,
+130 interrupted by Ctrl-C (after saving a checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import time
+from typing import Optional, Sequence
+
+# Flags that shape the model / the trajectory: on --resume they must agree with
+# the run's config.json. flag -> TransformerConfig field(s) / TrainConfig field.
+_MODEL_FLAGS = {"d_model": ("d_model",), "heads": ("num_heads",), "d_ff": ("d_ff",),
+                "layers": ("num_encoder_layers", "num_decoder_layers"), "norm": ("norm",),
+                "dtype": ("dtype",), "vocab": ("src_vocab_size", "tgt_vocab_size"),
+                "dropout": ("attention_dropout", "residual_dropout", "embedding_dropout",
+                            "ffn_dropout"),
+                "scan_layers": ("scan_layers",), "remat": ("remat",),
+                "precision": ("precision",)}
+_TRAIN_FLAGS = {"task": "task", "min_len": "min_len", "max_len": "max_len", "steps": "steps",
+                "batch": "batch_size", "lr": "learning_rate", "warmup": "warmup_steps",
+                "weight_decay": "weight_decay", "label_smoothing": "label_smoothing",
+                "seed": "seed", "seq_len": "seq_len", "data": "data", "eval_data": "eval_data",
+                "tokenizer": "tokenizer"}
+
+
+def _flag_value(args, flag):
+    """A flag's value as the configs hold it (repeatable flags: tuples)."""
+    value = getattr(args, flag)
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _model_fields(flag: str, task: Optional[str]) -> tuple:
+    """The model fields a flag sets; the LM has no encoder, so --layers is its decoder's."""
+    fields = _MODEL_FLAGS[flag]
+    return ("num_decoder_layers",) if task == "lm" and flag == "layers" else fields
+
+
+_PROCESS_FLAGS = {"coordinator": "--coordinator", "num_processes": "--num-processes",
+                  "process_id": "--process-id"}
+
+
+class UsageError(ValueError):
+    """Bad flags or run directory: reported as `jaxformer train: error: ...`, exit 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from jaxformer.config import PRESETS  # noqa: PLC0415 (keep --help fast)
+    from jaxformer.train.tasks import TASKS  # noqa: PLC0415
+
+    parser = argparse.ArgumentParser(
+        prog="jaxformer", description="The Transformer in JAX/Flax: train on synthetic tasks "
+                                      "or text, then decode with the trained model.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    train = commands.add_parser(
+        "train", help="train an encoder-decoder Transformer on a synthetic task",
+        description="Train on copy/reverse/sort, then greedy-decode held-out sequences. "
+                    "Defaults: copy task, vocab 32, lengths 1..10, the copy_task model "
+                    "(d_model 128, 4 heads, d_ff 256, 2+2 layers, Post-LN), 800 steps of "
+                    "batch 64, AdamW lr 1e-3 with 100 warmup steps.")
+    model = train.add_argument_group("model")
+    model.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                       help="model preset to start from (default copy_task)")
+    model.add_argument("--d-model", type=int, help="model width D")
+    model.add_argument("--heads", type=int, help="attention heads H")
+    model.add_argument("--d-ff", type=int, help="feed-forward width F")
+    model.add_argument("--layers", type=int, help="encoder and decoder layers (each)")
+    model.add_argument("--norm", choices=("post", "pre"),
+                       help="LayerNorm placement (default post; Post-LN needs --warmup)")
+    model.add_argument("--dtype", choices=("float32", "bfloat16"),
+                       help="compute dtype; parameters stay float32 (default float32)")
+    model.add_argument("--dropout", type=float, help="one rate for every dropout site")
+    model.add_argument("--scan-layers", action="store_true", default=None,
+                       help="run each stack as one scanned layer (compile time flat in depth)")
+    model.add_argument("--remat", choices=("none", "full", "save_proj", "save_dots"),
+                       help="rematerialise each layer on the backward pass (default none)")
+    model.add_argument("--precision", choices=("default", "mixed"),
+                       help="mixed: bfloat16 matmuls, float32 params, norms, logits and loss "
+                            "(leave --dtype at float32)")
+    model.add_argument("--vocab", type=int, help="vocabulary incl. PAD/BOS/EOS (default 32)")
+    data = train.add_argument_group("task and optimisation")
+    data.add_argument("--task", choices=TASKS + ("lm",),
+                      help="synthetic task, or lm: the decoder-only LM on --data (default copy)")
+    data.add_argument("--min-len", type=int, help="shortest source (default 1)")
+    data.add_argument("--max-len", type=int, help="longest source (default 10)")
+    data.add_argument("--steps", type=int, help="optimizer steps (default 800)")
+    data.add_argument("--batch", type=int,
+                      help="global batch, split over all devices (default 64)")
+    data.add_argument("--lr", type=float, help="peak learning rate (default 1e-3)")
+    data.add_argument("--warmup", type=int,
+                      help="linear warmup steps (default min(100, steps // 8))")
+    data.add_argument("--weight-decay", type=float, help="AdamW decay on matrices (0.01)")
+    data.add_argument("--label-smoothing", type=float, help="(default 0)")
+    data.add_argument("--seed", type=int, help="the one seed of the run (default 0)")
+    text = train.add_argument_group("text (--task lm)")
+    text.add_argument("--data", action="append", metavar="PATH",
+                      help="text file or glob, one document per file (repeatable)")
+    text.add_argument("--eval-data", action="append", metavar="PATH",
+                      help="held-out files (default: a held-out 5%% of the --data documents)")
+    text.add_argument("--tokenizer", metavar="FILE",
+                      help="a Hugging Face tokenizers JSON file (default: bytes)")
+    text.add_argument("--seq-len", type=int, help="training window in tokens (default 256)")
+    text.add_argument("--eval-every", type=int, default=0,
+                      help="held-out evaluation interval in steps (default: at the end)")
+    text.add_argument("--samples", type=int, default=3,
+                      help="held-out prompts continued by sampling at the end")
+    text.add_argument("--sample-tokens", type=int, default=160,
+                      help="tokens sampled per continuation")
+    run = train.add_argument_group("run")
+    run.add_argument("--out", help="run directory (default runs/<task>-<norm>-<time>)")
+    run.add_argument("--resume", action="store_true",
+                     help="continue the run in --out from its latest checkpoint")
+    run.add_argument("--save-every", type=int, default=200, help="checkpoint interval")
+    run.add_argument("--log-every", type=int, default=20,
+                     help="steps between progress/metrics updates")
+    run.add_argument("--eval-examples", type=int, default=1000,
+                     help="held-out sequences decoded at the end")
+    run.add_argument("--show", type=int, default=5, help="held-out examples printed")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--no-cpu-tuning", action="store_true",
+                     help="on a CPU, train without jaxformer.backends.cpu's tuning (same "
+                          "results, slower)")
+    _add_compile_cache_flag(run)
+    scale = train.add_argument_group("devices and processes")
+    scale.add_argument("--mesh", metavar="SPEC",
+                       help="device mesh, e.g. data=2,fsdp=2,tensor=2 (one size may be -1: "
+                            "the rest; default: every device on data, or on --resume the "
+                            "saved run's mesh if it fits)")
+    scale.add_argument("--cpu-devices", type=int, metavar="N",
+                       help="split the CPU into N devices (per process)")
+    scale.add_argument("--coordinator", metavar="HOST:PORT",
+                       help="process 0's address, the same on every process (or 'auto': "
+                            "Slurm / Open MPI / Cloud TPU detection)")
+    scale.add_argument("--num-processes", type=int, metavar="N", help="processes in the run")
+    scale.add_argument("--process-id", type=int, metavar="I", help="this process, 0..N-1")
+    scale.add_argument("--coordinator-timeout", type=float, default=300.0, metavar="S",
+                       help="seconds to wait for the coordinator and the other processes")
+    train.set_defaults(func=_train_command)
+
+    generate = commands.add_parser(
+        "generate", help="continue prompts with the LM of a `--task lm` run",
+        description="Load the latest checkpoint of a language-model run and continue each "
+                    "prompt (sampled; --temperature 0 for greedy).")
+    generate.add_argument("prompts", nargs="+", metavar="PROMPT")
+    generate.add_argument("--run", required=True, help="the run directory (--out of train)")
+    _add_sampling_flags(generate, temperature=0.8)
+    _add_compile_cache_flag(generate)
+    generate.set_defaults(func=_generate_command)
+
+    decode = commands.add_parser(
+        "decode", help="decode sources with the model of a copy/reverse/sort run",
+        description="Load the latest checkpoint of an encoder-decoder run and decode "
+                    "sources given as space-separated token ids (default: held-out examples).")
+    decode.add_argument("sources", nargs="*", metavar="IDS", help='e.g. "5 6 7"')
+    decode.add_argument("--run", required=True, help="the run directory (--out of train)")
+    decode.add_argument("--examples", type=int, default=5,
+                        help="held-out examples decoded when no source is given")
+    _add_sampling_flags(decode, temperature=0.0)
+    _add_compile_cache_flag(decode)
+    decode.set_defaults(func=_decode_command)
+    return parser
+
+
+def _add_sampling_flags(parser, *, temperature: float) -> None:
+    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=temperature,
+                        help=f"0 = greedy (default {temperature})")
+    parser.add_argument("--top-k", type=int)
+    parser.add_argument("--top-p", type=float)
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+
+
+def _add_compile_cache_flag(parser) -> None:
+    parser.add_argument("--compile-cache", metavar="DIR",
+                        help="keep compiled programs in DIR (created if missing): a rerun "
+                             "with the same shapes loads them instead of compiling")
+
+
+def _compile_cache(directory: Optional[str]):
+    """The --compile-cache context (checked before anything runs), or a no-op."""
+    if directory is None:
+        return contextlib.nullcontext()
+    from jaxformer.cli.compile_cache import check_cache_dir, compilation_cache  # noqa: PLC0415
+    try:
+        check_cache_dir(directory)
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+    return compilation_cache(directory)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of `jaxformer` and `python -m jaxformer`; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        with _compile_cache(args.compile_cache):
+            return args.func(args)
+    except UsageError as error:
+        print(f"jaxformer {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+# --------------------------------------------------------------------------- train
+
+
+def _configs_from_args(args):
+    """(model config, train config, preset) from the flags given explicitly."""
+    from jaxformer.config import PRESETS  # noqa: PLC0415
+    from jaxformer.train.training import TrainConfig  # noqa: PLC0415
+
+    model_overrides = {}
+    for flag in _MODEL_FLAGS:
+        value = getattr(args, flag)
+        if value is not None:
+            model_overrides.update({field: value for field in _model_fields(flag, args.task)})
+    train_overrides = {field: _flag_value(args, flag) for flag, field in _TRAIN_FLAGS.items()
+                       if getattr(args, flag) is not None}
+    if "steps" in train_overrides and "warmup_steps" not in train_overrides:
+        # Short runs keep a proportionate warmup instead of failing validation.
+        train_overrides["warmup_steps"] = min(TrainConfig.warmup_steps,
+                                              train_overrides["steps"] // 8)
+    preset = args.preset or ("lm" if args.task == "lm" else "copy_task")
+    return PRESETS[preset], model_overrides, TrainConfig, train_overrides, preset
+
+
+def _train_command(args) -> int:
+    started = time.perf_counter()
+    import jax  # noqa: PLC0415 (heavy imports after argument parsing)
+
+    from jaxformer.parallel import distributed  # noqa: PLC0415
+    from jaxformer.train.checkpoint import CheckpointError  # noqa: PLC0415
+    from jaxformer.nn.model import DecoderOnlyLM, Transformer, count_params  # noqa: PLC0415
+    from jaxformer.train.training import (NonFiniteLossError, TrainConfig,  # noqa: PLC0415
+                                    check_lm_data, evaluate, fit, task_for)
+
+    for name in ("save_every", "log_every", "eval_examples", "sample_tokens"):
+        if getattr(args, name) <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive, got "
+                             f"{getattr(args, name)}")
+    for name in ("show", "samples", "eval_every"):
+        if getattr(args, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got "
+                             f"{getattr(args, name)}")
+    processes = _process_settings(args)
+    if processes is not None and args.out is None:
+        raise UsageError("several processes need --out: the one run directory, the same "
+                         "path on every process")
+    build_model, model_overrides, _, train_overrides, preset = _configs_from_args(args)
+
+    if args.resume:
+        if args.out is None:
+            raise UsageError("--resume needs --out, the run directory to continue")
+        out = args.out
+        config_path = os.path.join(out, "config.json")
+        model_config, train_config, saved = _read_run_config(out, "cannot resume: ")
+        conflicts = _conflicts(args, model_config, train_config, model_overrides,
+                               train_overrides, saved.get("preset"))
+        if conflicts:
+            raise UsageError("--resume continues the saved run; these flags differ from "
+                             f"{config_path}: {', '.join(conflicts)}")
+    else:
+        try:
+            if train_overrides.get("task") == "lm":
+                model_overrides = _lm_model_overrides(model_overrides, train_overrides)
+            model_config = build_model(**model_overrides)
+            train_config = TrainConfig(**train_overrides)
+        except (ValueError, TypeError) as error:
+            raise UsageError(str(error)) from error
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        out = args.out or os.path.join("runs", f"{train_config.task}-{model_config.norm}-{stamp}")
+        if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+            raise UsageError(f"run directory {out} already exists and is not empty: pass "
+                             f"--resume to continue it, or choose another --out")
+
+    model_config = model_config.replace(cpu_tuning=_cpu_tuning(args))  # before JAX starts
+    _start_processes(args, processes)  # after the checks of --out: no process wrote yet
+    checkpoint_dir = os.path.join(out, "checkpoints")
+    if args.resume and not (os.path.isdir(checkpoint_dir) and _has_checkpoint(checkpoint_dir)):
+        raise UsageError(f"cannot resume: no checkpoint in {out}/checkpoints")  # (Orbax: JAX)
+    data = None
+    try:  # everything checkable before compiling: data/task vs model, batch vs devices
+        from jaxformer.parallel.partitioning import make_mesh, mesh_spec_string  # noqa: PLC0415
+        from jaxformer.parallel.sharding import check_divisible  # noqa: PLC0415
+
+        mesh = make_mesh(resume_mesh_spec(args, saved.get("mesh") if args.resume else None))
+        check_divisible(train_config.batch_size, mesh, name="--batch")
+        if train_config.task == "lm":
+            data = _text_data(train_config)
+            check_lm_data(model_config, train_config, data)
+        else:
+            task = task_for(model_config, train_config)
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+
+    primary = distributed.is_primary()  # writes the run directory and prints
+    if not args.resume and primary:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump({"preset": preset, "model": model_config.to_dict(),
+                       "train": train_config.to_dict(), "mesh": mesh_spec_string(mesh),
+                       "processes": jax.process_count()}, f, indent=2)
+
+    model = (DecoderOnlyLM if train_config.task == "lm" else Transformer)(model_config)
+    if primary:
+        print(f"jaxformer train: {train_config.task} task, {preset} model "
+              f"({model_config.norm}-LN, {model_config.dtype}), mesh "
+              f"{mesh_spec_string(mesh)}, {distributed.describe()}, run dir {out}",
+              flush=True)
+        if model_config.cpu_tuning:
+            print("jaxformer train: CPU tuning on (jaxformer.backends.cpu; same results; "
+                  "--no-cpu-tuning turns it off)", flush=True)
+    try:
+        result = fit(model_config, train_config, checkpoint_dir=checkpoint_dir,
+                     resume=args.resume, save_every=args.save_every, log_every=args.log_every,
+                     progress=not args.no_progress,
+                     metrics_file=os.path.join(out, "metrics.jsonl"), mesh=mesh, data=data,
+                     eval_every=args.eval_every)
+    except CheckpointError as error:
+        print(f"jaxformer train: error: {error}", file=sys.stderr)
+        return 2
+    except NonFiniteLossError as error:
+        print(f"jaxformer train: {error}", file=sys.stderr)
+        return 1
+    step = int(result.state.step)
+    if result.interrupted and primary:
+        print(f"jaxformer train: interrupted at step {step}; checkpoint saved in "
+              f"{out}/checkpoints. Continue with: jaxformer train --out {out} --resume",
+              file=sys.stderr)
+    if result.interrupted:
+        return 130
+
+    # The rest (evaluation, figures, summary) is process 0's, on its own devices.
+    params, local_mesh = distributed.host_copy(result.state.params), mesh
+    if jax.process_count() > 1:
+        if not primary:
+            return 0
+        local_mesh = make_mesh(devices=jax.local_devices())
+    if train_config.task == "lm":
+        return _finish_lm(args, model, params, local_mesh, result, data, train_config, out,
+                          started)
+    heldout = task.heldout_set(args.eval_examples)
+    metrics = evaluate(model, params, heldout, mesh=local_mesh)
+    _show_examples(model, params, heldout, args.show)
+    history = _read_metrics(os.path.join(out, "metrics.jsonl"))
+    _write_figures(model, params, heldout, history, out, train_config, model_config)
+    summary = {"task": train_config.task, "norm": model_config.norm,
+               "dtype": model_config.dtype, "exact_match": metrics["exact_match"],
+               "token_accuracy": metrics["token_accuracy"], "eval_loss": metrics["loss"],
+               "eval_examples": metrics["examples"], "steps": step,
+               "wall_s": round(time.perf_counter() - started, 2),
+               "compile_s": round(result.compile_s, 2), "params": count_params(params),
+               "devices": len(jax.devices()), "mesh": mesh_spec_string(mesh),
+               "processes": jax.process_count(), "resumed_from": result.start_step or None,
+               "out": out}
+    line = json.dumps(summary)
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        f.write(line + "\n")
+    print(line, flush=True)
+    return 0
+
+
+def _process_settings(args):
+    """`distributed.Settings` of --coordinator/--num-processes/--process-id (or the
+    environment; None: one process), checked with --cpu-devices before anything starts."""
+    from jaxformer.parallel import distributed  # noqa: PLC0415
+
+    if args.cpu_devices is not None and args.cpu_devices < 1:
+        raise UsageError(f"--cpu-devices must be positive, got {args.cpu_devices}")
+    if not args.coordinator_timeout > 0:
+        raise UsageError(f"--coordinator-timeout must be positive, got "
+                         f"{args.coordinator_timeout}")
+    try:
+        return distributed.settings(args.coordinator, args.num_processes, args.process_id,
+                                    names=_PROCESS_FLAGS)
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+
+
+def _cpu_tuning(args) -> bool:
+    """Ask for CPU tuning (`backends.cpu`) when JAX will run on the CPU, unless
+    --no-cpu-tuning; True if it is on."""
+    from jaxformer.backends import cpu  # noqa: PLC0415
+
+    if args.no_cpu_tuning or not cpu.cpu_is_the_backend():
+        return False
+    try:
+        cpu.tune_process()
+    except cpu.CPUTuningError:  # JAX started already (a caller of main() in-process)
+        return False
+    return True
+
+
+def _start_processes(args, processes) -> None:
+    """--cpu-devices, then join the other processes (before JAX starts its devices)."""
+    from jaxformer.parallel import distributed  # noqa: PLC0415
+    from jaxformer.parallel.sharding import use_cpu_cores_as_devices  # noqa: PLC0415
+
+    try:
+        if args.cpu_devices is not None:
+            use_cpu_cores_as_devices(args.cpu_devices)
+        if processes is not None:
+            if processes.process_id is not None:  # context for JAX's own abort, if it comes
+                print(f"jaxformer train: process {processes.process_id} of "
+                      f"{processes.num_processes}: joining the others at "
+                      f"{processes.coordinator} (up to {args.coordinator_timeout:g} s)",
+                      file=sys.stderr, flush=True)
+            distributed.initialize(processes.coordinator, processes.num_processes,
+                                   processes.process_id, timeout_s=args.coordinator_timeout)
+    except (RuntimeError, ValueError) as error:  # incl. CoordinatorUnreachable
+        raise UsageError(str(error)) from error
+
+
+def _lm_model_overrides(model_overrides: dict, train_overrides: dict) -> dict:
+    """Task "lm": the vocabulary and special ids come from the tokenizer, the positions
+    from the window length, unless given."""
+    from jaxformer.train.data import load_tokenizer  # noqa: PLC0415
+    from jaxformer.train.training import TrainConfig  # noqa: PLC0415
+
+    tokenizer = load_tokenizer(train_overrides.get("tokenizer"))
+    vocab = model_overrides.get("tgt_vocab_size", tokenizer.vocab_size)
+    seq_len = train_overrides.get("seq_len", TrainConfig.seq_len)
+    return {"src_vocab_size": vocab, "tgt_vocab_size": vocab, "pad_id": tokenizer.pad_id,
+            "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id, "max_len": seq_len,
+            **model_overrides, "num_encoder_layers": 0}
+
+
+def _text_data(train_config):
+    """The `TextData` of an LM run: files read, tokenized, split and packed (may raise
+    ValueError naming a file)."""
+    from jaxformer.train.data import TextData, load_tokenizer  # noqa: PLC0415
+
+    tc = train_config
+    return TextData(tc.data, load_tokenizer(tc.tokenizer), tc.seq_len,
+                    eval_patterns=tc.eval_data or None, eval_fraction=tc.eval_fraction,
+                    seed=tc.seed)
+
+
+def _finish_lm(args, model, params, mesh, result, data, train_config, out, started) -> int:
+    """Held-out bits per byte against the baselines, sampled continuations, figures, summary.
+
+    `params` and `mesh`: this process's copy of the trained parameters, its devices."""
+    import jax  # noqa: PLC0415
+
+    from jaxformer.cli import baselines, plots  # noqa: PLC0415
+    from jaxformer.nn.model import count_params  # noqa: PLC0415
+    from jaxformer.parallel.partitioning import mesh_spec_string  # noqa: PLC0415
+    from jaxformer.train.training import evaluate_lm  # noqa: PLC0415
+
+    step = int(result.state.step)
+    final = result.evals[-1] if result.evals and result.evals[-1]["step"] == step else {
+        f"eval_{k}": v for k, v in evaluate_lm(model, params, data, mesh=mesh).items()}
+    _show_continuations(model, params, data, args.samples, args.sample_tokens)
+    history = _read_metrics(os.path.join(out, "metrics.jsonl"))
+    plots.loss_curve([r for r in history if "loss" in r], os.path.join(out, "loss.png"),
+                     title=f"language model on {len(data.eval_bytes):,} held-out bytes",
+                     evals=[r for r in history if "eval_loss" in r])
+    steps_run = step - result.start_step
+    window_tokens = train_config.seq_len * train_config.batch_size
+    summary = {
+        "task": "lm", "bits_per_byte": final["eval_bits_per_byte"],
+        "unigram_bits_per_byte": baselines.unigram_bits_per_byte(data.eval_bytes),
+        "xz_bits_per_byte": baselines.xz_bits_per_byte(data.eval_bytes),
+        "eval_loss": final["eval_loss"], "perplexity": final["eval_perplexity"],
+        "eval_bytes": len(data.eval_bytes), "train_bytes": data.train_bytes_count,
+        "tokens_per_s": (round(steps_run * window_tokens / result.train_s, 1)
+                         if steps_run else None),
+        "steps": step, "wall_s": round(time.perf_counter() - started, 2),
+        "compile_s": round(result.compile_s, 2), "params": count_params(params),
+        "devices": len(jax.devices()), "mesh": mesh_spec_string(result.mesh),
+        "processes": jax.process_count(), "resumed_from": result.start_step or None,
+        "out": out}
+    line = json.dumps(summary)
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        f.write(line + "\n")
+    print(line, flush=True)
+    return 0
+
+
+def resume_mesh_spec(args, saved_spec: Optional[str]) -> Optional[str]:
+    """The mesh spec to train on: --mesh if given; on --resume, else the saved run's
+    mesh if it fits this run's devices (the run continues split as it was), else
+    None (all devices on data), saying so."""
+    import jax  # noqa: PLC0415
+
+    from jaxformer.parallel import distributed  # noqa: PLC0415
+    from jaxformer.parallel.partitioning import parse_mesh_spec  # noqa: PLC0415
+
+    if args.mesh is not None or saved_spec is None:
+        return args.mesh
+    try:
+        parse_mesh_spec(saved_spec, len(jax.devices()))
+    except ValueError:
+        if distributed.is_primary():
+            print(f"jaxformer train: the saved mesh {saved_spec} does not fit "
+                  f"{len(jax.devices())} device(s); resuming with all of them on data "
+                  f"(pass --mesh to choose)", file=sys.stderr)
+        return None
+    return saved_spec
+
+
+def _read_run_config(run_dir: str, context: str = ""):
+    """(model config, train config, the saved dict) from `run_dir`/config.json."""
+    from jaxformer.config import TransformerConfig  # noqa: PLC0415
+    from jaxformer.train.training import TrainConfig  # noqa: PLC0415
+
+    config_path = os.path.join(run_dir, "config.json")
+    if not os.path.isfile(config_path):
+        raise UsageError(f"{context}{config_path} does not exist (not a run directory)")
+    try:
+        with open(config_path) as f:
+            saved = json.load(f)
+        return (TransformerConfig.from_dict(saved["model"]),
+                TrainConfig.from_dict(saved["train"]), saved)
+    except (ValueError, KeyError, TypeError) as error:
+        raise UsageError(f"{context}{config_path} is not a valid run config: "
+                         f"{error}") from error
+
+
+def _load_run(run_dir: str, task_kind: str):
+    """(model config, train config, params of the latest checkpoint) of a run directory.
+
+    `task_kind`: "lm" or "seq2seq", the kind of run the command needs.
+    """
+    from jaxformer.train.checkpoint import CheckpointError, Checkpoints  # noqa: PLC0415
+    from jaxformer.train.training import train_functions  # noqa: PLC0415
+
+    model_config, train_config, _ = _read_run_config(run_dir)
+    if (train_config.task == "lm") != (task_kind == "lm"):
+        want = "a --task lm run" if task_kind == "lm" else "a copy/reverse/sort run"
+        raise UsageError(f"{run_dir} is a {train_config.task} run; this command needs {want}")
+    directory = os.path.join(run_dir, "checkpoints")
+    if not os.path.isdir(directory) or not _has_checkpoint(directory):
+        raise UsageError(f"no checkpoint in {directory}")
+    try:
+        with Checkpoints(directory, create=False) as checkpoints:
+            state = checkpoints.restore(train_functions(model_config, train_config).init(0))
+    except CheckpointError as error:
+        raise UsageError(str(error)) from error
+    return model_config, train_config, state.params
+
+
+def _generate_command(args) -> int:
+    from jaxformer.train.data import load_tokenizer  # noqa: PLC0415
+    from jaxformer.nn.model import DecoderOnlyLM  # noqa: PLC0415
+
+    model_config, train_config, params = _load_run(args.run, "lm")
+    try:
+        tokenizer = load_tokenizer(train_config.tokenizer)
+        prompts = [[tokenizer.bos_id, *tokenizer.encode(p).tolist()] for p in args.prompts]
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+    texts = _continue_prompts(DecoderOnlyLM(model_config), params, tokenizer, prompts,
+                              args.max_new_tokens, temperature=args.temperature,
+                              top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    for prompt, text in zip(args.prompts, texts):
+        print(prompt + text)
+    return 0
+
+
+def _decode_command(args) -> int:
+    import jax  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    from jaxformer.decode.api import greedy_decode, sample  # noqa: PLC0415
+    from jaxformer.nn.model import Transformer  # noqa: PLC0415
+    from jaxformer.train.training import task_for  # noqa: PLC0415
+
+    model_config, train_config, params = _load_run(args.run, "seq2seq")
+    model = Transformer(model_config)
+    if args.sources:
+        try:
+            rows = [[int(t) for t in source.split()] for source in args.sources]
+        except ValueError as error:
+            raise UsageError(f"sources must be space-separated token ids: {error}") from error
+        if not all(rows):
+            raise UsageError("a source is empty")
+        src = np.full((len(rows), max(map(len, rows))), model_config.pad_id, np.int32)
+        for i, row in enumerate(rows):
+            src[i, :len(row)] = row
+    else:
+        src = task_for(model_config, train_config).heldout_set(args.examples).src
+    try:
+        kwargs = dict(max_new_tokens=min(args.max_new_tokens, model_config.max_len))
+        out = (greedy_decode(model, params, src, **kwargs) if args.temperature == 0 else
+               sample(model, params, src, rng=jax.random.PRNGKey(args.seed),
+                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                      **kwargs))
+    except (TypeError, ValueError) as error:
+        raise UsageError(str(error)) from error
+    stop = {model_config.pad_id}
+    for row, tokens, n in zip(src, np.asarray(out.tokens), np.asarray(out.lengths)):
+        source = " ".join(map(str, _strip(row, stop)))
+        decoded = " ".join(map(str, _strip(tokens[:n], {model_config.eos_id, *stop})))
+        print(f"{source}  ->  {decoded}")
+    return 0
+
+
+def _has_checkpoint(directory: str) -> bool:
+    from jaxformer.train.checkpoint import Checkpoints  # noqa: PLC0415
+
+    with Checkpoints(directory, create=False) as checkpoints:
+        return bool(checkpoints.steps())
+
+
+def _conflicts(args, model_config, train_config, model_overrides, train_overrides,
+               saved_preset) -> list[str]:
+    conflicts = []
+    if args.preset is not None and args.preset != saved_preset:
+        conflicts.append(f"--preset {args.preset} (saved: {saved_preset})")
+    for flag in _MODEL_FLAGS:
+        value = getattr(args, flag)
+        fields = _model_fields(flag, train_config.task)
+        if value is not None and any(getattr(model_config, f) != value for f in fields):
+            conflicts.append(f"--{flag.replace('_', '-')} {value} (saved: "
+                             f"{getattr(model_config, fields[0])})")
+    for flag, field in _TRAIN_FLAGS.items():
+        value = _flag_value(args, flag)
+        if value is not None and getattr(train_config, field) != value:
+            conflicts.append(f"--{flag.replace('_', '-')} {value} (saved: "
+                             f"{getattr(train_config, field)})")
+    return conflicts
+
+
+def _strip(tokens, stop: set) -> list[int]:
+    """Token ids up to (not including) the first of `stop`."""
+    kept = []
+    for token in tokens:
+        if int(token) in stop:
+            break
+        kept.append(int(token))
+    return kept
+
+
+def _show_examples(model, params, heldout, count: int) -> None:
+    """Print `count` held-out sources, targets and greedy predictions side by side."""
+    if count == 0:
+        return
+    from jaxformer.decode.api import greedy_decode  # noqa: PLC0415
+
+    c = model.config
+    rows = min(count, heldout.src.shape[0])
+    tokens = greedy_decode(model, params, heldout.src[:rows],
+                           max_new_tokens=heldout.labels.shape[1]).tokens
+    width = 3 * heldout.src.shape[1]
+    print(f"{'source':<{width}}  {'prediction':<{width}}  ok")
+    for i in range(rows):
+        src = " ".join(map(str, _strip(heldout.src[i], {c.pad_id})))
+        pred = " ".join(map(str, _strip(tokens[i], {c.eos_id, c.pad_id})))
+        ok = bool((tokens[i] == heldout.labels[i]).all())
+        print(f"{src:<{width}}  {pred:<{width}}  {'yes' if ok else 'NO'}")
+
+
+def _continue_prompts(model, params, tokenizer, prompts, max_new_tokens: int, *,
+                      temperature: float = 0.8, top_k=None, top_p=None, seed: int = 0
+                      ) -> list[str]:
+    """Sampled (temperature 0: greedy) continuations of token prompts, as text."""
+    import jax  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    from jaxformer.decode.api import generate  # noqa: PLC0415
+
+    width = max(len(p) for p in prompts)
+    limit = model.config.max_len - width + 1
+    if limit < 1:
+        raise UsageError(f"a prompt of {width} tokens leaves no room below the model's "
+                         f"max_len={model.config.max_len}")
+    batch = np.full((len(prompts), width), model.config.pad_id, np.int32)
+    for row, prompt in zip(batch, prompts):
+        row[:len(prompt)] = prompt
+    out = generate(model, params, batch, max_new_tokens=min(max_new_tokens, limit),
+                   prompt_lengths=np.array([len(p) for p in prompts], np.int32),
+                   rng=jax.random.PRNGKey(seed), temperature=temperature, top_k=top_k,
+                   top_p=top_p)
+    tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+    return [tokenizer.decode(row[:n]) for row, n in zip(tokens, lengths)]
+
+
+def _show_continuations(model, params, data, count: int, max_new_tokens: int) -> None:
+    """Print `count` held-out prompts, each followed by a sampled continuation."""
+    if count == 0:
+        return
+    prompts = data.eval_prompts(count, min(64, model.config.max_len // 2))
+    texts = _continue_prompts(model, params, data.tokenizer, prompts, max_new_tokens)
+    for i, (prompt, text) in enumerate(zip(prompts, texts)):
+        print(f"--- held-out prompt {i + 1} (sampled continuation after >>>)")
+        print(f"{data.tokenizer.decode(prompt)}>>>{text}")
+
+
+def _read_metrics(path: str) -> list[dict]:
+    """Per-step records, a later record of a step updating an earlier one (after resume)."""
+    by_step = {}
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                record = json.loads(line)  # a train or a held-out record: merge them
+                by_step.setdefault(record["step"], {}).update(record)
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def cross_attention_maps(model, params, src_BS, tgt_in_BT) -> dict:
+    """{"decoder/layers_i/cross_attn": (B, T, S) head-averaged weights}, teacher forced."""
+    from jaxformer.nn.model import Transformer, attention_weights  # noqa: PLC0415
+
+    # The fused "jax" attention does not expose its weights; same parameters.
+    probe = Transformer(dataclasses.replace(model.config, attention_impl="einsum"))
+    _, state = probe.apply({"params": params}, src_BS, tgt_in_BT, mutable="intermediates")
+    return {name: weights.astype("float32").mean(axis=1)
+            for name, weights in attention_weights(state["intermediates"]).items()
+            if name.endswith("cross_attn")}
+
+
+def _write_figures(model, params, heldout, history, out, train_config, model_config) -> None:
+    import numpy as np  # noqa: PLC0415
+
+    from jaxformer.cli import plots  # noqa: PLC0415
+
+    plots.loss_curve(history, os.path.join(out, "loss.png"),
+                     title=f"{train_config.task}, {model_config.norm}-LN: training loss")
+    lengths = (heldout.src != model_config.pad_id).sum(axis=1)
+    i = int(np.argmax(lengths))  # the longest example shows the clearest pattern
+    n = int(lengths[i])
+    maps = cross_attention_maps(model, params, heldout.src[i:i + 1], heldout.tgt_in[i:i + 1])
+    plots.attention_maps({k: np.asarray(v[0, :n + 1, :n]) for k, v in maps.items()},
+                         heldout.src[i, :n].tolist(), heldout.tgt_in[i, :n + 1].tolist(),
+                         os.path.join(out, "attention.png"),
+                         title=f"{train_config.task}: decoder cross-attention (head mean)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,291 @@
+"""Building blocks: embeddings and positions, feed-forward, encoder/decoder layers.
+
+Each layer applies its sublayers through `_residual`, the one place that knows
+the difference between Post-LN, x = LN(x + f(x)), and Pre-LN, x = x + f(LN(x)).
+`layer_norm` builds the configured norm (LayerNorm or RMSNorm) under the same
+parameter names.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxformer.nn.attention import KV, MultiHeadAttention, dense_init, kv_length_axis
+from jaxformer.config import TransformerConfig
+from jaxformer.nn import tuning
+from jaxformer.nn.axes import ACTIVATION_BTD, constrain, logical
+
+
+def sinusoidal_table(max_len: int, d_model: int) -> np.ndarray:
+    """(max_len, D): PE[p, 2i] = sin(p / 10000^(2i/D)), PE[p, 2i+1] = cos(same).
+
+    The seeds' formula; an odd D simply has one more sine than cosine column.
+    """
+    position = np.arange(max_len, dtype=np.float32)[:, None]
+    div_term = np.exp(np.arange(0, d_model, 2, dtype=np.float32) * (-math.log(10000.0) / d_model))
+    table = np.zeros((max_len, d_model), dtype=np.float32)
+    table[:, 0::2] = np.sin(position * div_term)
+    table[:, 1::2] = np.cos(position * div_term[: d_model // 2])
+    return table
+
+
+def activation_fn(name: str) -> Callable[[jnp.ndarray], jnp.ndarray]:
+    return {"relu": jax.nn.relu,
+            "gelu": functools.partial(jax.nn.gelu, approximate=False),
+            "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),
+            "silu": jax.nn.silu}[name]
+
+
+def layer_norm(config: TransformerConfig, name: Optional[str] = None) -> nn.Module:
+    """The configured norm: LayerNorm (scale, bias) or RMSNorm (scale only)."""
+    # norm_dtype: float32 under precision="mixed" (statistics and output).
+    common = dict(epsilon=config.layer_norm_epsilon, dtype=config.norm_dtype,
+                  param_dtype=config.params_dtype, name=name,
+                  scale_init=logical(nn.initializers.ones, ("norm",)))
+    if config.norm_type == "rmsnorm":
+        return nn.RMSNorm(**common)
+    return nn.LayerNorm(bias_init=logical(nn.initializers.zeros, ("norm",)), **common)
+
+
+class TokenEmbedding(nn.Module):
+    """Token ids -> vectors, and (tied output) vectors -> logits.
+
+    Parameter: `embedding` (V, D). Out-of-range ids look up NaN rows (JAX
+    gathers would otherwise clamp them silently to a valid id); eagerly they
+    are refused before this point by `checks.check_tokens`.
+    """
+
+    vocab_size: int
+    config: TransformerConfig
+
+    def setup(self):
+        c = self.config
+        stddev = c.d_model ** -0.5 if c.scale_embeddings else 1.0
+        self.embedding = self.param(
+            "embedding", logical(nn.initializers.normal(stddev), ("vocab", "embed")),
+            (self.vocab_size, c.d_model), c.params_dtype)
+
+    def __call__(self, tokens_BT: jnp.ndarray) -> jnp.ndarray:
+        """(B, T) ids -> (B, T, D), times sqrt(D) if `config.scale_embeddings`."""
+        ids = jnp.where(tokens_BT < 0, self.vocab_size, tokens_BT)  # negative ids would wrap
+        x_BTD = jnp.take(self.embedding, ids, axis=0, mode="fill", fill_value=jnp.nan)
+        if self.config.scale_embeddings:
+            x_BTD = x_BTD * math.sqrt(self.config.d_model)
+        return x_BTD.astype(self.config.compute_dtype)
+
+    def attend(self, x_BTD: jnp.ndarray) -> jnp.ndarray:
+        """(B, T, D) -> (B, T, V) logits against the embedding matrix (tied output)."""
+        return jnp.einsum("btd,vd->btv", x_BTD, self.embedding.astype(x_BTD.dtype))
+
+
+class PositionEmbedding(nn.Module):
+    """Adds positions to (B, T, D) inputs, then embedding dropout.
+
+    "sinusoidal" is a constant table; "learned" has a parameter `embedding`
+    (length, D); "fixed" too, but it is not trained (a checkpoint's table);
+    "none" adds nothing (RoPE models rotate inside attention). `length` is the
+    stack's `config.encoder_len` / `config.decoder_len`.
+    `positions_BT` (default 0..T-1) lets a decode step or a left-padded prompt
+    put each token at its own position.
+    """
+
+    kind: str
+    config: TransformerConfig
+    length: Optional[int] = None  # None: config.max_len
+
+    @nn.compact
+    def __call__(self, x_BTD: jnp.ndarray, positions_BT: Optional[jnp.ndarray] = None,
+                 *, deterministic: bool = True) -> jnp.ndarray:
+        c = self.config
+        if positions_BT is None:
+            positions_BT = jnp.arange(x_BTD.shape[1])[None, :]
+        if self.kind == "none":
+            x_BTD = tuning.dropout(c, c.embedding_dropout)(x_BTD, deterministic=deterministic)
+            return constrain(x_BTD, ACTIVATION_BTD)
+        length = c.max_len if self.length is None else self.length
+        if self.kind == "learned":
+            table = self.param("embedding", logical(nn.initializers.normal(0.02),
+                                                    ("length", "embed")),
+                               (length, c.d_model), c.params_dtype)
+        elif self.kind == "fixed":
+            table = jax.lax.stop_gradient(self.param(
+                "embedding", logical(lambda _, shape, dtype: jnp.asarray(
+                    sinusoidal_table(*shape), dtype), ("length", "embed")),
+                (length, c.d_model), c.params_dtype))
+        else:
+            table = jnp.asarray(sinusoidal_table(length, c.d_model))
+        x_BTD = x_BTD + jnp.take(table, positions_BT, axis=0).astype(x_BTD.dtype)
+        x_BTD = tuning.dropout(c, c.embedding_dropout)(x_BTD, deterministic=deterministic)
+        return constrain(x_BTD, ACTIVATION_BTD)
+
+
+class FeedForward(nn.Module):
+    """Position-wise FFN, (B, T, D) -> (B, T, F) -> (B, T, D).
+
+    Plain: wo(act(wi(x))). Gated (`config.gated_ffn`, SwiGLU / GeGLU):
+    wo(act(gate(x)) * wi(x)), i.e. down(act(gate(x)) * up(x)).
+    Biases on every projection iff `config.ffn_bias`.
+    """
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x_BTD: jnp.ndarray, *, deterministic: bool = True) -> jnp.ndarray:
+        c = self.config
+        common = dict(dtype=c.compute_dtype, use_bias=c.ffn_bias, param_dtype=c.params_dtype,
+                      dot_general=tuning.dot_general(c))
+        up = functools.partial(  # (D, F): up and gate projections
+            nn.Dense, features=c.d_ff, kernel_init=logical(dense_init(), ("embed", "mlp")),
+            bias_init=logical(nn.initializers.zeros, ("mlp",)), **common)
+        down = nn.Dense(c.d_model, kernel_init=logical(dense_init(), ("mlp", "embed")),
+                        bias_init=logical(nn.initializers.zeros, ("embed",)), name="wo",
+                        **common)
+        # checkpoint_name: what config.remat="save_proj" keeps (identity otherwise).
+        if c.gated_ffn:
+            gate_BTF = checkpoint_name(up(name="gate")(x_BTD), "ffn_gate")
+            up_BTF = checkpoint_name(up(name="wi")(x_BTD), "ffn_wi")
+            h_BTF = activation_fn(c.activation)(gate_BTF) * up_BTF
+        else:
+            h_BTF = activation_fn(c.activation)(
+                checkpoint_name(up(name="wi")(x_BTD), "ffn_wi"))
+        h_BTF = tuning.dropout(c, c.ffn_dropout)(h_BTF, deterministic=deterministic)
+        return checkpoint_name(down(h_BTF), "ffn_wo")
+
+
+def _residual(config: TransformerConfig, norm: nn.Module, dropout: nn.Module,
+              sublayer: Callable, x_BTD: jnp.ndarray, deterministic: bool):
+    """Apply `sublayer` with residual and LayerNorm in the configured placement.
+
+    `sublayer` maps (B, T, D) to ((B, T, D), aux); aux (a new cache) is passed
+    through.
+    """
+    if config.norm == "pre":
+        out_BTD, aux = sublayer(norm(x_BTD))
+        return x_BTD + dropout(out_BTD, deterministic=deterministic), aux
+    out_BTD, aux = sublayer(x_BTD)
+    # The residual stream keeps its dtype (a no-op unless precision="mixed", whose
+    # norms compute and return float32): a scanned layer's carry must not change type.
+    return norm(x_BTD + dropout(out_BTD, deterministic=deterministic)).astype(x_BTD.dtype), aux
+
+
+class EncoderLayer(nn.Module):
+    """Self-attention + FFN, two Add & Norm. Parameters: self_attn, self_attn_norm, ffn, ffn_norm."""
+
+    config: TransformerConfig
+
+    def setup(self):
+        c = self.config
+        self.self_attn = MultiHeadAttention(c, rotary=c.rope != "none")
+        self.ffn = FeedForward(c)
+        self.self_attn_norm = layer_norm(c)
+        self.ffn_norm = layer_norm(c)
+        self.dropout = tuning.dropout(c, c.residual_dropout)
+
+    def __call__(self, x_BSD: jnp.ndarray, mask: Optional[jnp.ndarray], *,
+                 deterministic: bool = True) -> jnp.ndarray:
+        """(B, S, D), mask (B|1, 1, S|1, S) -> (B, S, D)."""
+
+        def attend(h):
+            return self.self_attn(h, self.self_attn.kv(h), mask,
+                                  deterministic=deterministic), None
+
+        x_BSD, _ = _residual(self.config, self.self_attn_norm, self.dropout, attend, x_BSD,
+                                   deterministic)
+        x_BSD, _ = _residual(self.config, self.ffn_norm, self.dropout,
+                             lambda h: (self.ffn(h, deterministic=deterministic), None),
+                             x_BSD, deterministic)
+        return constrain(x_BSD, ACTIVATION_BTD)
+
+
+class DecoderLayer(nn.Module):
+    """Masked self-attention (+ cross-attention) + FFN, each with Add & Norm.
+
+    Parameters: self_attn, self_attn_norm, cross_attn and cross_attn_norm (if
+    `cross_attention`), ffn, ffn_norm.
+    With `cross_attention=False` this is the decoder-only LM layer of seed 004.
+    """
+
+    config: TransformerConfig
+    cross_attention: bool = True
+
+    def setup(self):
+        c = self.config
+        self.self_attn = MultiHeadAttention(c, rotary=c.rope != "none")
+        self.self_attn_norm = layer_norm(c)
+        if self.cross_attention:
+            self.cross_attn = MultiHeadAttention(c)
+            self.cross_attn_norm = layer_norm(c)
+        self.ffn = FeedForward(c)
+        self.ffn_norm = layer_norm(c)
+        self.dropout = tuning.dropout(c, c.residual_dropout)
+
+    def cross_kv(self, memory_BSD: jnp.ndarray) -> KV:
+        """Project the encoder memory once; reuse it for every decoder call."""
+        return self.cross_attn.kv(memory_BSD)
+
+    def __call__(
+        self,
+        y_BTD: jnp.ndarray,
+        self_mask: Optional[jnp.ndarray],
+        cross_kv: Optional[KV] = None,
+        cross_mask: Optional[jnp.ndarray] = None,
+        *,
+        cache: Optional[KV] = None,
+        cache_index: Optional[jnp.ndarray] = None,
+        past: Optional[KV] = None,
+        positions_BT: Optional[jnp.ndarray] = None,
+        deterministic: bool = True,
+    ) -> tuple[jnp.ndarray, Optional[KV]]:
+        """One decoder layer.
+
+        Args:
+          y_BTD: decoder inputs.
+          self_mask: (B|1, 1, T, T) without a cache, (B|1, 1, T, T_max) with one.
+          cross_kv: `cross_kv(memory)` (S keys); required iff `cross_attention`.
+          cross_mask: (B|1, 1, T|1, S).
+          cache: keys/values of earlier positions, each (B, G, T_max, K) (or
+            (B, T_max, G, K), as `attention.kv_length_axis` says). The
+            new keys/values are written at `cache_index` (a scalar) and the
+            queries attend over the whole cache, so `self_mask` must hide the
+            slots not yet written.
+          past: keys/values (B, G, P, K) of the P slots before the cache's first
+            (read, never written: a decode cache kept in chunks); the queries
+            attend over past then cache, and `self_mask` spans P + T_max slots.
+          positions_BT: (B|1, T) positions of the inputs for RoPE (default
+            0..T-1); cached keys were rotated by theirs when written.
+        Returns:
+          (y_BTD, the updated cache or None).
+        """
+
+        def self_attend(h_BTD):
+            kv = self.self_attn.kv(h_BTD, positions_BT)
+            if cache is not None:
+                start = [0, 0, 0, 0]
+                start[kv_length_axis(self.config)] = cache_index
+                kv = KV(jax.lax.dynamic_update_slice(cache.key, kv.key.astype(cache.key.dtype), start),
+                        jax.lax.dynamic_update_slice(cache.value, kv.value.astype(cache.value.dtype), start))
+            seen = kv if past is None else KV((past.key, kv.key), (past.value, kv.value))
+            out = self.self_attn(h_BTD, seen, self_mask, positions_BT=positions_BT,
+                                 deterministic=deterministic)
+            return out, (kv if cache is not None else None)
+
+        y_BTD, new_cache = _residual(self.config, self.self_attn_norm, self.dropout,
+                                                     self_attend, y_BTD, deterministic)
+        if self.cross_attention:
+            y_BTD, _ = _residual(
+                self.config, self.cross_attn_norm, self.dropout,
+                lambda h: (self.cross_attn(h, cross_kv, cross_mask,
+                                           deterministic=deterministic), None),
+                y_BTD, deterministic)
+        y_BTD, _ = _residual(self.config, self.ffn_norm, self.dropout,
+                             lambda h: (self.ffn(h, deterministic=deterministic), None),
+                             y_BTD, deterministic)
+        return constrain(y_BTD, ACTIVATION_BTD), new_cache

@@ -1,0 +1,311 @@
+"""Stacks and models: Encoder, Decoder, Transformer (encoder-decoder), DecoderOnlyLM.
+
+Parameter pytree of a `Transformer` (list-of-layers layout, names mirror modules)::
+
+    src_embed/embedding                  (V_src, D)    shared with tgt if share_embeddings
+    tgt_embed/embedding                  (V_tgt, D)
+    encoder/positions/embedding          (encoder_len, D)  only for learned/fixed positions
+    encoder/layers_{i}/self_attn/query/{kernel (D,H,K), bias (H,K)}
+    encoder/layers_{i}/self_attn/{key,value}/{kernel (D,G,K), bias (G,K)}   G = kv heads
+    encoder/layers_{i}/self_attn/out/{kernel (H,K,D), bias (D,)}
+    encoder/layers_{i}/ffn/{wi (D,F), wo (F,D)}/{kernel, bias}   + gate (D,F) if gated_ffn
+    encoder/layers_{i}/{self_attn_norm, ffn_norm}/{scale, bias}  (RMSNorm: scale only)
+    encoder/final_norm/{scale, bias}     if config.use_final_norm
+    decoder/layers_{i}/{self_attn, cross_attn, ffn, *_norm}/...
+    decoder/final_norm/...
+    decoder/out_proj/{kernel (D,V), bias (V,)}   unless tie_output_embedding
+
+Biases exist iff attention_bias (per projection: attention_biases) / ffn_bias / output_bias.
+
+Layers are a list (`layers_0`, `layers_1`, ...) by default: it mirrors torch
+state dicts one-to-one (weight import is a rename). With `config.scan_layers`
+each stack is one scanned layer, `encoder/layers/...` with a leading (L, ...)
+axis on every leaf, so compile time stays flat in depth (`layer_stack`);
+`stacking` converts between the two layouts exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxformer.nn import checks, stack as layer_stack, tuning
+from jaxformer.nn.attention import KV, dense_init
+from jaxformer.config import TransformerConfig
+from jaxformer.nn.layers import (DecoderLayer, EncoderLayer, PositionEmbedding, TokenEmbedding,
+                              layer_norm)
+from jaxformer.nn.masks import decoder_self_mask, padding_mask
+from jaxformer.nn.axes import logical
+
+
+class Encoder(nn.Module):
+    """Token ids (B, S) -- or already-embedded inputs (B, S, D) -- to memory (B, S, D)."""
+
+    config: TransformerConfig
+    embed: Optional[TokenEmbedding] = None
+
+    def setup(self):
+        c = self.config
+        self.positions = PositionEmbedding(c.encoder_positions, c, c.encoder_len)
+        if layer_stack.uses_blocks(c):
+            self.layers = layer_stack.encoder_stack(c, c.num_encoder_layers)
+        else:
+            self.layers = [EncoderLayer(c) for _ in range(c.num_encoder_layers)]
+        if c.use_final_norm:
+            self.final_norm = layer_norm(c)
+
+    def __call__(self, src: jnp.ndarray, mask: Optional[jnp.ndarray], *,
+                 deterministic: bool = True) -> jnp.ndarray:
+        if jnp.issubdtype(src.dtype, jnp.integer):
+            x_BSD = self.embed(src)
+        else:  # continuous sources (audio features, patches): positions only
+            x_BSD = src.astype(self.config.compute_dtype)
+        x_BSD = self.positions(x_BSD, deterministic=deterministic)
+        if layer_stack.uses_blocks(self.config):
+            x_BSD = layer_stack.run_encoder_stack(self.layers, x_BSD, mask, deterministic)
+        else:
+            for layer in self.layers:
+                x_BSD = layer(x_BSD, mask, deterministic=deterministic)
+        if self.config.use_final_norm:
+            x_BSD = self.final_norm(x_BSD)
+        return x_BSD
+
+
+class Decoder(nn.Module):
+    """Target ids (B, T) to logits (B, T, V); cross-attends to memory if `cross_attention`."""
+
+    config: TransformerConfig
+    embed: TokenEmbedding
+    cross_attention: bool = True
+
+    def setup(self):
+        c = self.config
+        self.positions = PositionEmbedding(c.decoder_positions, c, c.decoder_len)
+        if layer_stack.uses_blocks(c):
+            self.layers = layer_stack.decoder_stack(c, c.num_decoder_layers,
+                                                    self.cross_attention)
+        else:
+            self.layers = [DecoderLayer(c, cross_attention=self.cross_attention)
+                           for _ in range(c.num_decoder_layers)]
+        if c.use_final_norm:
+            self.final_norm = layer_norm(c)
+        if not c.tie_output_embedding:
+            # norm_dtype: logits are computed in float32 under precision="mixed".
+            self.out_proj = nn.Dense(c.tgt_vocab_size, dtype=c.norm_dtype,
+                                     use_bias=c.output_bias, param_dtype=c.params_dtype,
+                                     dot_general=tuning.dot_general(c),
+                                     kernel_init=logical(dense_init(), ("embed", "vocab")),
+                                     bias_init=logical(nn.initializers.zeros, ("vocab",)))
+
+    def cross_kv(self, memory_BSD: jnp.ndarray) -> tuple[KV, ...]:
+        """Each layer's cross-attention keys/values of the memory, computed once."""
+        _no_scanned_decoding(self.config)
+        return tuple(layer.cross_kv(memory_BSD) for layer in self.layers)
+
+    def __call__(
+        self,
+        tgt_BT: jnp.ndarray,
+        self_mask: Optional[jnp.ndarray],
+        cross_kvs: Optional[Sequence[KV]] = None,
+        cross_mask: Optional[jnp.ndarray] = None,
+        *,
+        positions_BT: Optional[jnp.ndarray] = None,
+        caches: Optional[Sequence[KV]] = None,
+        cache_index: Optional[jnp.ndarray] = None,
+        past_kvs: Optional[Sequence[KV]] = None,
+        deterministic: bool = True,
+    ) -> tuple[jnp.ndarray, Optional[tuple[KV, ...]]]:
+        """Returns (logits (B, T, V) in float32, updated per-layer caches or None).
+
+        Without `caches` this is the parallel (training) pass. With them, the
+        T new tokens are written at `cache_index` of every layer's cache and
+        attend over it, after `past_kvs` if given: see `DecoderLayer`. With `config.scan_layers`,
+        `cross_kvs` is the memory (B, S, D) itself (each scanned layer projects
+        it) and there are no caches (decoding runs `stacking.unscanned`).
+        """
+        y_BTD = self.positions(self.embed(tgt_BT), positions_BT, deterministic=deterministic)
+        new_caches = []
+        if layer_stack.uses_blocks(self.config) and caches is None:
+            y_BTD = layer_stack.run_decoder_stack(
+                self.layers, y_BTD, self_mask, cross_kvs if self.cross_attention else None,
+                cross_mask, positions_BT, deterministic)
+        else:
+            if caches is not None and layer_stack.uses_blocks(self.config):
+                raise ValueError("a scanned or rematted stack takes no KV cache: decode "
+                                 "through jaxformer.nn.stacking.for_decoding(model, params) "
+                                 "(the decoding entry points do)")
+            for i, layer in enumerate(self.layers):
+                y_BTD, cache = layer(
+                    y_BTD, self_mask, cross_kvs[i] if self.cross_attention else None, cross_mask,
+                    cache=None if caches is None else caches[i], cache_index=cache_index,
+                    past=None if past_kvs is None else past_kvs[i],
+                    positions_BT=positions_BT, deterministic=deterministic)
+                new_caches.append(cache)
+        if self.config.use_final_norm:
+            y_BTD = self.final_norm(y_BTD)
+        if self.config.tie_output_embedding:
+            logits_BTV = self.embed.attend(y_BTD.astype(self.config.norm_dtype))
+        else:
+            logits_BTV = self.out_proj(y_BTD)
+        return logits_BTV.astype(jnp.float32), (None if caches is None else tuple(new_caches))
+
+
+def _no_scanned_decoding(config: TransformerConfig) -> None:
+    if config.scan_layers:
+        raise ValueError("a scanned stack has no per-layer cross-attention KVs: decode "
+                         "through jaxformer.nn.stacking.for_decoding(model, params) (the "
+                         "decoding entry points do)")
+
+
+def _default_src_mask(src, pad_id: int) -> Optional[jnp.ndarray]:
+    """PAD keys are hidden for token sources; embedded sources need an explicit mask."""
+    return padding_mask(src, pad_id) if jnp.issubdtype(src.dtype, jnp.integer) else None
+
+
+class Transformer(nn.Module):
+    """The encoder-decoder Transformer of "Attention Is All You Need" (seed 001).
+
+    Masks are boolean, True = may attend (see `jaxformer.nn.masks`). When omitted
+    they are derived from `config.pad_id`: the source mask hides PAD keys
+    (B, 1, 1, S), the target mask is causal and hides PAD keys (B, 1, T, T).
+
+    An input stem (`stem`, any Flax module, e.g. `stems.ConvStem` over audio
+    features) maps the raw source (B, S_in, C) to (B, S, D) before the encoder;
+    its parameters live in the same tree, under "stem", and train with the rest.
+    Masks and lengths then refer to the stem's output positions.
+    """
+
+    config: TransformerConfig
+    stem: Optional[nn.Module] = None
+
+    def setup(self):
+        c = self.config
+        # An encoder of embedded inputs (config.encoder_input) owns no source table.
+        self.src_embed = (TokenEmbedding(c.src_vocab_size, c)
+                          if c.encoder_input == "tokens" else None)
+        self.tgt_embed = self.src_embed if c.share_embeddings else TokenEmbedding(
+            c.tgt_vocab_size, c)
+        self.encoder = Encoder(c, embed=self.src_embed)
+        self.decoder = Decoder(c, embed=self.tgt_embed)
+
+    def encode(self, src: jnp.ndarray, src_mask: Optional[jnp.ndarray] = None, *,
+               deterministic: bool = True) -> jnp.ndarray:
+        """src: ids (B, S) or embedded (B, S, D) (or the stem's input (B, S_in, C));
+        src_mask (B, 1, 1|S, S) -> memory (B, S, D)."""
+        c = self.config
+        if self.stem is not None:
+            checks.check_rank("src", src, 3, "(batch, length, channels): the stem's input")
+            src = self.stem(src)
+        if src.ndim == 2 and c.encoder_input != "tokens":
+            raise ValueError('src: this encoder reads embedded inputs (config.encoder_input='
+                             '"embedded"), got token ids of shape ' f"{src.shape}")
+        if src.ndim == 3:
+            checks.check_embedded("src", src, c.d_model, c.encoder_len)
+        else:
+            checks.check_tokens("src", src, c.src_vocab_size, c.encoder_len)
+        if src_mask is None:
+            src_mask = _default_src_mask(src, c.pad_id)
+        checks.check_mask("src_mask", src_mask, src.shape[0], src.shape[1], src.shape[1],
+                          heads=c.num_heads)
+        return self.encoder(src, src_mask, deterministic=deterministic)
+
+    def cross_kv(self, memory_BSD: jnp.ndarray) -> tuple[KV, ...]:
+        """Per-layer cross-attention keys/values (each (B, H, S, K)), for decoding."""
+        return self.decoder.cross_kv(memory_BSD)
+
+    def decode(self, tgt: jnp.ndarray, memory_BSD: jnp.ndarray,
+               src_mask: Optional[jnp.ndarray] = None, tgt_mask: Optional[jnp.ndarray] = None,
+               *, deterministic: bool = True) -> jnp.ndarray:
+        """tgt (B, T) ids attending to memory (B, S, D) -> logits (B, T, V_tgt).
+
+        `src_mask` (B, 1, 1|T, S) hides memory positions (PAD); without it all
+        memory is visible. `tgt_mask` defaults to causal & non-PAD.
+        """
+        c = self.config
+        checks.check_tokens("tgt", tgt, c.tgt_vocab_size, c.decoder_len)
+        checks.check_embedded("memory", memory_BSD, c.d_model, max_len=None)
+        checks.check_same_batch(tgt=tgt, memory=memory_BSD)
+        if tgt_mask is None:
+            tgt_mask = decoder_self_mask(tgt, c.pad_id)
+        checks.check_mask("tgt_mask", tgt_mask, tgt.shape[0], tgt.shape[1], tgt.shape[1],
+                          heads=c.num_heads)
+        checks.check_mask("src_mask", src_mask, tgt.shape[0], tgt.shape[1], memory_BSD.shape[1],
+                          heads=c.num_heads)
+        cross = memory_BSD if c.scan_layers else self.decoder.cross_kv(memory_BSD)
+        logits_BTV, _ = self.decoder(tgt, tgt_mask, cross, src_mask, deterministic=deterministic)
+        return logits_BTV
+
+    def __call__(self, src: jnp.ndarray, tgt: jnp.ndarray,
+                 src_mask: Optional[jnp.ndarray] = None, tgt_mask: Optional[jnp.ndarray] = None,
+                 *, deterministic: bool = True) -> jnp.ndarray:
+        """Teacher-forced logits (B, T, V_tgt) of `tgt` (B, T) given `src` (B, S[, D])."""
+        # Ranks first: otherwise a wrong-rank src fails as a misleading batch
+        # mismatch, or as an IndexError inside the default mask.
+        checks.check_rank("src", src, {2, 3},
+                          "ids (batch, length) or embedded (batch, length, d_model)")
+        checks.check_rank("tgt", tgt, 2, "(batch, length)")
+        checks.check_same_batch(src=src, tgt=tgt)
+        if src_mask is None:
+            src_mask = _default_src_mask(src, self.config.pad_id)
+        memory_BSD = self.encode(src, src_mask, deterministic=deterministic)
+        return self.decode(tgt, memory_BSD, src_mask, tgt_mask, deterministic=deterministic)
+
+
+class DecoderOnlyLM(nn.Module):
+    """A causal language model (seed 004): decoder layers without cross-attention.
+
+    Reads `tgt_vocab_size` and the decoder fields; `num_encoder_layers` must be 0.
+    """
+
+    config: TransformerConfig
+
+    def setup(self):
+        if self.config.num_encoder_layers:
+            raise ValueError("DecoderOnlyLM has no encoder: set "
+                             "TransformerConfig.num_encoder_layers=0")
+        self.embed = TokenEmbedding(self.config.tgt_vocab_size, self.config)
+        self.decoder = Decoder(self.config, embed=self.embed, cross_attention=False)
+
+    def __call__(self, tokens_BT: jnp.ndarray, mask: Optional[jnp.ndarray] = None, *,
+                 positions_BT: Optional[jnp.ndarray] = None,
+                 deterministic: bool = True) -> jnp.ndarray:
+        """Next-token logits (B, T, V). `mask` defaults to causal & non-PAD."""
+        c = self.config
+        checks.check_tokens("tokens", tokens_BT, c.tgt_vocab_size, c.decoder_len)
+        if mask is None:
+            mask = decoder_self_mask(tokens_BT, c.pad_id)
+        checks.check_mask("mask", mask, tokens_BT.shape[0], tokens_BT.shape[1],
+                          tokens_BT.shape[1], heads=c.num_heads)
+        logits_BTV, _ = self.decoder(tokens_BT, mask, positions_BT=positions_BT,
+                                     deterministic=deterministic)
+        return logits_BTV
+
+
+def count_params(params) -> int:
+    """Total number of scalars in a parameter pytree."""
+    return sum(x.size for x in jax.tree_util.tree_leaves(params))
+
+
+def attention_weights(intermediates) -> dict[str, jnp.ndarray]:
+    """Flatten sown attention weights to {"decoder/layers_0/cross_attn": (B, H, T, S)}.
+
+    Usage: `logits, state = model.apply({"params": p}, src, tgt, mutable="intermediates")`,
+    then `attention_weights(state["intermediates"])`. A scanned model's weights
+    are stacked, `layers/...` (L, B, H, T, S); they come out per layer as well,
+    so both layouts give the same keys.
+    """
+    flat = {}
+    for path, value in jax.tree_util.tree_flatten_with_path(
+            intermediates, is_leaf=lambda x: isinstance(x, tuple))[0]:
+        keys = [p.key for p in path if hasattr(p, "key")]
+        if keys and keys[-1] == "attention_weights":
+            if "layers" in keys:  # scanned: split the leading layer axis
+                at = keys.index("layers")
+                for i, weights in enumerate(value[-1]):
+                    flat["/".join(keys[:at] + [f"layers_{i}"] + keys[at + 1:-1])] = weights
+            else:
+                flat["/".join(keys[:-1])] = value[-1]
+    return flat

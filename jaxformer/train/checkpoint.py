@@ -1,0 +1,256 @@
+"""Save / restore / resume a `TrainState` with Orbax.
+
+`Checkpoints(directory)` wraps an `orbax.checkpoint.CheckpointManager` whose
+steps are subdirectories `<directory>/<step>/`. Saves are synchronous and
+atomic (Orbax writes to a temporary directory and renames it), so an
+interrupted save never leaves a half-written step behind, and they only add:
+nothing is overwritten, only the oldest steps beyond `max_to_keep` are pruned.
+
+Restoring needs a target: a state of the right structure, either concrete (a
+freshly initialised one) or abstract, a tree of `jax.ShapeDtypeStruct`s with
+`sharding=` (`jax.eval_shape(fns.init, 0)` of a `training.train_functions`
+bundle has exactly the bundle's shardings). Its shapes, dtypes and shardings
+decide how the arrays come back: each device reads only its own shards, so a
+state saved on one mesh restores straight onto another mesh or device count
+(resharding), and an abstract target allocates nothing before. Every failure -- no
+checkpoint, unreadable or corrupt files, a structure that does not match --
+raises `CheckpointError` naming the directory, and writes nothing. Quietly: a
+corrupt array index is read alone before Orbax's concurrent reads (`_check_index`),
+and the one harmless leftover of a failed concurrent read, a tensorstore callback
+into Orbax's closed event loop, is kept off stderr (`ignore_closed_loop_callbacks`,
+installed as `sys.unraisablehook` by the first `Checkpoints`).
+
+Layer layouts (`config.scan_layers`): a checkpoint of a scanned model holds
+stacked layers (`layers/...`), an unscanned one per-layer layers (`layers_0`,
+...). Restoring into the other layout is refused with the fix named, unless
+`restore(..., convert_layout=True)`, which converts exactly (`stacking`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from typing import Any, Optional
+
+import jax
+import orbax.checkpoint as ocp
+
+from jaxformer.nn import stacking
+
+
+class CheckpointError(Exception):
+    """A checkpoint is missing, unreadable or does not fit the model."""
+
+
+class Checkpoints:
+    """Periodic checkpoints of one run, in `directory`."""
+
+    def __init__(self, directory: str | os.PathLike, *, max_to_keep: Optional[int] = 3,
+                 create: bool = True):
+        """`create=False` (for resuming) refuses a missing directory instead of making it."""
+        if max_to_keep is not None and max_to_keep < 1:
+            raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep!r}")
+        self.directory = os.path.abspath(os.fspath(directory))
+        if not create and not os.path.isdir(self.directory):
+            raise CheckpointError(f"no checkpoint directory {self.directory}")
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep, create=create,
+            # Synchronous: the train step donates the state's buffers right
+            # after a save, and small states save in milliseconds anyway.
+            enable_async_checkpointing=False)
+        # The handler named up front: a reopened run's metadata (shapes, layout) is
+        # readable before any restore.
+        self._manager = ocp.CheckpointManager(self.directory, options=options,
+                                              item_handlers=ocp.StandardCheckpointHandler())
+        if not getattr(sys.unraisablehook, "jaxformer_filter", False):
+            sys.unraisablehook = ignore_closed_loop_callbacks(sys.unraisablehook)
+
+    def steps(self) -> list[int]:
+        """Steps with a complete checkpoint, ascending."""
+        self._manager.reload()  # another process (an earlier run) may have written steps
+        return sorted(self._manager.all_steps())
+
+    def latest_step(self) -> Optional[int]:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def save(self, step: int, state: Any) -> None:
+        """Write `state` as checkpoint `step` (a no-op if that step already exists)."""
+        if step in self.steps():
+            return
+        self._manager.save(int(step), args=ocp.args.StandardSave(state), force=True)
+        self._manager.wait_until_finished()
+
+    def restore(self, target: Any, step: Optional[int] = None, *,
+                convert_layout: bool = False) -> Any:
+        """Return the state saved at `step` (default: the latest), shaped like `target`.
+
+        `target`: a state of arrays, or of `jax.ShapeDtypeStruct(shape, dtype,
+        sharding=...)`; every restored leaf has the target leaf's sharding.
+        `convert_layout=True` restores a checkpoint of the other layer layout
+        (scanned <-> unscanned) into `target`'s layout.
+        """
+        abstract = _abstract(target)  # ValueError before any file is read
+        steps = self.steps()
+        if not steps:
+            raise CheckpointError(f"no checkpoint found in {self.directory}")
+        step = steps[-1] if step is None else step
+        if step not in steps:
+            raise CheckpointError(f"no checkpoint for step {step} in {self.directory} "
+                                  f"(available: {steps})")
+        path = os.path.join(self.directory, str(step))
+        saved, wanted = self._saved_layout(step), stacking.layout(abstract)
+        if saved and wanted and saved != wanted:
+            if not convert_layout:
+                fix = "stack_layers" if wanted == "stacked" else "unstack_layers"
+                raise CheckpointError(
+                    f"checkpoint {path} holds {saved} layers but the target state is "
+                    f"{wanted} (config.scan_layers={wanted == 'stacked'}): restore with "
+                    f"convert_layout=True, or convert with jaxformer.nn.stacking.{fix}")
+            as_saved = self.restore(_in_layout(abstract, saved == "stacked"), step)
+            converted = stacking.to_layout(as_saved, wanted == "stacked")
+            return jax.device_put(converted, jax.tree_util.tree_map(
+                lambda x: x.sharding, abstract))
+        self._check_against_saved(step, path, abstract)
+        _check_index(path)
+        try:
+            restored = self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
+        except Exception as error:  # orbax/tensorstore raise many types; one message
+            raise CheckpointError(f"checkpoint {path} is unreadable or corrupt, or does not "
+                                  f"match this model/optimizer: {type(error).__name__}: "
+                                  f"{error}") from error
+        got = jax.tree_util.tree_structure(restored)
+        want = jax.tree_util.tree_structure(target)
+        if got != want:
+            raise CheckpointError(f"checkpoint {path} has a different structure than the "
+                                  f"train state: {got} vs {want}")
+        for saved, expected in zip(jax.tree_util.tree_leaves(restored),
+                                   jax.tree_util.tree_leaves(target)):
+            if saved.shape != expected.shape or saved.dtype != expected.dtype:
+                raise CheckpointError(f"checkpoint {path} holds an array {saved.shape} "
+                                      f"{saved.dtype} where the train state has "
+                                      f"{expected.shape} {expected.dtype}")
+        return restored
+
+    def _check_against_saved(self, step: int, path: str, target: Any) -> None:
+        """Compare the saved arrays' metadata with `target` by parameter path, before
+        any array is read: missing, unexpected and mis-shaped entries, together."""
+        try:
+            metadata = self._manager.item_metadata(step)
+        except Exception:  # unreadable: restore() reports it
+            return
+        saved = _shapes_by_path(getattr(metadata, "tree", metadata))
+        wanted = _shapes_by_path(target)
+        if not saved:  # no metadata: restore() below checks what it reads
+            return
+        problems = [f"missing from the checkpoint: {name} {wanted[name]}"
+                    for name in wanted if name not in saved]
+        problems += [f"not in the train state: {name} {saved[name]}"
+                     for name in saved if name not in wanted]
+        problems += [f"{name}: saved {saved[name]}, the train state has {wanted[name]}"
+                     for name in wanted if name in saved and saved[name] != wanted[name]]
+        if problems:
+            shown = problems[:8] + ([f"... and {len(problems) - 8} more"]
+                                    if len(problems) > 8 else [])
+            raise CheckpointError(f"checkpoint {path} does not match this model/optimizer "
+                                  f"({len(problems)} differences):\n  " + "\n  ".join(shown))
+
+    def _saved_layout(self, step: int) -> Optional[str]:
+        try:
+            metadata = self._manager.item_metadata(step)
+        except Exception:  # unreadable: restore() below reports it
+            return None
+        return stacking.layout(getattr(metadata, "tree", metadata))
+
+    def close(self) -> None:
+        self._manager.close()
+
+    def __enter__(self) -> "Checkpoints":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _shapes_by_path(tree: Any) -> dict[str, tuple]:
+    """{"params/encoder/.../kernel": "(32, 4, 8) float32"} of a state or its saved metadata."""
+    def name(path):
+        return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+                        for k in path)
+
+    return {name(path): f"{tuple(leaf.shape)} {leaf.dtype}"
+            for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _abstract(target: Any) -> Any:
+    """`target` as ShapeDtypeStructs with shardings; ValueError naming abstract leaves
+    without a sharding (Orbax would not know where to put them)."""
+    unplaced = [jax.tree_util.keystr(path) for path, leaf in
+                jax.tree_util.tree_leaves_with_path(target)
+                if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is None]
+    if unplaced:
+        more = f" and {len(unplaced) - 4} more" if len(unplaced) > 4 else ""
+        raise ValueError("restore: an abstract target needs a sharding on every leaf "
+                         "(jax.ShapeDtypeStruct(shape, dtype, sharding=...), e.g. "
+                         "jax.eval_shape(train_functions(...).init, 0)); none on "
+                         + ", ".join(unplaced[:4]) + more)
+    return jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, target)
+
+
+def _in_layout(abstract: Any, stacked: bool) -> Any:
+    """An abstract state in the other layer layout, each leaf sharded as its layers
+    in `abstract`: a stacked leaf (L, *X) as layer 0's X, the layer axis whole; a
+    per-layer leaf X as the stack's (L, *X) without its layer axis."""
+    shapes = jax.eval_shape(lambda tree: stacking.to_layout(tree, stacked), abstract)
+    source = dict(jax.tree_util.tree_leaves_with_path(abstract))
+    layer = jax.tree_util.DictKey("layers_0" if stacked else stacking.STACKED)
+
+    def place(path, leaf):
+        keys = tuple(layer if stacking.layer_key(k) else k for k in path)
+        sharding = source[keys].sharding
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            spec = tuple(sharding.spec)
+            spec = (None, *spec) if stacked else spec[1:]
+            sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(
+                *spec))
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+
+    return jax.tree_util.tree_map_with_path(place, shapes)
+
+
+def _check_index(path: str) -> None:
+    """Read the index (OCDBT manifest and B-tree) of the arrays saved at `path`, alone.
+
+    A corrupt index then fails here, in one synchronous read, instead of in the
+    many concurrent reads of an Orbax restore. Those fail on the first error and
+    Orbax closes its event loop while tensorstore still completes the others: each
+    late completion raises "Event loop is closed" in a tensorstore thread, and
+    Python prints every such traceback to stderr (hundreds of lines).
+    """
+    item = os.path.join(path, "default")
+    if not os.path.exists(os.path.join(item, "manifest.ocdbt")):
+        return  # not an OCDBT checkpoint: Orbax reads and checks it
+    import tensorstore as ts  # noqa: PLC0415 (Orbax's own storage library)
+
+    try:
+        ts.KvStore.open({"driver": "ocdbt", "base": f"file://{item}/"}).result().list().result()
+    except Exception as error:  # noqa: BLE001 (tensorstore raises ValueError and others)
+        raise CheckpointError(f"checkpoint {path} is corrupt: its array index cannot be "
+                              f"read: {type(error).__name__}: {error}") from error
+
+
+def ignore_closed_loop_callbacks(hook):
+    """`sys.unraisablehook` that drops only "Event loop is closed" from a late
+    `call_soon_threadsafe` (see `_check_index`: corrupt array data with an intact
+    index still fails in concurrent reads), and passes everything else to `hook`."""
+    def filtered(unraisable):
+        error = unraisable.exc_value
+        frames = traceback.extract_tb(unraisable.exc_traceback)
+        if (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+                and any(f.name == "call_soon_threadsafe" for f in frames)):
+            return
+        hook(unraisable)
+
+    filtered.jaxformer_filter = True
+    return filtered

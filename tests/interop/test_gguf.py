@@ -1,0 +1,145 @@
+"""GGUF import (interop/gguf.py + models/llama.py) on small files written here.
+
+A random jaxformer llama LM is written as a GGUF file the way llama.cpp's
+converter writes one (query/key rows permuted to the interleaved RoPE order,
+weights as (out, in) rows), read back with either RoPE layout, and must give
+the original logits. Bad files (another architecture, wrong tensor shapes, an
+unsupported quantization type) are refused with a ValueError naming the
+problem, before any tensor is decoded. The real SmolLM2 file: test_smollm2.py.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxformer as jf
+
+gguf = pytest.importorskip("gguf", reason="GGUF import needs the `llm` extra: "
+                                          "pip install 'jaxformer[llm]'")
+from jaxformer.interop.gguf import read_gguf  # noqa: E402
+from jaxformer.models import llama  # noqa: E402
+from jaxformer.nn.rope import half_to_interleaved_rows  # noqa: E402
+
+from conftest import numpy_params  # noqa: E402
+
+CONFIG = jf.llama(d_model=32, num_heads=4, num_kv_heads=2, d_ff=24, num_decoder_layers=2,
+                  tgt_vocab_size=16, src_vocab_size=16, max_len=32, rope_theta=500.0,
+                  layer_norm_epsilon=1e-6)
+Q = gguf.GGMLQuantizationType
+
+
+@pytest.fixture(scope="module")
+def lm():
+    model = jf.DecoderOnlyLM(CONFIG)
+    return model, numpy_params(model, jax.ShapeDtypeStruct((1, 1), jnp.int32), seed=3)
+
+
+def gguf_tensors(params, config):
+    """{GGUF name: numpy array (out, in)} as llama.cpp stores a llama model."""
+    p = jax.tree_util.tree_map(np.asarray, params)
+    H, G, K, D = config.num_heads, config.kv_heads, config.head_dim, config.d_model
+    perm = half_to_interleaved_rows(K)
+
+    def qk_rows(kernel_DHK, heads):  # (D, heads, K) -> interleaved rows (heads*K, D)
+        return kernel_DHK.transpose(1, 2, 0)[:, perm, :].reshape(heads * K, D)
+
+    out = {"token_embd.weight": p["embed"]["embedding"],
+           "output_norm.weight": p["decoder"]["final_norm"]["scale"]}
+    for i in range(config.num_decoder_layers):
+        layer = p["decoder"][f"layers_{i}"]
+        attn, ffn = layer["self_attn"], layer["ffn"]
+        out.update({
+            f"blk.{i}.attn_norm.weight": layer["self_attn_norm"]["scale"],
+            f"blk.{i}.attn_q.weight": qk_rows(attn["query"]["kernel"], H),
+            f"blk.{i}.attn_k.weight": qk_rows(attn["key"]["kernel"], G),
+            f"blk.{i}.attn_v.weight": attn["value"]["kernel"].transpose(1, 2, 0).reshape(G * K, D),
+            f"blk.{i}.attn_output.weight": attn["out"]["kernel"].reshape(H * K, D).T,
+            f"blk.{i}.ffn_norm.weight": layer["ffn_norm"]["scale"],
+            f"blk.{i}.ffn_gate.weight": ffn["gate"]["kernel"].T,
+            f"blk.{i}.ffn_up.weight": ffn["wi"]["kernel"].T,
+            f"blk.{i}.ffn_down.weight": ffn["wo"]["kernel"].T})
+    return out
+
+
+def write_gguf(path, tensors, config=CONFIG, arch="llama", raw=None):
+    """A llama GGUF file; `raw` = {name: (bytes array, quant type)} for pre-quantized tensors."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_decoder_layers)
+    writer.add_context_length(config.max_len)
+    writer.add_embedding_length(config.d_model)
+    writer.add_feed_forward_length(config.d_ff)
+    writer.add_head_count(config.num_heads)
+    writer.add_head_count_kv(config.kv_heads)
+    writer.add_layer_norm_rms_eps(config.layer_norm_epsilon)
+    writer.add_rope_freq_base(config.rope_theta)
+    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_tokenizer_model("gpt2")
+    tokens = ["<unk>", "<s>", "</s>"] + [chr(ord("a") + i) for i in range(12)] + ["ab"]
+    writer.add_token_list(tokens)
+    writer.add_token_types([int(gguf.TokenType.CONTROL)] * 3 + [int(gguf.TokenType.NORMAL)] * 13)
+    writer.add_token_merges(["a b"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    for name, array in tensors.items():
+        writer.add_tensor(name, np.ascontiguousarray(array, np.float32))
+    for name, (data, kind) in (raw or {}).items():
+        writer.add_tensor(name, data, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("rope", ["half", "interleaved"])
+def test_a_written_file_loads_back_to_the_same_model(tmp_path, lm, rope):
+    model, params = lm
+    path = write_gguf(tmp_path / "tiny.gguf", gguf_tensors(params, CONFIG))
+    loaded, loaded_params, tokenizer = llama.load_gguf(path, rope=rope)
+    assert loaded.config == CONFIG.replace(  # GGUF stores the epsilon as float32
+        rope=rope, pad_id=0, bos_id=1, eos_id=2, layer_norm_epsilon=float(np.float32(1e-6)))
+    tokens = jnp.array([[3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
+    np.testing.assert_allclose(loaded.apply({"params": loaded_params}, tokens),
+                               model.apply({"params": params}, tokens), atol=1e-5)
+    assert tokenizer.encode("<s>abc").ids == [1, 15, 5]  # control token whole, merge "a b"
+    assert tokenizer.decode([15, 5, 6]) == "abcd"
+
+
+def test_the_rope_layout_must_match_the_rows(tmp_path, lm):
+    """Interleaved rows rotated as half-split pairs: a different model."""
+    model, params = lm
+    file = read_gguf(write_gguf(tmp_path / "tiny.gguf", gguf_tensors(params, CONFIG)))
+    right = llama.params_from_gguf(file, CONFIG.replace(rope="interleaved"))
+    tokens = jnp.array([[3, 4, 5, 6, 7, 8]])
+    wrong = jf.DecoderOnlyLM(CONFIG.replace(rope="half")).apply({"params": right}, tokens)
+    assert np.abs(wrong - model.apply({"params": params}, tokens)).max() > 1e-2
+
+
+def test_another_architecture_is_refused(tmp_path, lm):
+    path = write_gguf(tmp_path / "gpt2.gguf", gguf_tensors(lm[1], CONFIG), arch="gpt2")
+    with pytest.raises(ValueError, match="architecture 'gpt2' is not supported"):
+        llama.load_gguf(path)
+
+
+def test_tensor_shapes_must_match_the_metadata(tmp_path, lm):
+    tensors = gguf_tensors(lm[1], CONFIG)
+    tensors["blk.1.attn_k.weight"] = np.zeros((32, 32), np.float32)  # MHA-sized, metadata says G=2
+    with pytest.raises(ValueError, match=r"'blk.1.attn_k.weight' has shape \(32, 32\), "
+                                         r"expected \(16, 32\)"):
+        llama.load_gguf(write_gguf(tmp_path / "bad.gguf", tensors))
+    del tensors["blk.1.ffn_up.weight"]
+    with pytest.raises(ValueError, match="missing.*blk.1.ffn_up.weight"):
+        llama.load_gguf(write_gguf(tmp_path / "missing.gguf", tensors))
+
+
+def test_unsupported_quantization_is_refused_before_decoding(tmp_path, lm, monkeypatch):
+    tensors = gguf_tensors(lm[1], CONFIG)
+    del tensors["blk.0.ffn_gate.weight"]  # (24, 32): one 32-wide IQ4_NL block (18 bytes) a row
+    raw = {"blk.0.ffn_gate.weight": (np.zeros((24, 18), np.uint8), Q.IQ4_NL)}
+    path = write_gguf(tmp_path / "iq4.gguf", tensors, raw=raw)
+    decoded = []
+    monkeypatch.setattr(gguf.quants, "dequantize", lambda *a: decoded.append(a))
+    with pytest.raises(ValueError, match="'blk.0.ffn_gate.weight' has quantization type IQ4_NL"):
+        llama.load_gguf(path)
+    assert decoded == []
