@@ -68,6 +68,7 @@ import json
 import math
 import re
 import statistics
+import sys
 import tempfile
 import time
 from typing import Optional
@@ -76,6 +77,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxformer as jf
+from jaxformer.backends import cpu
 from jaxformer.decode import loop as loop_lib, api as decoding, sampling
 
 import hf_peer  # Hugging Face transformers' MarianMTModel (optional)
@@ -109,7 +111,7 @@ def kind(name: str, named: Optional[dict] = None) -> str:
 def bench_train_functions(config=None):
     tc = TrainConfig(task="copy", min_len=SRC_LEN, max_len=SRC_LEN, batch_size=BATCH,
                      steps=100_000, warmup_steps=100, learning_rate=1e-4)
-    return train_functions(jf.bench() if config is None else config, tc)
+    return train_functions(bench_config() if config is None else config, tc)
 
 
 def train_step(config=None):
@@ -130,7 +132,7 @@ def train_step(config=None):
 
 
 def decode_loop():
-    config = jf.bench()
+    config = bench_config()
     model = jf.Transformer(config)
     src = jax.random.randint(jax.random.PRNGKey(1), (BATCH, SRC_LEN), 3, config.src_vocab_size)
     params = model.init(jax.random.PRNGKey(0), src[:1], src[:1])["params"]
@@ -382,7 +384,7 @@ def compile_phases(config) -> dict:
 
 
 def compile_main() -> dict:
-    config = jf.bench()
+    config = bench_config()
     variants = {"unrolled": config, "scanned": config.replace(scan_layers=True)}
     rows = {name: compile_phases(c) for name, c in variants.items()}
     columns = ("total", "lower", "xla compile", *COMPILE_PHASES)
@@ -401,12 +403,25 @@ def compile_main() -> dict:
     return result
 
 
+TUNING = {"cpu_tuning": True}
+
+
+def bench_config(**overrides) -> jf.TransformerConfig:
+    """The bench workload, CPU-tuned unless --tuning default."""
+    return jf.bench(**{**TUNING, **overrides})
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("what", choices=("train", "decode", "compile"))
+    parser.add_argument("--tuning", choices=("cpu", "default"), default="cpu",
+                        help="profile with jaxformer.backends.cpu's tuning (default) or without")
     parser.add_argument("--steps", type=int, default=3, help="steps traced (and timed)")
     parser.add_argument("--top", type=int, default=12, help="largest kernels listed")
     args = parser.parse_args(argv)
+    TUNING["cpu_tuning"] = args.tuning == "cpu"
+    if TUNING["cpu_tuning"]:
+        print(f"CPU tuning: on (tune_process: {cpu.tune_process()})", file=sys.stderr)
     if args.what == "compile":
         return compile_main()
     run, what, hlo = train_step() if args.what == "train" else decode_loop()
@@ -445,7 +460,7 @@ def decode_limits(hlo_text: str, wall_ms: float, in_loop_ms: dict) -> dict:
     """The roofline of a decode step, the loop's dots alone against the same dots
     in the loop (`in_loop_ms`: kernel ms by kind), and what they allow against
     Hugging Face."""
-    roof = decode_roofline(jf.bench())
+    roof = decode_roofline(bench_config())
     print(f"\nroofline of one decode step (batch {BATCH}, {roof['slots_read']:.0f} of "
           f"{NEW_TOKENS} cache slots read on average): "
           f"{roof['step_gflop']:.3f} GFLOP at a matmul peak of {roof['peak_gflops']:.0f} "
@@ -466,7 +481,7 @@ def decode_limits(hlo_text: str, wall_ms: float, in_loop_ms: dict) -> dict:
         slowdown[name] = in_loop_ms[name] / (seconds * 1e3)
         print(f"  {name}: {in_loop_ms[name]:.0f} ms in the loop, {seconds * 1e3:.0f} ms alone "
               f"({slowdown[name]:.1f}x)")
-    hot_us, cold_us = ffn_from_memory(jf.bench())
+    hot_us, cold_us = ffn_from_memory(bench_config())
     print(f"a step reads {roof['step_mib']:.1f} MiB of weights and keys/values; one FFN "
           f"(B = {BATCH}) takes {hot_us:.0f} us with its weights in cache (8 MiB of them) "
           f"and {cold_us:.0f} us from memory (64 MiB), {cold_us / hot_us:.1f}x")
@@ -479,7 +494,7 @@ def decode_limits(hlo_text: str, wall_ms: float, in_loop_ms: dict) -> dict:
     transformers = hf_peer.load()
     if transformers is not None:
         import numpy as np  # noqa: PLC0415
-        hf = hf_peer.MarianGreedy(transformers, jf.bench(),
+        hf = hf_peer.MarianGreedy(transformers, bench_config(),
                                   np.random.default_rng(0).integers(3, 100, (BATCH, SRC_LEN)))
         hf(4)  # warm-up
         hf_ms = statistics.median(once(lambda: hf(NEW_TOKENS)) for _ in range(3)) * 1e3
@@ -513,7 +528,7 @@ def train_limits(hlo_text: str, wall_ms: float, run) -> dict:
            **dropout_cost(run, flops, peak)}
     transformers = hf_peer.load()
     if transformers is not None:
-        hf = hf_peer.MarianTrainStep(transformers, jf.bench(), run.batch)
+        hf = hf_peer.MarianTrainStep(transformers, bench_config(), run.batch)
         hf()  # warm-up
         hf_ms = statistics.median(once(hf) for _ in range(5)) * 1e3
         print(f"hf train step: {hf_ms:.0f} ms; ratio_vs_hf now {hf_ms / wall_ms:.2f}, "
@@ -530,7 +545,7 @@ def dropout_cost(run, flops: float, peak: float, rounds: int = 5) -> dict:
     the matmul `peak` (FLOP/s) the step's `flops` would reach with dropout free."""
     rates = dict.fromkeys(("attention_dropout", "residual_dropout", "embedding_dropout",
                            "ffn_dropout"), 0.0)
-    without, _, _ = train_step(jf.bench(**rates))
+    without, _, _ = train_step(bench_config(**rates))
     without(2)  # compile and warm up
     times = {"with": [], "without": []}
     for _ in range(rounds):

@@ -7,9 +7,10 @@ side by side in one process:
 
   jax cached     `jaxformer.decode.api.greedy_decode`: one jitted `lax.scan`,
                  KV cache carried as a pytree, cross K/V projected once,
-                 compiled with `decode_loop.decode_compiler_options` (on a
-                 CPU split into a device per core: XLA's own dots rather
-                 than YNNPACK's). Data-parallel: every CPU core is a JAX
+                 in a process that asked for CPU tuning (`--tuning cpu`, the
+                 default here: `jaxformer.backends.cpu.tune_process`: on a
+                 CPU split into a device per core XLA's own dots rather
+                 than YNNPACK's; the loop in segments). Data-parallel: every CPU core is a JAX
                  device (`sharding.use_cpu_cores_as_devices`), the batch is
                  split over them and the parameters replicated. Also timed:
                  the same loop on one of those devices (one core), with
@@ -49,6 +50,11 @@ full loop time / N;
 recompute = the time of one of its steps, a full decoder pass over the
 (B, N) buffer (a full 512-step recompute loop would take many minutes).
 
+Default against tuned: two more child processes, each one JAX device owning
+every core, time the loop against HF generate, one with JAX and jaxformer as
+they are (`--tuning default`), one after `tune_process()` (`--tuning cpu`):
+ratio_vs_hf_default and ratio_vs_hf_tuned. `--sides-only` runs just those two.
+
 Run (5-10 minutes on 2 shared CPU cores; the torch and recompute loops dominate):
   nice -n 5 python benchmarks/decode.py
 Prints a table, then one JSON line with tokens_per_s, compile_s,
@@ -74,7 +80,8 @@ import torch
 
 import jaxformer as jf
 from jaxformer.decode import loop as decode_loop, api as decoding, sampling
-from jaxformer.parallel import sharding
+from jaxformer.backends import cpu
+from jaxformer.parallel import partitioning, sharding
 
 import hf_peer  # Hugging Face transformers' MarianMTModel (optional)
 from seed001 import Transformer as SeedTransformer  # the peer, verbatim from seed 001
@@ -140,15 +147,31 @@ def vs_hf_only(rounds: int) -> dict:
     return out
 
 
-def child_vs_hf_one_device(rounds: int) -> dict:
-    """`vs_hf_only` in a child process whose CPU is one JAX device (JAX's default)."""
+def child_vs_hf_one_device(rounds: int, tuning: str = "cpu") -> dict:
+    """`vs_hf_only` in a child process whose CPU is one JAX device (JAX's default),
+    with `tuning` ("cpu": `backends.cpu.tune_process()`; "default": none)."""
     cmd = [sys.executable, os.path.abspath(__file__), "--devices", "1", "--vs-hf-only",
-           "--rounds", str(rounds)]
+           "--rounds", str(rounds), "--tuning", tuning]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"the one-device child failed ({' '.join(cmd)}):\n"
                          + done.stderr[-2000:])
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def sides(rounds: int) -> dict:
+    """One device owning every core, default against CPU-tuned, each against HF
+    generate in its own child process; prints a table and one JSON line."""
+    got = {tuning: child_vs_hf_one_device(rounds, tuning) for tuning in ("default", "cpu")}
+    print(f"{'one device':<14}{'jax s':>8}{'hf s':>8}{'vs hf':>8}")
+    for tuning, row in got.items():
+        print(f"{tuning:<14}{row['jax_s']:>8.3f}{row['hf_s']:>8.3f}{row['ratio_vs_hf']:>8.2f}")
+    out = {"ratio_vs_hf_default": got["default"]["ratio_vs_hf"],
+           "ratio_vs_hf_tuned": got["cpu"]["ratio_vs_hf"],
+           "default_tokens_per_s": got["default"]["tokens_per_s"],
+           "tuned_tokens_per_s": got["cpu"]["tokens_per_s"]}
+    print(json.dumps(out))
+    return out
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
@@ -162,7 +185,15 @@ def main(argv: Optional[list[str]] = None) -> dict:
                         help="only the cached loop against HF generate, interleaved: one JSON "
                              "line (what the default run starts with --devices 1 for the "
                              "one-device figure)")
+    parser.add_argument("--tuning", choices=("cpu", "default"), default="cpu",
+                        help="ask for jaxformer.backends.cpu's process tuning (default) or not")
+    parser.add_argument("--sides-only", action="store_true",
+                        help="only ratio_vs_hf_default and ratio_vs_hf_tuned (two children)")
     args = parser.parse_args(argv)
+    if args.sides_only:
+        return sides(args.rounds)
+    if args.tuning == "cpu":
+        print(f"CPU tuning: on (tune_process: {cpu.tune_process()})", file=sys.stderr)
     sharding.use_cpu_cores_as_devices(args.devices)  # before JAX's first computation
     if args.vs_hf_only:
         return vs_hf_only(args.rounds)
@@ -179,7 +210,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     src = jnp.asarray(src_np, jnp.int32)
     params = model.init(jax.random.PRNGKey(0), src, src[:, :4])["params"]
     # Data parallelism: rows split over the devices, parameters on every device.
-    mesh = sharding.make_mesh()
+    mesh = partitioning.make_mesh()
     src_split, params_all = sharding.shard_batch(src, mesh), sharding.replicate(params, mesh)
 
     def cached(n, loop="scan", p=params_all, s=src_split):
@@ -321,9 +352,14 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
     # 7. One device that owns every core (JAX's default), in a child process: a
     # process's CPU devices are fixed when JAX starts.
-    one_device = None
+    one_device, one_device_default = None, None
+    if transformers is not None:
+        one_device_default = child_vs_hf_one_device(args.rounds, "default")
+        print(f"one device, no CPU tuning (child process): jax "
+              f"{one_device_default['jax_s']:.3f} s, hf {one_device_default['hf_s']:.3f} s, "
+              f"ratio_vs_hf {one_device_default['ratio_vs_hf']}")
     if mesh.devices.size > 1 and transformers is not None:
-        one_device = child_vs_hf_one_device(args.rounds)
+        one_device = child_vs_hf_one_device(args.rounds, args.tuning)
         print(f"one device owning all {threads} cores (child process): jax "
               f"{one_device['jax_s']:.3f} s, hf {one_device['hf_s']:.3f} s, "
               f"ratio_vs_hf {one_device['ratio_vs_hf']}")
@@ -373,6 +409,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "ratio_vs_hf": vs_hf("jax cached (scan)"),
         "ratio_vs_hf_one_device": (one_device["ratio_vs_hf"] if one_device else
                                    vs_hf("jax cached (scan)")),
+        # one device owning every core: jaxformer as it is against CPU-tuned (--tuning)
+        "ratio_vs_hf_default": (one_device_default or {}).get("ratio_vs_hf"),
+        "ratio_vs_hf_tuned": (one_device["ratio_vs_hf"] if one_device else
+                              vs_hf("jax cached (scan)")),
         **({"ratio_vs_hf_one_core": vs_hf("jax cached (1 core)")}
            if "jax cached (1 core)" in rows else {}),
         "hf_tokens_per_s": (round(rows[hf_name]["tokens_per_s"], 1)

@@ -25,8 +25,8 @@ float32, the jitted AdamW train step of `jaxformer.train.training.make_train_ste
    that CSE, 59 after; at 8 layers x 1024 the temp bytes are equal).
 3. Step time of the scanned vs unrolled train step at 8 layers (bench batch),
    both models, measured interleaved (one step of each per round, medians);
-   plus the scanned stack as it was before (remat "none" without the
-   dots_saveable policy, `layer_stack.SCAN_NONE_POLICY`): stacking every
+   plus the scanned stack with remat="save_dots" (remat is exactly as
+   configured; remat "none" keeps every residual): stacking every
    elementwise intermediate as its own (L, ...) residual made it 1.07-1.19x
    slower than unrolled. A profile of that step (jax.profiler, per-op busy
    time summed over threads, ms per step) showed equal total work (2310 vs
@@ -58,13 +58,12 @@ import json
 import statistics
 import sys
 import time
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
 import jaxformer as jf
-from jaxformer.nn import stack as layer_stack, stacking
+from jaxformer.nn import stacking
 from jaxformer.train.data import LMBatch
 from jaxformer.decode.api import greedy_decode
 from jaxformer.train.tasks import Batch
@@ -163,20 +162,14 @@ def remat_rows(temps, step_times):
     return rows
 
 
-def interleaved_step_times(configs: dict, rounds: int, batch=BATCH, length=LENGTH,
-                           patches: Optional[dict] = None) -> dict:
+def interleaved_step_times(configs: dict, rounds: int, batch=BATCH, length=LENGTH) -> dict:
     """Median seconds per step of each config, one step of each per round (fair under
-    shared-machine load). `patches[name]`: a SCAN_NONE_POLICY to trace that one with."""
+    shared-machine load)."""
     prepared = {}
     for name, config in configs.items():
-        saved = layer_stack.SCAN_NONE_POLICY
-        layer_stack.SCAN_NONE_POLICY = (patches or {}).get(name, saved)
-        try:
-            step, init, data = train_step(config, batch, length)
-            state = init(0)
-            compiled = step.lower(state, data).compile()
-        finally:
-            layer_stack.SCAN_NONE_POLICY = saved
+        step, init, data = train_step(config, batch, length)
+        state = init(0)
+        compiled = step.lower(state, data).compile()
         state, metrics = compiled(state, data)  # warm-up
         jax.block_until_ready(metrics)
         prepared[name] = [compiled, state, data]
@@ -199,11 +192,11 @@ def step_section(rounds: int):
                               ("encdec", "encoder-decoder 4+4", encdec_config(8))):
         scanned = config.replace(scan_layers=True)
         times = interleaved_step_times(
-            {"unrolled": config, "scanned": scanned, "scanned, all residuals": scanned},
-            rounds, patches={"scanned, all residuals": jax.checkpoint_policies.everything_saveable})
-        for variant in ("scanned", "scanned, all residuals"):
+            {"unrolled": config, "scanned": scanned,
+             "scanned, save_dots": scanned.replace(remat="save_dots")}, rounds)
+        for variant in ("scanned", "scanned, save_dots"):
             ratio = times[variant] / times["unrolled"]
-            step_ratios[f"step_ratio_{key}" + ("" if variant == "scanned" else "_all_residuals")] = (
+            step_ratios[f"step_ratio_{key}" + ("" if variant == "scanned" else "_save_dots")] = (
                 round(ratio, 3))
             rows.append((f"step s {name} {variant}", f"unrolled {times['unrolled']:.3f}",
                          f"{variant.split(',')[0]} {times[variant]:.3f}", f"ratio {ratio:.2f}"))

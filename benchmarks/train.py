@@ -21,9 +21,14 @@ source + EOS, so T = 33). Both sides train on the same batch every step
 They alternate in windows of --steps steps (--rounds times) so that load from
 other processes hits both alike; the figures are medians over the windows. One
 untimed window of each side comes first: the process's heap reaches its steady
-size there (jaxformer.backends.host_memory keeps freed memory, and the first steps of
-jaxformer and torch, sharing one heap, still grow it: 18,000 page faults a
-jaxformer step in the first two windows here, none after).
+size there.
+
+Default against tuned (`--tuning both`, the default): the whole comparison runs
+twice, each in a child process: jaxformer as it is (`--tuning default`), and
+with `jaxformer.backends.cpu`'s tuning (`--tuning cpu`: `tune_process()` before
+JAX starts and `TransformerConfig(cpu_tuning=True)`). The JSON line is the tuned
+run's, plus ratio_vs_hf_default and ratio_vs_hf_tuned and the default run's
+figures prefixed "default_".
 tokens/s = B * (S + T) / (seconds per step), source and target tokens both
 processed. compile_s: jaxformer's lower + compile of the train step; the
 torch column reports its first (warm-up) step for comparison.
@@ -46,7 +51,7 @@ the Python standard library's source, the same segment mask (no attention
 across documents) and weighted cross-entropy. Prints lm_tokens_per_s,
 seed004_tokens_per_s and lm_ratio_vs_seed_torch.
 
-Run (about 3 minutes on 2 CPU cores; run it when the machine is quiet):
+Run (about 6 minutes on 2 CPU cores; run it when the machine is quiet):
   nice -n 5 python benchmarks/train.py        # or --lm
 Prints a table, then one JSON line with tokens_per_s, compile_s,
 ratio_vs_seed_torch, ratio_vs_hf, fraction_of_matmul_peak and the other figures.
@@ -56,7 +61,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from typing import Optional
@@ -68,6 +76,7 @@ import torch
 import torch.nn as nn
 
 import jaxformer as jf
+from jaxformer.backends import cpu
 from jaxformer.cli.compile_cache import compilation_cache
 from jaxformer.train.data import ByteTokenizer, TextData, segment_mask
 from jaxformer.train.training import TrainConfig, train_functions
@@ -265,11 +274,18 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--rounds", type=int, default=5, help="alternating windows per side")
     parser.add_argument("--lm", action="store_true",
                         help="the decoder-only LM on packed text windows vs seed 004")
+    parser.add_argument("--tuning", choices=("both", "cpu", "default"), default="both",
+                        help="jaxformer as it is, CPU-tuned (jaxformer.backends.cpu), or both "
+                             "side by side in two child processes")
     args = parser.parse_args(argv)
+    if args.tuning == "both":
+        return both_sides(argv if argv is not None else sys.argv[1:], args.lm)
+    if args.tuning == "cpu":
+        print(f"CPU tuning: on (tune_process: {cpu.tune_process()}, cpu_tuning=True)")
     if args.lm:
         return lm_main(args)
 
-    config = jf.bench()
+    config = jf.bench(cpu_tuning=args.tuning == "cpu")
     tgt_len = SRC_LEN + 1
     tokens_per_step = BATCH * (SRC_LEN + tgt_len)
     flops_per_step = train_flops(config, BATCH, SRC_LEN, tgt_len)
@@ -357,13 +373,34 @@ def main(argv: Optional[list[str]] = None) -> dict:
     return summary
 
 
+def both_sides(argv: list[str], lm: bool) -> dict:
+    """The benchmark with `--tuning default` and with `--tuning cpu`, each in a child
+    process (process settings are fixed when JAX starts); one combined JSON line."""
+    runs = {}
+    for tuning in ("default", "cpu"):
+        print(f"--- --tuning {tuning} (child process)", flush=True)
+        done = subprocess.run([sys.executable, os.path.abspath(__file__), *argv,
+                               "--tuning", tuning], stdout=subprocess.PIPE, text=True,
+                              check=False)
+        print(done.stdout, end="", flush=True)
+        if done.returncode != 0:
+            raise SystemExit(f"the --tuning {tuning} run failed")
+        runs[tuning] = json.loads(done.stdout.strip().splitlines()[-1])
+    default, tuned = runs["default"], runs["cpu"]
+    key = "lm_ratio_vs_seed_torch" if lm else "ratio_vs_hf"
+    summary = dict(tuned, **{f"default_{k}": v for k, v in default.items()})
+    summary[f"{key}_default"], summary[f"{key}_tuned"] = default.get(key), tuned.get(key)
+    print(json.dumps(summary))
+    return summary
+
+
 def lm_main(args) -> dict:
     """`--lm`: jaxformer's DecoderOnlyLM train step vs seed 004's, one packed text batch."""
     import sysconfig  # noqa: PLC0415
 
     stdlib = sysconfig.get_paths()["stdlib"]
     data = TextData([f"{stdlib}/*.py"], ByteTokenizer(), LM_SEQ)
-    config = lm_config()
+    config = lm_config().replace(cpu_tuning=args.tuning == "cpu")
     tokens_per_step = BATCH * LM_SEQ
     flops_per_step = lm_train_flops(config, BATCH, LM_SEQ)
     print(f"bench --lm: decoder-only, 4 layers, d 256, batch {BATCH} x {LM_SEQ} bytes of the "

@@ -142,3 +142,17 @@ def test_presets_take_overrides():
     assert jf.bench(num_heads=4).num_heads == 4
     with pytest.raises(ValueError, match="d_model"):
         jf.bench(num_heads=7)
+
+
+def test_run_directories_saved_with_the_old_kernel_grad_field_still_load():
+    saved = {**jf.tiny().to_dict(), "kernel_grad": "layout"}
+    del saved["cpu_tuning"]
+    assert jf.TransformerConfig.from_dict(saved) == jf.tiny()
+    with pytest.raises(ValueError, match="unknown field"):
+        jf.TransformerConfig.from_dict({**jf.tiny().to_dict(), "kernel_grads": "layout"})
+
+
+def test_cpu_tuning_is_a_bool():
+    assert not jf.tiny().cpu_tuning  # off unless asked for
+    with pytest.raises(ValueError, match="cpu_tuning"):
+        jf.tiny(cpu_tuning="yes")

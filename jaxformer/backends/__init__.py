@@ -4,3 +4,5 @@
 a layout VJP, fused threefry, decode compiler options), gated so a GPU or TPU
 lowering never contains them.
 """
+
+__all__ = ["cpu", "threefry"]

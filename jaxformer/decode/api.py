@@ -19,10 +19,9 @@ tokens of the unsplit batch (tested). Parameters placed by the logical-axis
 rules, `partitioning.place_params(model, params, mesh)`, decode tensor- (heads,
 FFN, vocabulary over "tensor") or fsdp-parallel: greedy, sampled and beam
 tokens equal those of one device (tests/test_scale_out.py), for a model no
-single device holds. On a CPU host, first make each core a
-device with `sharding.use_cpu_cores_as_devices()`: the bench workload (batch
-32, 2 cores) then takes about 5.5 ms per step instead of about 9 ms
-(`benchmarks/decode.py`).
+single device holds. On a CPU host, making each core a device
+(`sharding.use_cpu_cores_as_devices()`) and splitting the batch decodes faster
+than one device owning every core (`benchmarks/decode.py`).
 
 Decoder-only prompts are right-padded by the caller (the usual batch layout)
 with lengths; inside the jitted function they are shifted to *left* padding
@@ -45,13 +44,14 @@ import jax.numpy as jnp
 from jaxformer.decode import cache as cache_lib
 from jaxformer.nn import checks, stacking
 from jaxformer.decode import processors as processors_lib, sampling
-from jaxformer.decode.inputs import (check_encdec, check_loop, check_max_new_tokens,
+from jaxformer.decode.inputs import (check_encdec, check_max_new_tokens,
                                      check_prompt, check_rng, decodable, left_align)
 # DecodeResult and DecodeState are the entry points' result and carry;
-# TRACE_COUNTS counts their traces: importable from here as before the split.
-from jaxformer.decode.loop import (TRACE_COUNTS, DecodeResult, DecodeState, advance,
-                                   cached_logits_fn, decode_jit, decode_loop, encode_memory,
-                                   init_state, memory_cache, segment_lengths, segments_for)
+# TRACE_COUNTS counts their traces.
+from jaxformer.decode.loop import (TRACE_COUNTS, DecodeResult, DecodeState, advance, check_loop,
+                                   cached_logits_fn, decode_jit, decode_loop, init_state,
+                                   segment_lengths, segments_for)
+from jaxformer.decode.cache import encode_memory, memory_cache
 from jaxformer.nn.masks import causal_mask
 from jaxformer.nn.model import DecoderOnlyLM, Transformer
 

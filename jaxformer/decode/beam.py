@@ -36,9 +36,9 @@ from jaxformer.decode import cache as cache_lib
 from jaxformer.decode import processors as processors_lib
 from jaxformer.nn.attention import KV
 from jaxformer.decode.inputs import check_encdec, decodable
+from jaxformer.decode.cache import memory_cache
 from jaxformer.decode.loop import (TRACE_COUNTS, DecodeResult, cached_logits_fn, decode_jit,
-                                   memory_cache, run_in_segments, segment_lengths,
-                                   segments_for)
+                                   run_in_segments, segment_lengths, segments_for)
 from jaxformer.nn.model import Transformer
 
 DEAD = -1e9  # log-probability of a beam that must never be chosen (finite: no NaN)

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 
 from jaxformer.nn.attention import KV, kv_length_axis
 from jaxformer.config import TransformerConfig
+from jaxformer.nn.masks import padding_mask
 
 
 @flax.struct.dataclass
@@ -228,3 +229,35 @@ def with_memory(model, params, cache: DecodeCache, memory_BSD: jnp.ndarray,
     """
     cross_kv = model.apply({"params": params}, memory_BSD, method=type(model).cross_kv)
     return cache.replace(cross_kv=tuple(cross_kv), cross_mask=src_mask)
+
+
+def encode_memory(model, params, src, src_mask
+                  ) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """The encoder's memory (B, S, D) and its (B, 1, 1, S) mask.
+
+    The mask is `src_mask` broadcast to the batch, or by default PAD ids hidden
+    (token sources) or all visible (embedded or stem inputs, whose S is the
+    memory's length, not the input's).
+    """
+    memory_BSD = model.apply({"params": params}, src, src_mask, method=type(model).encode)
+    batch, length = memory_BSD.shape[:2]
+    if src_mask is None:
+        src_mask = (padding_mask(src, model.config.pad_id)
+                    if jnp.issubdtype(src.dtype, jnp.integer)
+                    else jnp.ones((batch, 1, 1, length), bool))
+    return memory_BSD, jnp.broadcast_to(src_mask, (batch, 1, 1, length))
+
+
+def memory_cache(model, params, src, src_mask, max_len: int, *,
+                 repeats: int = 1) -> DecodeCache:
+    """An empty decoder cache of `max_len` slots holding the encoded source.
+
+    The source is encoded once and its cross-attention keys/values projected
+    once (`with_memory`); `repeats` > 1 repeats each example's memory
+    that many times (row b * repeats + r: beam r of example b).
+    """
+    memory_BSD, mask_B11S = encode_memory(model, params, src, src_mask)
+    if repeats > 1:
+        memory_BSD, mask_B11S = (jnp.repeat(x, repeats, axis=0) for x in (memory_BSD, mask_B11S))
+    cache = init_cache(model.config, memory_BSD.shape[0], max_len)
+    return with_memory(model, params, cache, memory_BSD, mask_B11S)

@@ -24,6 +24,7 @@ import numpy as np
 
 from jaxformer.nn import checks, stacking
 from jaxformer.decode import processors as processors_lib
+from jaxformer.decode.loop import check_loop
 from jaxformer.nn.model import Transformer
 
 
@@ -35,11 +36,6 @@ def decodable(model, params):
         params = params["params"]
     stacking.check_layout(params, model.config.scan_layers)
     return model, params
-
-
-def check_loop(loop) -> None:
-    if loop not in ("scan", "while"):
-        raise ValueError(f"loop must be 'scan' or 'while', got {loop!r}")
 
 
 def check_rng(rng) -> None:

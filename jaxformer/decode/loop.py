@@ -4,15 +4,15 @@ Three layers, each testable alone:
 
 1. `cache.cached_forward` -- the pure model step: (params, cache, tokens) ->
    (logits, cache); `cached_logits_fn` wraps it as a `logits_fn`, and
-   `memory_cache` builds the encoder-decoder cache it reads (memory encoded
-   and projected once).
+   `cache.memory_cache` builds the encoder-decoder cache it reads (memory
+   encoded and projected once).
 2. `decode_loop` -- only sees a `logits_fn(token_B, cache, step) -> (logits_BV,
    cache)` and a selector (`sampling.greedy`, a sampler). It carries a
    `DecodeState` (`init_state`) through `lax.scan` (a static number of steps)
    or `lax.while_loop` (stops once every row has emitted EOS); each step is
    `advance`: processors, pick, forced prefix, record.
-3. The entry points (`decoding.py`, `beam.py`) check inputs on the host
-   (`decode_inputs.py`), then call a function compiled by `decode_jit`.
+3. The entry points (`api.py`, `beam.py`) check inputs on the host
+   (`inputs.py`), then call a function compiled by `decode_jit`.
 
 Output convention (all entry points): `tokens` (B, N) exclude BOS, include
 EOS, and hold PAD after it; `lengths` (B,) count tokens up to and including
@@ -23,11 +23,8 @@ scan or while_loop? `lax.scan` always runs N steps; `lax.while_loop` stops
 when every row is finished, but re-checks a predicate each step and, under
 `jax.vmap` (or simply in a batch), runs until the *slowest* row is done. It
 wins when all rows stop well before N (a trained model on short outputs); scan
-wins slightly when some row runs to N, e.g. an untrained model. Measured by
-`benchmarks/decode.py` (bench workload, batch 32, N = 128, split over 2 shared
-CPU cores): no row stops early -> scan 0.71 s, while 0.84 s (medians of 5
-paired rounds); every row stops at step 1 -> scan 0.73 s, while 0.07 s. Both
-give identical results (tested).
+wins slightly when some row runs to N, e.g. an untrained model
+(`benchmarks/decode.py` times both). Both give identical results (tested).
 """
 
 from __future__ import annotations
@@ -44,9 +41,7 @@ from jaxformer.backends import cpu
 from jaxformer.decode import cache as cache_lib
 from jaxformer.decode import processors as processors_lib, sampling
 from jaxformer.decode.cache import DecodeCache
-from jaxformer.nn.masks import padding_mask
 from jaxformer.nn import stacking
-from jaxformer.nn.model import Transformer
 
 # How often each jitted entry point was traced (a Python side effect, so it
 # runs at trace time only). Tests use it to prove one compile per shape.
@@ -210,6 +205,11 @@ def segment_lengths(num_steps: int, segments: int) -> tuple[int, ...]:
     return tuple(size + (i < extra) for i in range(segments))
 
 
+def check_loop(loop) -> None:
+    if loop not in ("scan", "while"):
+        raise ValueError(f"loop must be 'scan' or 'while', got {loop!r}")
+
+
 def decode_loop(logits_fn: LogitsFn, state: DecodeState, num_steps: int, *,
                 select: sampling.Selector = sampling.greedy, eos_id: int, pad_id: int,
                 loop: str = "scan", processors: tuple = (), segments: int = 1,
@@ -242,8 +242,7 @@ def decode_loop(logits_fn: LogitsFn, state: DecodeState, num_steps: int, *,
         return jax.lax.while_loop(
             lambda s: (s.step < stop) & ~jnp.all(s.finished_B), body, state)
 
-    if loop not in ("scan", "while"):
-        raise ValueError(f"loop must be 'scan' or 'while', got {loop!r}")
+    check_loop(loop)
     return run_in_segments(run, state, num_steps, segments if fold else 1, fold)
 
 
@@ -267,35 +266,3 @@ def cached_logits_fn(model, params) -> LogitsFn:
         return logits_B1V[:, 0], cache
 
     return logits_fn
-
-
-def encode_memory(model: Transformer, params, src, src_mask
-                  ) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """The encoder's memory (B, S, D) and its (B, 1, 1, S) mask.
-
-    The mask is `src_mask` broadcast to the batch, or by default PAD ids hidden
-    (token sources) or all visible (embedded or stem inputs, whose S is the
-    memory's length, not the input's).
-    """
-    memory_BSD = model.apply({"params": params}, src, src_mask, method=Transformer.encode)
-    batch, length = memory_BSD.shape[:2]
-    if src_mask is None:
-        src_mask = (padding_mask(src, model.config.pad_id)
-                    if jnp.issubdtype(src.dtype, jnp.integer)
-                    else jnp.ones((batch, 1, 1, length), bool))
-    return memory_BSD, jnp.broadcast_to(src_mask, (batch, 1, 1, length))
-
-
-def memory_cache(model: Transformer, params, src, src_mask, max_len: int, *,
-                 repeats: int = 1) -> DecodeCache:
-    """An empty decoder cache of `max_len` slots holding the encoded source.
-
-    The source is encoded once and its cross-attention keys/values projected
-    once (`cache.with_memory`); `repeats` > 1 repeats each example's memory
-    that many times (row b * repeats + r: beam r of example b).
-    """
-    memory_BSD, mask_B11S = encode_memory(model, params, src, src_mask)
-    if repeats > 1:
-        memory_BSD, mask_B11S = (jnp.repeat(x, repeats, axis=0) for x in (memory_BSD, mask_B11S))
-    cache = cache_lib.init_cache(model.config, memory_BSD.shape[0], max_len)
-    return cache_lib.with_memory(model, params, cache, memory_BSD, mask_B11S)

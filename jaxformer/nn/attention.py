@@ -1,14 +1,12 @@
 """Scaled dot-product attention (a pure function) and multi-head attention.
 
-Layout: heads-major, queries (B, H, T, K), keys and values (B, H, S, K);
-attention weights (B, H, T, S). Both products, Q K^T and weights V, are then
-batched matmuls over (B, H) in the layout XLA's dot wants, so nothing is
-transposed per call. That matters most for decoding: a cached step's single
-query reads a (B, H, T_max, K) cache in place. (With (B, T, H, K), the layout
-of `jax.nn.dot_product_attention`, a step either transposed the whole cache or
-fell back to a multiply-reduce: 15.0 ms per cached step on the bench workload
-against 9.7 ms now, on a 2-core CPU.) Only the new token's (B, H, 1, K) key
-and value are transposed on their way into the cache.
+Layout: `attention_impl="einsum"` is heads-major, queries (B, H, T, K), keys
+and values (B, G, S, K), weights (B, H, T, S): both products are batched
+matmuls over (B, H), so a cached step's query reads a (B, G, T_max, K) cache in
+place. `attention_impl="jax"` (`jax.nn.dot_product_attention`, cuDNN's fused
+kernel on GPU) takes (B, T, H, K) and keys and values (B, S, G, K), so its
+keys, values and cache keep that layout (`kv_length_axis`). Either way only
+the new token's key and value change layout on their way into a cache.
 
 One module serves self- and cross-attention: `MultiHeadAttention.kv(x)` projects
 keys/values, `MultiHeadAttention(x_q, kv, mask)` attends. Self-attention passes

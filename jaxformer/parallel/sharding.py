@@ -1,6 +1,6 @@
-"""Data parallelism with `jax.sharding`: one code path for 1 CPU, 8 GPUs or a TPU slice.
+"""Batch placement with `jax.sharding`: one code path for 1 CPU, 8 GPUs or a TPU slice.
 
-A 1-D `Mesh` over the local devices with the axis name "data". Batches are
+On the mesh of `partitioning.make_mesh()` (every device on "data"), batches are
 split along their leading (B) axis, `NamedSharding(mesh, P("data"))`; the
 parameters and optimizer state are replicated, `NamedSharding(mesh, P())`.
 `jax.jit` then partitions the train step itself (GSPMD): each device computes
@@ -9,9 +9,8 @@ no per-device code. Decoding follows the data the same way: a source batch
 placed with `shard_batch` (parameters with `replicate`) decodes data-parallel,
 each device running the loop on its own rows.
 
-`jaxformer.parallel.partitioning` generalises the mesh to ("data", "fsdp", "tensor")
-with parameters split by logical axes; the functions here take either mesh:
-a batch is split over whichever of "data" and "fsdp" the mesh has.
+With "fsdp" or "tensor" axes too (`partitioning.make_mesh("data=2,fsdp=2")`),
+parameters are split by logical axes; a batch is split over "data" x "fsdp".
 
 On a CPU host JAX's default is one device for all cores, and the small ops of
 a decode step (mostly (B, 256) x (256, F) matmuls) cannot keep several threads
@@ -22,15 +21,12 @@ batch runs as one program per core.
 from __future__ import annotations
 
 import os
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import jax
-import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxformer.parallel.partitioning import batch_axes, batch_shards
-
-DATA_AXIS = "data"
 
 
 def use_cpu_cores_as_devices(num_devices: Optional[int] = None) -> int:
@@ -39,10 +35,8 @@ def use_cpu_cores_as_devices(num_devices: Optional[int] = None) -> int:
     Call it right after `import jax`: JAX fixes its devices when its backends
     start (the first computation or `jax.devices()`). Only the CPU backend is
     affected; a GPU or TPU stays the default device. Returns the count.
-
-    Why: greedy decoding on the bench workload (batch 32, 2 cores) takes
-    about 9 ms per step on one CPU device that owns both cores and about
-    5.5 ms with the batch split over two (`benchmarks/decode.py`).
+    (A batch split over one device per core decodes faster on a CPU than one
+    device owning every core: benchmarks/decode.py.)
     """
     count = (os.cpu_count() or 1) if num_devices is None else num_devices
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
@@ -57,17 +51,6 @@ def use_cpu_cores_as_devices(num_devices: Optional[int] = None) -> int:
             "started (a JAX computation or jax.devices() ran first). Call it right after "
             "`import jax`.") from e
     return count
-
-
-def make_mesh(devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
-    """A 1-D mesh named "data" over `devices` (default: all of `jax.devices()`).
-
-    For fsdp / tensor parallelism see `jaxformer.parallel.partitioning.make_mesh`.
-    """
-    devices = list(jax.devices() if devices is None else devices)
-    if not devices:
-        raise ValueError("devices must not be empty")
-    return Mesh(np.array(devices), (DATA_AXIS,))
 
 
 def data_sharding(mesh: Mesh) -> NamedSharding:

@@ -60,8 +60,8 @@ from jaxformer.train.data import LMBatch, TextData, segment_mask
 from jaxformer.decode.api import greedy_decode
 from jaxformer.nn.model import DecoderOnlyLM, Transformer
 from jaxformer.nn.precision import check_backend as check_precision_backend
-from jaxformer.parallel.sharding import (check_divisible, data_sharding, make_mesh,
-                                replicated, shard_batch)
+from jaxformer.parallel.partitioning import make_mesh
+from jaxformer.parallel.sharding import check_divisible, data_sharding, replicated, shard_batch
 from jaxformer.train.tasks import Batch, Task, make_task
 
 

@@ -17,7 +17,7 @@ from jaxformer.decode import loop as decode_loop, api as decoding, sampling
 from jaxformer.backends import cpu
 from jaxformer.parallel import sharding
 from jaxformer.decode.inputs import left_align
-from jaxformer.decode.loop import memory_cache
+from jaxformer.decode.cache import memory_cache
 from jaxformer.nn.masks import causal_mask
 
 from conftest import reference_greedy
@@ -457,8 +457,7 @@ def test_batched_decoding_example_runs_and_agrees(capsys):
 
 DATA_PARALLEL_DECODE = """
 import jax
-from jaxformer.backends import cpu
-from jaxformer.parallel import sharding
+from jaxformer.parallel import partitioning, sharding
 sharding.use_cpu_cores_as_devices(2)  # right after `import jax`, as documented
 import json
 import jax.numpy as jnp
@@ -467,7 +466,7 @@ import jaxformer as jf
 from jaxformer.decode import api as decoding
 from jaxformer.decode.beam import beam_search
 
-mesh = sharding.make_mesh()
+mesh = partitioning.make_mesh()
 split = lambda x: sharding.shard_batch(x, mesh)
 config = jf.tiny()
 model = jf.Transformer(config)

@@ -149,7 +149,8 @@ import jax
 jax.config.update("jax_num_cpu_devices", 2)
 from jaxformer.parallel import distributed
 distributed.initialize(sys.argv[1], 2, int(sys.argv[2]), timeout_s=120)
-sys.path.insert(0, sys.argv[4])
+import os
+sys.path[:0] = [sys.argv[4], os.path.dirname(sys.argv[4])]  # this file, conftest
 from test_distributed import LM_MODEL, LM_TRAIN, lm_data
 from jaxformer.parallel.partitioning import make_mesh
 from jaxformer.train.training import fit

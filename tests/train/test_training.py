@@ -224,7 +224,8 @@ DATA_PARALLEL = textwrap.dedent("""
     import json
     import jax, numpy as np
     import jaxformer as jf
-    from jaxformer.parallel.sharding import make_mesh, shard_batch
+    from jaxformer.parallel.partitioning import make_mesh
+    from jaxformer.parallel.sharding import shard_batch
     from jaxformer.train.training import TrainConfig, evaluate, fit, task_for
 
     MODEL = jf.tiny(num_encoder_layers=1, num_decoder_layers=1)
@@ -242,7 +243,7 @@ DATA_PARALLEL = textwrap.dedent("""
     heldout = task.heldout_set(10)  # 10 rows: the last chunk is padded to 12 on 4 devices
     model = jf.Transformer(MODEL)
     four = evaluate(model, dropout.state.params, heldout, chunk=4)
-    one = evaluate(model, dropout.state.params, heldout, mesh=make_mesh(jax.devices()[:1]))
+    one = evaluate(model, dropout.state.params, heldout, mesh=make_mesh(devices=jax.devices()[:1]))
     print(json.dumps({
         "devices": len(jax.devices()), "mesh": dropout.mesh.devices.size,
         "shard_rows": sorted({s.data.shape[0] for s in shards.addressable_shards}),
