@@ -156,3 +156,10 @@ def test_cpu_tuning_is_a_bool():
     assert not jf.tiny().cpu_tuning  # off unless asked for
     with pytest.raises(ValueError, match="cpu_tuning"):
         jf.tiny(cpu_tuning="yes")
+
+
+@pytest.mark.parametrize("seed", [-1, 2 ** 32, 1.5, True])
+def test_a_train_seed_outside_prngkey_range_is_refused(seed):
+    from jaxformer.train.training import TrainConfig
+    with pytest.raises(ValueError, match="TrainConfig.seed"):
+        TrainConfig(seed=seed)

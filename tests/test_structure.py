@@ -8,7 +8,7 @@ import pytest
 from conftest import REPO
 
 # Each package may import itself and the ones before it, never one after it.
-LAYERS = ("config", "backends", "nn", "parallel", "decode", "train", "interop", "models", "cli")
+LAYERS = ("errors", "config", "backends", "nn", "parallel", "decode", "train", "interop", "models", "cli")
 PACKAGE = pathlib.Path(REPO) / "jaxformer"
 
 

@@ -90,13 +90,14 @@ class UsageError(ValueError):
 def build_parser() -> argparse.ArgumentParser:
     from jaxformer.config import PRESETS  # noqa: PLC0415 (keep --help fast)
     from jaxformer.train.tasks import TASKS  # noqa: PLC0415
+    from jaxformer.train.training import TrainConfig  # noqa: PLC0415
 
     parser = argparse.ArgumentParser(
         prog="jaxformer", description="The Transformer in JAX/Flax: train on synthetic tasks "
                                       "or text, then decode with the trained model.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     train = commands.add_parser(
-        "train", help="train an encoder-decoder Transformer on a synthetic task",
+        "train", help="train a Transformer on a synthetic task, or the decoder-only LM on text",
         description="Train on copy/reverse/sort, then greedy-decode held-out sequences. "
                     "Defaults: copy task, vocab 32, lengths 1..10, the copy_task model "
                     "(d_model 128, 4 heads, d_ff 256, 2+2 layers, Post-LN), 800 steps of "
@@ -142,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="held-out files (default: a held-out 5%% of the --data documents)")
     text.add_argument("--tokenizer", metavar="FILE",
                       help="a Hugging Face tokenizers JSON file (default: bytes)")
-    text.add_argument("--seq-len", type=int, help="training window in tokens (default 256)")
+    text.add_argument("--seq-len", type=int,
+                      help=f"training window in tokens (default {TrainConfig.seq_len})")
     text.add_argument("--eval-every", type=int, default=0,
                       help="held-out evaluation interval in steps (default: at the end)")
     text.add_argument("--samples", type=int, default=3,

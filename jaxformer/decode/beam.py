@@ -190,7 +190,8 @@ def beam_search(model: Transformer, params, src_BS, *, max_new_tokens: int, beam
     if isinstance(beam_size, bool) or not isinstance(beam_size, int) or not 1 <= beam_size <= vocab:
         raise ValueError(f"beam_size must be an int in 1..{vocab} (the target vocabulary), "
                          f"got {beam_size!r}")
-    if not isinstance(length_penalty, (int, float)) or length_penalty < 0:
+    if isinstance(length_penalty, bool) or not isinstance(length_penalty, (int, float)) or \
+            not 0 <= length_penalty < float("inf"):
         raise ValueError(f"length_penalty must be a number >= 0, got {length_penalty!r}")
     return _beam_jit(*decodable(model, params), jnp.asarray(src_BS), src_mask,
                      prefix_BP, prefix_len_B, max_new_tokens=int(max_new_tokens),

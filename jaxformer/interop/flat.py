@@ -28,21 +28,27 @@ class CheckpointMismatch(ValueError):
     """A checkpoint that does not fit the model; all problems at once.
 
     Attributes: missing, unexpected (lists of names), wrong_shape (name ->
-    (got, expected)), wrong_dtype (name -> dtype).
+    (got, expected)), wrong_dtype (name -> dtype), not_finite (names of tensors
+    holding NaN or infinity).
     """
 
-    def __init__(self, missing, unexpected, wrong_shape, wrong_dtype):
+    def __init__(self, missing=(), unexpected=(), wrong_shape=(), wrong_dtype=(),
+                 not_finite=()):
         self.missing, self.unexpected = list(missing), list(unexpected)
         self.wrong_shape, self.wrong_dtype = dict(wrong_shape), dict(wrong_dtype)
+        self.not_finite = list(not_finite)
         lines = [f"checkpoint does not match the model: {len(self.missing)} missing, "
                  f"{len(self.unexpected)} unexpected, {len(self.wrong_shape)} wrong shape, "
-                 f"{len(self.wrong_dtype)} wrong dtype"]
+                 f"{len(self.wrong_dtype)} wrong dtype"
+                 + (f", {len(self.not_finite)} tensor(s) with NaN or infinite values"
+                    if self.not_finite else "")]
         lines += [f"  missing:     {n}" for n in self.missing]
         lines += [f"  unexpected:  {n}" for n in self.unexpected]
         lines += [f"  wrong shape: {n} {got}, expected {want}"
                   for n, (got, want) in self.wrong_shape.items()]
         lines += [f"  wrong dtype: {n} {d} (a floating dtype is needed)"
                   for n, d in self.wrong_dtype.items()]
+        lines += [f"  not finite:  {n}" for n in self.not_finite]
         super().__init__("\n".join(lines))
 
 
@@ -86,7 +92,8 @@ def check_flat(expected: Mapping[str, Any], flat: Mapping[str, Any]) -> None:
         raise CheckpointMismatch(missing, unexpected, wrong_shape, wrong_dtype)
 
 
-def load_flat(model, flat: Mapping[str, Any], *init_args, dtype=None) -> dict:
+def load_flat(model, flat: Mapping[str, Any], *init_args, dtype=None,
+              check_finite: bool = True) -> dict:
     """Validate a flat checkpoint against `model` and return its nested params.
 
     Args:
@@ -96,14 +103,20 @@ def load_flat(model, flat: Mapping[str, Any], *init_args, dtype=None) -> dict:
         int32 token ids for each positional input of `__call__` (a `Transformer`
         takes src and tgt, a `DecoderOnlyLM` tokens).
       dtype: cast every array to it; default: `model.config.param_dtype`.
+      check_finite: refuse NaN or infinite weights (False skips the check).
     Raises:
       CheckpointMismatch (ValueError) with all missing / unexpected / wrong-shape /
-      wrong-dtype names together, before any array is converted.
+      wrong-dtype names together, before any array is converted; or naming every
+      tensor that holds NaN or infinity.
     """
     if not init_args:
         ids = jax.ShapeDtypeStruct((1, 1), jnp.int32)
         init_args = (ids,) if type(model).__name__ == "DecoderOnlyLM" else (ids, ids)
     expected = flatten(abstract_params(model, *init_args))
     check_flat(expected, flat)
+    if check_finite:
+        bad = sorted(name for name in expected if not np.isfinite(np.asarray(flat[name])).all())
+        if bad:
+            raise CheckpointMismatch(not_finite=bad)
     dtype = jnp.dtype(model.config.param_dtype if dtype is None else dtype)
     return unflatten({name: jnp.asarray(flat[name], dtype) for name in expected})

@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxformer.errors import FileFormatError, require_file
+
 try:
     import gguf
 except ImportError as error:  # pragma: no cover - exercised only without the extra
@@ -59,24 +61,51 @@ class GGUFFile:
                     f"{tensor.tensor_type.name}, which jaxformer does not dequantize "
                     f"(supported: {sorted(t.name for t in SUPPORTED_TYPES)})")
 
-    def array(self, name: str) -> np.ndarray:
-        """The tensor dequantized to float32, in numpy order."""
+    def array(self, name: str, *, check_finite: bool = True) -> np.ndarray:
+        """The tensor dequantized to float32, in numpy order; a tensor holding NaN or
+        infinity is refused (`check_finite=False` skips the check)."""
         tensor = self.tensors[name]
         if tensor.tensor_type not in SUPPORTED_TYPES:
             self.check_types()
-        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        return np.asarray(values, np.float32).reshape(self.shape(name))
+        try:
+            with np.errstate(all="ignore"):
+                values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            values = np.asarray(values, np.float32).reshape(self.shape(name))
+        except (ValueError, IndexError, TypeError) as error:
+            raise FileFormatError(self.path, f"tensor {name!r} cannot be decoded ({error})",
+                                  "the file is damaged: download it again") from error
+        if check_finite and not np.isfinite(values).all():
+            raise FileFormatError(self.path, f"tensor {name!r} holds NaN or infinite values",
+                                  "the file is damaged: download it again")
+        return values
+
+
+GGUF_MAGIC = b"GGUF"
 
 
 def read_gguf(path) -> GGUFFile:
-    """Parse a GGUF file's header, metadata and tensor index (no tensor is decoded)."""
-    reader = gguf.GGUFReader(str(path))
-    metadata = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        metadata[key] = field.contents()
-    return GGUFFile(str(path), metadata, {t.name: t for t in reader.tensors})
+    """Parse a GGUF file's header, metadata and tensor index (no tensor is decoded).
+
+    Raises `FileFormatError` naming the file if it is missing, not a GGUF file,
+    or damaged (truncated, impossible counts or offsets).
+    """
+    path = require_file(path, "GGUF file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise FileFormatError(path, f"is not a GGUF file (it starts with {magic!r}, not "
+                                    f"{GGUF_MAGIC!r})")
+    try:
+        reader = gguf.GGUFReader(path)
+        metadata = {key: field.contents() for key, field in reader.fields.items()
+                    if not key.startswith("GGUF.")}
+        tensors = {t.name: t for t in reader.tensors}
+    except (ValueError, IndexError, KeyError, TypeError, OverflowError, MemoryError,
+            OSError, UnicodeDecodeError) as error:
+        raise FileFormatError(path, f"damaged GGUF file ({type(error).__name__}: "
+                                    f"{str(error)[:200]})",
+                              "it is truncated or corrupt: download it again") from error
+    return GGUFFile(path, metadata, tensors)
 
 
 def tokenizer_from_gguf(file: GGUFFile):

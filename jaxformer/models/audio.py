@@ -19,6 +19,8 @@ import wave
 import jax.numpy as jnp
 import numpy as np
 
+from jaxformer.errors import FileFormatError, require_file
+
 SAMPLE_RATE = 16000
 N_FFT = 400
 HOP = 160
@@ -30,19 +32,25 @@ def read_wav(path: str, *, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
     """A 16-bit PCM mono WAV file -> (N,) float32 in [-1, 1].
 
     Raises:
-      ValueError naming the problem (sample rate, channel count, sample width)
-      before any samples are decoded. Resampling and downmixing are the
+      `FileFormatError` (a ValueError) naming the file and the problem (not a
+      WAV file, sample rate, channel count, sample width) before any samples
+      are read. Resampling and downmixing are the
       caller's choice, not done silently here.
     """
-    with wave.open(path, "rb") as f:
-        if f.getframerate() != sample_rate:
-            raise ValueError(f"{path}: sample rate {f.getframerate()} Hz, expected "
-                             f"{sample_rate} Hz (resample it first)")
-        if f.getnchannels() != 1:
-            raise ValueError(f"{path}: {f.getnchannels()} channels, expected 1 (mono)")
-        if f.getsampwidth() != 2:
-            raise ValueError(f"{path}: {8 * f.getsampwidth()}-bit samples, expected 16-bit PCM")
-        data = f.readframes(f.getnframes())
+    path = require_file(path, "WAV file")
+    try:
+        with wave.open(path, "rb") as f:
+            rate, channels, width = f.getframerate(), f.getnchannels(), f.getsampwidth()
+            for ok, problem in ((rate == sample_rate, f"sample rate {rate} Hz, expected "
+                                                       f"{sample_rate} Hz (resample it first)"),
+                                (channels == 1, f"{channels} channels, expected 1 (mono)"),
+                                (width == 2, f"{8 * width}-bit samples, expected 16-bit PCM")):
+                if not ok:
+                    raise FileFormatError(path, problem)
+            data = f.readframes(f.getnframes())
+    except (wave.Error, EOFError) as error:
+        raise FileFormatError(path, f"is not a readable WAV file ({error})",
+                              "convert it to 16-bit PCM WAV") from error
     return np.frombuffer(data, "<i2").astype(np.float32) / 32768.0
 
 

@@ -20,6 +20,7 @@ import re
 import numpy as np
 
 from jaxformer.config import TransformerConfig
+from jaxformer.errors import FileFormatError, require_file
 from jaxformer.decode.loop import decode_jit
 from jaxformer.interop import ct2
 from jaxformer.interop.flat import load_flat
@@ -134,8 +135,14 @@ def map_ct2(model: ct2.Ct2Model, config: TransformerConfig) -> dict[str, np.ndar
 def load_ct2(model_dir: str, dtype: str = "float32"):
     """(model, params, vocabulary) from a CTranslate2 Whisper folder
     (`model.bin`, `vocabulary.txt`); float16 weights are cast to float32."""
-    with open(os.path.join(model_dir, "vocabulary.txt"), encoding="utf-8") as f:
+    vocab_path = require_file(os.path.join(model_dir, "vocabulary.txt"), "vocabulary file")
+    with open(vocab_path, encoding="utf-8") as f:
         vocab = f.read().rstrip("\n").split("\n")
+    missing = [t for t in ("<|endoftext|>", "<|startoftranscript|>", "<|transcribe|>",
+                           "<|notimestamps|>") if t not in vocab]
+    if missing:
+        raise FileFormatError(vocab_path, f"{len(vocab)} tokens without {', '.join(missing)}",
+                              "it is cut short or not a Whisper vocabulary")
     file = ct2.read_ct2(os.path.join(model_dir, "model.bin"))
     for flag, want in (("decoder/scale_embeddings", 0), ("decoder/pre_norm", 1)):
         if flag in file.variables and int(file.variables[flag]) != want:

@@ -103,6 +103,9 @@ class TrainConfig(ConfigMixin):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"TrainConfig.{name} must be a positive int, got {value!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or \
+                not 0 <= self.seed < 2 ** 32:
+            raise ValueError(f"TrainConfig.seed must be an int in [0, 2**32), got {self.seed!r}")
         if not isinstance(self.warmup_steps, int) or not 0 <= self.warmup_steps < self.steps:
             raise ValueError(f"TrainConfig.warmup_steps must be an int in [0, steps={self.steps})"
                              f", got {self.warmup_steps!r}")

@@ -277,3 +277,21 @@ def test_a_rerun_loads_the_compiled_programs_from_the_compile_cache(finished_run
         with open(os.path.join(run, "metrics.jsonl")) as f:
             return [(r["step"], r["loss"], r["grad_norm"]) for r in map(json.loads, f)]
     assert losses(out) == losses(finished_run[0])
+
+
+def test_train_help_states_the_real_defaults(capsys):
+    from jaxformer.train.training import TrainConfig
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert f"training window in tokens (default {TrainConfig.seq_len})" in help_text
+    assert "--no-cpu-tuning" in help_text
+
+
+def test_a_negative_seed_is_refused_before_the_run_directory_exists(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--task", "lm", "--data", __file__, "--seed", "-1",
+                 "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "seed" in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()

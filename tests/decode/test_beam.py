@@ -109,3 +109,13 @@ def test_bad_inputs_raise(kwargs, match):
     args = dict(max_new_tokens=3, beam_size=2) | kwargs
     with pytest.raises(ValueError, match=match):
         beam.beam_search(model, {}, src, **args)
+
+
+@pytest.mark.parametrize("penalty", [float("nan"), float("inf"), -0.5, True])
+def test_a_length_penalty_that_is_not_a_finite_number_is_refused(penalty):
+    model = jf.Transformer(jf.tiny())
+    src = jnp.full((1, 4), 5, jnp.int32)
+    params = model.init(jax.random.PRNGKey(0), src, src)["params"]
+    with pytest.raises(ValueError, match="length_penalty"):
+        jf.beam_search(model, params, src, max_new_tokens=3, beam_size=2,
+                       length_penalty=penalty)

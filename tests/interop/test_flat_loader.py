@@ -47,3 +47,18 @@ def test_every_mismatch_is_reported_together(make_transformer):
     for name in ("decoder/out_proj/bias", "encoder/extra/kernel", "(32, 4, 7)", "int32"):
         assert name in text
     assert isinstance(err, ValueError)
+
+
+def test_nan_or_infinite_weights_are_refused_by_name_unless_asked():
+    model = jf.Transformer(jf.tiny())
+    flat = {name: np.ones(s.shape, np.float32)
+            for name, s in flat_lib.flatten(flat_lib.abstract_params(
+                model, jnp.ones((1, 1), jnp.int32), jnp.ones((1, 1), jnp.int32))).items()}
+    names = sorted(flat)
+    flat[names[0]] = np.full_like(flat[names[0]], np.nan)
+    flat[names[1]] = np.full_like(flat[names[1]], np.inf)
+    with pytest.raises(flat_lib.CheckpointMismatch, match="2 tensor") as info:
+        flat_lib.load_flat(model, flat)
+    assert names[0] in str(info.value) and names[1] in str(info.value)
+    params = flat_lib.load_flat(model, flat, check_finite=False)
+    assert np.isnan(np.asarray(flat_lib.flatten(params)[names[0]])).all()

@@ -143,3 +143,47 @@ def test_unsupported_quantization_is_refused_before_decoding(tmp_path, lm, monke
     with pytest.raises(ValueError, match="'blk.0.ffn_gate.weight' has quantization type IQ4_NL"):
         llama.load_gguf(path)
     assert decoded == []
+
+
+# -- damaged and foreign files: one FileFormatError naming the file ----------------------
+
+def _bad_files(tmp_path, lm):
+    model, params = lm
+    good = write_gguf(tmp_path / "good.gguf", gguf_tensors(params, CONFIG)).read_bytes()
+    rng = np.random.default_rng(0)
+    header_claiming_2_40_tensors = (b"GGUF" + (3).to_bytes(4, "little")
+                                    + (2 ** 40).to_bytes(8, "little") + (0).to_bytes(8, "little"))
+    files = {"truncated": good[: len(good) // 3],
+             "random_after_magic": b"GGUF" + rng.bytes(4096),
+             "claims_2_40_tensors": header_claiming_2_40_tensors,
+             "text": b"this is not a model\n" * 10}
+    paths = {}
+    for name, data in files.items():
+        paths[name] = tmp_path / f"{name}.gguf"
+        paths[name].write_bytes(data)
+    paths["missing"] = tmp_path / "missing.gguf"
+    paths["a_directory"] = tmp_path
+    return paths
+
+
+@pytest.mark.parametrize("case", ["truncated", "random_after_magic", "claims_2_40_tensors",
+                                  "text", "missing", "a_directory"])
+def test_a_bad_file_is_one_error_naming_it(tmp_path, lm, case):
+    from jaxformer.errors import FileFormatError
+    path = _bad_files(tmp_path, lm)[case]
+    with pytest.raises(FileFormatError) as info:
+        llama.load_gguf(path)
+    message = str(info.value)
+    assert str(path) in message and "\n" not in message
+    assert info.value.path == str(path)
+
+
+def test_a_tensor_of_nan_is_refused_unless_asked(tmp_path, lm):
+    from jaxformer.errors import FileFormatError
+    model, params = lm
+    tensors = gguf_tensors(params, CONFIG)
+    tensors["blk.1.ffn_up.weight"] = np.full_like(tensors["blk.1.ffn_up.weight"], np.nan)
+    path = write_gguf(tmp_path / "nan.gguf", tensors)
+    with pytest.raises(FileFormatError, match="blk.1.ffn_up.weight.*NaN"):
+        llama.load_gguf(path)
+    assert np.isnan(read_gguf(path).array("blk.1.ffn_up.weight", check_finite=False)).all()

@@ -162,3 +162,30 @@ def test_example_transcribes_speech_as_ctranslate2_and_refuses_stereo(whisper, t
     _write_wav(tmp_path / "stereo.wav", 16000, 2)
     with pytest.raises(SystemExit, match="2 channels"):
         example.main([str(tmp_path / "stereo.wav")])
+
+
+@pytest.mark.parametrize("content", [b"not audio at all\n" * 20, b"RIFF\x10\x00\x00\x00WAVE"],
+                         ids=["text", "truncated_header"])
+def test_a_file_that_is_not_wav_is_one_error_naming_it(tmp_path, content):
+    from jaxformer.errors import FileFormatError
+    path = tmp_path / "a.wav"
+    path.write_bytes(content)
+    with pytest.raises(FileFormatError, match="not a readable WAV file") as info:
+        audio.read_wav(str(path))
+    assert info.value.path == str(path)
+    with pytest.raises(FileFormatError, match="no such WAV file"):
+        audio.read_wav(str(tmp_path / "missing.wav"))
+
+
+def test_a_vocabulary_cut_short_is_refused_naming_the_file(tmp_path):
+    import os
+    from jaxformer.errors import FileFormatError
+    from jaxformer.models import whisper
+    source = whisper_model_dir()
+    os.symlink(os.path.join(source, "model.bin"), tmp_path / "model.bin")
+    with open(os.path.join(source, "vocabulary.txt"), encoding="utf-8") as f:
+        words = f.read().split("\n")
+    (tmp_path / "vocabulary.txt").write_text("\n".join(words[:1000]), encoding="utf-8")
+    with pytest.raises(FileFormatError, match=r"vocabulary.txt: 1000 tokens without "
+                                              r"<\|endoftext\|>"):
+        whisper.load_ct2(str(tmp_path))
