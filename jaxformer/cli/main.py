@@ -332,6 +332,8 @@ def _train_command(args) -> int:
 
         mesh = make_mesh(resume_mesh_spec(args, saved.get("mesh") if args.resume else None))
         check_divisible(train_config.batch_size, mesh, name="--batch")
+        model = (DecoderOnlyLM if train_config.task == "lm" else Transformer)(model_config)
+        _check_mesh_fits(model, mesh)
         if train_config.task == "lm":
             data = _text_data(train_config)
             check_lm_data(model_config, train_config, data)
@@ -348,7 +350,6 @@ def _train_command(args) -> int:
                        "train": train_config.to_dict(), "mesh": mesh_spec_string(mesh),
                        "processes": jax.process_count()}, f, indent=2)
 
-    model = (DecoderOnlyLM if train_config.task == "lm" else Transformer)(model_config)
     if primary:
         print(f"jaxformer train: {train_config.task} task, {preset} model "
               f"({model_config.norm}-LN, {model_config.dtype}), mesh "
@@ -422,6 +423,18 @@ def _process_settings(args):
                                     names=_PROCESS_FLAGS)
     except ValueError as error:
         raise UsageError(str(error)) from error
+
+
+def _check_mesh_fits(model, mesh) -> None:
+    """ValueError, before anything is written, if a parameter dimension does not split
+    over its mesh axes (abstract shapes only: nothing is computed)."""
+    import jax  # noqa: PLC0415
+
+    from jaxformer.parallel.partitioning import example_inputs, param_shardings  # noqa: PLC0415
+
+    inputs = example_inputs(model)
+    abstract = jax.eval_shape(model.init, jax.random.PRNGKey(0), *inputs)["params"]
+    param_shardings(model, abstract, mesh, *inputs)
 
 
 def _cpu_tuning(args) -> bool:

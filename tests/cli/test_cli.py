@@ -295,3 +295,16 @@ def test_a_negative_seed_is_refused_before_the_run_directory_exists(tmp_path, ca
     err = capsys.readouterr().err
     assert "seed" in err and len(err.strip().splitlines()) == 1
     assert not out.exists()
+
+
+def test_a_mesh_the_model_does_not_split_over_is_one_line_and_no_run_directory(tmp_path):
+    """4 heads over tensor=3: refused with exit 2 before the run directory exists."""
+    out = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "jaxformer", "train", "--cpu-devices", "3",
+                           "--mesh", "tensor=3", "--steps", "2", "--out", str(out),
+                           "--no-progress"], capture_output=True, text=True, cwd=REPO,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "does not divide over tensor=3" in lines[0]
+    assert not out.exists()
