@@ -49,6 +49,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from typing import Optional, Sequence
 
 # Flags that shape the model / the trajectory: on --resume they must agree with
@@ -155,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--out", help="run directory (default runs/<task>-<norm>-<time>)")
     run.add_argument("--resume", action="store_true",
                      help="continue the run in --out from its latest checkpoint")
+    run.add_argument("--fallback", action="store_true",
+                     help="with --resume: if the latest checkpoint is damaged, continue from "
+                          "the newest step that restores (the damaged steps are kept, "
+                          "renamed <step>.damaged)")
     run.add_argument("--save-every", type=int, default=200, help="checkpoint interval")
     run.add_argument("--log-every", type=int, default=20,
                      help="steps between progress/metrics updates")
@@ -216,9 +221,12 @@ def _add_sampling_flags(parser, *, temperature: float) -> None:
 
 
 def _add_compile_cache_flag(parser) -> None:
+    """--compile-cache, and --verbose (every command has both)."""
     parser.add_argument("--compile-cache", metavar="DIR",
                         help="keep compiled programs in DIR (created if missing): a rerun "
                              "with the same shapes loads them instead of compiling")
+    parser.add_argument("--verbose", action="store_true",
+                        help="on an error, also print the traceback of its cause")
 
 
 def _compile_cache(directory: Optional[str]):
@@ -245,7 +253,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return args.func(args)
     except UsageError as error:
         print(f"jaxformer {args.command}: error: {error}", file=sys.stderr)
+        if args.verbose and error.__cause__ is not None:
+            traceback.print_exception(error.__cause__)
         return 2
+    except KeyboardInterrupt:  # a second Ctrl-C (the first one saves and stops cleanly)
+        print(f"jaxformer {args.command}: aborted by Ctrl-C", file=sys.stderr)
+        return 130
 
 
 # --------------------------------------------------------------------------- train
@@ -277,7 +290,7 @@ def _train_command(args) -> int:
 
     from jaxformer.parallel import distributed  # noqa: PLC0415
     from jaxformer.train.checkpoint import CheckpointError  # noqa: PLC0415
-    from jaxformer.nn.model import DecoderOnlyLM, Transformer, count_params  # noqa: PLC0415
+    from jaxformer.nn.model import DecoderOnlyLM, Transformer  # noqa: PLC0415
     from jaxformer.train.training import (NonFiniteLossError, TrainConfig,  # noqa: PLC0415
                                     check_lm_data, evaluate, fit, task_for)
 
@@ -295,6 +308,10 @@ def _train_command(args) -> int:
                          "path on every process")
     build_model, model_overrides, _, train_overrides, preset = _configs_from_args(args)
 
+    if args.fallback and not args.resume:
+        raise UsageError("--fallback only applies with --resume")
+    if args.out is not None:
+        check_writable_dir(args.out, "--out")
     if args.resume:
         if args.out is None:
             raise UsageError("--resume needs --out, the run directory to continue")
@@ -363,10 +380,9 @@ def _train_command(args) -> int:
                      resume=args.resume, save_every=args.save_every, log_every=args.log_every,
                      progress=not args.no_progress,
                      metrics_file=os.path.join(out, "metrics.jsonl"), mesh=mesh, data=data,
-                     eval_every=args.eval_every)
+                     eval_every=args.eval_every, fallback=args.fallback)
     except CheckpointError as error:
-        print(f"jaxformer train: error: {error}", file=sys.stderr)
-        return 2
+        raise UsageError(str(error)) from error
     except NonFiniteLossError as error:
         print(f"jaxformer train: {error}", file=sys.stderr)
         return 1
@@ -395,17 +411,41 @@ def _train_command(args) -> int:
     summary = {"task": train_config.task, "norm": model_config.norm,
                "dtype": model_config.dtype, "exact_match": metrics["exact_match"],
                "token_accuracy": metrics["token_accuracy"], "eval_loss": metrics["loss"],
-               "eval_examples": metrics["examples"], "steps": step,
+               "eval_examples": metrics["examples"]}
+    _write_summary(out, summary, result, params, started)
+    return 0
+
+
+def _write_summary(out: str, summary: dict, result, params, started: float) -> None:
+    """The run's final JSON line, `summary` and what every run reports: printed, and
+    kept as `out`/summary.json."""
+    import jax  # noqa: PLC0415
+
+    from jaxformer.nn.model import count_params  # noqa: PLC0415
+    from jaxformer.parallel.partitioning import mesh_spec_string  # noqa: PLC0415
+
+    summary = {**summary, "steps": int(result.state.step),
                "wall_s": round(time.perf_counter() - started, 2),
                "compile_s": round(result.compile_s, 2), "params": count_params(params),
-               "devices": len(jax.devices()), "mesh": mesh_spec_string(mesh),
+               "devices": len(jax.devices()), "mesh": mesh_spec_string(result.mesh),
                "processes": jax.process_count(), "resumed_from": result.start_step or None,
                "out": out}
     line = json.dumps(summary)
     with open(os.path.join(out, "summary.json"), "w") as f:
         f.write(line + "\n")
     print(line, flush=True)
-    return 0
+
+
+def check_writable_dir(path: str, flag: str) -> None:
+    """UsageError unless `path` is a directory this process can write, or can be created
+    as one: its nearest existing ancestor must be a writable directory."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise UsageError(f"{flag} {path}: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path}: cannot write in {existing} (permission denied)")
 
 
 def _process_settings(args):
@@ -500,16 +540,13 @@ def _finish_lm(args, model, params, mesh, result, data, train_config, out, start
     """Held-out bits per byte against the baselines, sampled continuations, figures, summary.
 
     `params` and `mesh`: this process's copy of the trained parameters, its devices."""
-    import jax  # noqa: PLC0415
-
     from jaxformer.cli import baselines, plots  # noqa: PLC0415
-    from jaxformer.nn.model import count_params  # noqa: PLC0415
-    from jaxformer.parallel.partitioning import mesh_spec_string  # noqa: PLC0415
     from jaxformer.train.training import evaluate_lm  # noqa: PLC0415
 
     step = int(result.state.step)
     final = result.evals[-1] if result.evals and result.evals[-1]["step"] == step else {
-        f"eval_{k}": v for k, v in evaluate_lm(model, params, data, mesh=mesh).items()}
+        f"eval_{k}": v for k, v in evaluate_lm(model, params, data, mesh=mesh,
+                                               progress=not args.no_progress).items()}
     _show_continuations(model, params, data, args.samples, args.sample_tokens)
     history = _read_metrics(os.path.join(out, "metrics.jsonl"))
     plots.loss_curve([r for r in history if "loss" in r], os.path.join(out, "loss.png"),
@@ -524,16 +561,8 @@ def _finish_lm(args, model, params, mesh, result, data, train_config, out, start
         "eval_loss": final["eval_loss"], "perplexity": final["eval_perplexity"],
         "eval_bytes": len(data.eval_bytes), "train_bytes": data.train_bytes_count,
         "tokens_per_s": (round(steps_run * window_tokens / result.train_s, 1)
-                         if steps_run else None),
-        "steps": step, "wall_s": round(time.perf_counter() - started, 2),
-        "compile_s": round(result.compile_s, 2), "params": count_params(params),
-        "devices": len(jax.devices()), "mesh": mesh_spec_string(result.mesh),
-        "processes": jax.process_count(), "resumed_from": result.start_step or None,
-        "out": out}
-    line = json.dumps(summary)
-    with open(os.path.join(out, "summary.json"), "w") as f:
-        f.write(line + "\n")
-    print(line, flush=True)
+                         if steps_run else None)}
+    _write_summary(out, summary, result, params, started)
     return 0
 
 

@@ -31,10 +31,12 @@ from jaxformer.nn.model import Transformer
 def decodable(model, params):
     """(model, params) for a decode entry point: `{"params": p}` (what `init` returns)
     unwrapped to `p`, its layer layout checked against the model's (the compiled
-    program unrolls a scanned model, `stacking.for_decoding`)."""
+    program unrolls a scanned model, `stacking.for_decoding`) and its values
+    finite (`checks.check_finite_params`)."""
     if isinstance(params, (dict, flax.core.FrozenDict)) and set(params.keys()) == {"params"}:
         params = params["params"]
     stacking.check_layout(params, model.config.scan_layers)
+    checks.check_finite_params(params)
     return model, params
 
 

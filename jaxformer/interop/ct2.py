@@ -23,6 +23,8 @@ import struct
 
 import numpy as np
 
+from jaxformer.errors import FileFormatError, require_file
+
 # CTranslate2's DataType enum.
 DTYPES = {0: np.float32, 1: np.int8, 2: np.int16, 3: np.int32, 4: np.float16}
 BFLOAT16 = 5  # no numpy dtype: refused with a clear error
@@ -46,8 +48,9 @@ class _Reader:
 
     def take(self, n: int) -> memoryview:
         if self.pos + n > len(self.data):
-            raise ValueError(f"{self.path}: truncated CTranslate2 file (wanted {n} bytes at "
-                             f"offset {self.pos}, file has {len(self.data)})")
+            raise FileFormatError(self.path, f"truncated CTranslate2 file (wanted {n} bytes "
+                                  f"at offset {self.pos}, file has {len(self.data)})",
+                                  "copy or install the model again")
         out = self.data[self.pos:self.pos + n]
         self.pos += n
         return out
@@ -56,23 +59,28 @@ class _Reader:
         return struct.unpack("<" + fmt, self.take(struct.calcsize(fmt)))[0]
 
     def string(self) -> str:
-        return bytes(self.take(self.uint("H"))).rstrip(b"\0").decode("utf-8")
+        raw = bytes(self.take(self.uint("H"))).rstrip(b"\0")
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise FileFormatError(self.path, f"not a CTranslate2 model.bin (bytes that are "
+                                  f"not a name at offset {self.pos - len(raw)})") from None
 
 
 def read_ct2(path: str) -> Ct2Model:
     """Read a CTranslate2 `model.bin` (format version 5 or 6) into numpy arrays.
 
     Raises:
-      ValueError naming the file on an unsupported version, an unknown dtype,
-      a byte count that does not match the shape, a truncated file or bytes
-      left over at the end.
+      FileFormatError (a ValueError) naming the file if it is missing, of an
+      unsupported version, has an unknown dtype, a byte count that does not
+      match the shape, is truncated, or has bytes left over at the end.
     """
-    with open(path, "rb") as f:
+    with open(require_file(path, "CTranslate2 model file"), "rb") as f:
         r = _Reader(f.read(), path)
     version = r.uint("I")
     if version < 5:
-        raise ValueError(f"{path}: CTranslate2 binary version {version} is not supported "
-                         f"(need >= 5)")
+        raise FileFormatError(path, f"CTranslate2 binary version {version} is not supported "
+                              "(need >= 5)")
     spec, revision = r.string(), r.uint("I")
     variables = {}
     for _ in range(r.uint("I")):
@@ -80,18 +88,18 @@ def read_ct2(path: str) -> Ct2Model:
         dims = tuple(r.uint("I") for _ in range(r.uint("B")))
         dtype_id, size = r.uint("B"), r.uint("I")
         if dtype_id not in DTYPES:
-            raise ValueError(f"{path}: {name} has dtype id {dtype_id} "
-                             f"({'bfloat16' if dtype_id == BFLOAT16 else 'unknown'}), "
-                             f"not supported")
+            raise FileFormatError(path, f"{name} has dtype id {dtype_id} "
+                                  f"({'bfloat16' if dtype_id == BFLOAT16 else 'unknown'}), "
+                                  "not supported")
         dtype = np.dtype(DTYPES[dtype_id])
         if size != dtype.itemsize * int(np.prod(dims, dtype=np.int64)):
-            raise ValueError(f"{path}: {name} holds {size} bytes, its shape {dims} of "
-                             f"{dtype} needs {dtype.itemsize * int(np.prod(dims))}")
+            raise FileFormatError(path, f"{name} holds {size} bytes, its shape {dims} of "
+                                  f"{dtype} needs {dtype.itemsize * int(np.prod(dims))}")
         variables[name] = np.frombuffer(r.take(size), dtype).reshape(dims).copy()
     aliases = {}
     for _ in range(r.uint("I")):
         alias = r.string()
         aliases[alias] = r.string()
     if r.pos != len(r.data):
-        raise ValueError(f"{path}: {len(r.data) - r.pos} unread bytes after the aliases")
+        raise FileFormatError(path, f"{len(r.data) - r.pos} unread bytes after the aliases")
     return Ct2Model(spec, version, revision, variables, aliases)

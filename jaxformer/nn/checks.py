@@ -77,3 +77,27 @@ def check_mask(name: str, mask, batch: int, queries: int, keys: int,
         raise ValueError(f"{name} has head size {mask.shape[1]}, expected 1 or {heads}")
     if mask.shape[3] not in (1, keys):
         raise ValueError(f"{name} has key size {mask.shape[3]}, expected 1 or {keys}")
+
+
+@jax.jit
+def _finite_leaves(tree):
+    return jax.tree_util.tree_map(lambda x: jnp.all(jnp.isfinite(x)), tree)
+
+
+def check_finite_params(params, what: str = "params") -> None:
+    """ValueError naming the parameters that hold NaN or inf (concrete params only).
+
+    One pass over the parameters on their devices; only a bool per array comes back
+    to the host. NaN weights would otherwise decode to an arbitrary token (argmax of
+    NaN logits) without a word.
+    """
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    floating = {jax.tree_util.keystr(path): leaf for path, leaf in leaves
+                if is_concrete(leaf) and jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)}
+    if not floating:
+        return
+    bad = [name for name, ok in jax.device_get(_finite_leaves(floating)).items() if not ok]
+    if bad:
+        more = f" and {len(bad) - 4} more" if len(bad) > 4 else ""
+        raise ValueError(f"{what} hold NaN or inf values in {', '.join(bad[:4])}{more}: "
+                         "the model diverged or its checkpoint is damaged")

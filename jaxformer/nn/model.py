@@ -26,13 +26,14 @@ axis on every leaf, so compile time stays flat in depth (`layer_stack`);
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Optional, Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxformer.nn import checks, stack as layer_stack, tuning
+from jaxformer.nn import checks, stack as layer_stack, stacking, tuning
 from jaxformer.nn.attention import KV, dense_init
 from jaxformer.config import TransformerConfig
 from jaxformer.nn.layers import (DecoderLayer, EncoderLayer, PositionEmbedding, TokenEmbedding,
@@ -165,6 +166,14 @@ def _default_src_mask(src, pad_id: int) -> Optional[jnp.ndarray]:
     return padding_mask(src, pad_id) if jnp.issubdtype(src.dtype, jnp.integer) else None
 
 
+def check_variables_layout(config: TransformerConfig, variables) -> None:
+    """ValueError naming the converter when `variables["params"]` hold the other layer
+    layout than `config.scan_layers` (Flax's own error is a page of scope traces)."""
+    params = variables.get("params") if isinstance(variables, Mapping) else None
+    if isinstance(params, Mapping):
+        stacking.check_layout(params, config.scan_layers, "variables['params']")
+
+
 class Transformer(nn.Module):
     """The encoder-decoder Transformer of "Attention Is All You Need" (seed 001).
 
@@ -180,6 +189,10 @@ class Transformer(nn.Module):
 
     config: TransformerConfig
     stem: Optional[nn.Module] = None
+
+    def apply(self, variables, *args, **kwargs):
+        check_variables_layout(self.config, variables)
+        return super().apply(variables, *args, **kwargs)
 
     def setup(self):
         c = self.config
@@ -261,6 +274,10 @@ class DecoderOnlyLM(nn.Module):
     """
 
     config: TransformerConfig
+
+    def apply(self, variables, *args, **kwargs):
+        check_variables_layout(self.config, variables)
+        return super().apply(variables, *args, **kwargs)
 
     def setup(self):
         if self.config.num_encoder_layers:

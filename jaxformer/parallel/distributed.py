@@ -18,8 +18,10 @@ hosts reach). Inconsistent settings raise ValueError before anything starts.
 Then process 0 checks that the port is free (RuntimeError naming it), and any
 other process waits, up to `timeout_s`, for the coordinator's port to answer
 and raises `CoordinatorUnreachable` naming the address if it never does: JAX
-itself would abort the process with a C++ log after its own timeout. (Process
-0 waiting for peers that never come is left to that JAX timeout and abort.)
+itself would abort the process with a C++ log after its own timeout. Peers that
+never come: every process that waited `timeout_s` for the others prints one line
+naming what it waited for and exits with status 2 (JAX's wait cannot be
+interrupted, and its own timeout is a C++ abort: status 134 and a stack dump).
 
 CPU: cross-process collectives go over gloo (TCP), the default of JAX 0.10
 (`jax_cpu_collectives_implementation`); nothing to configure.
@@ -30,6 +32,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import sys
+import threading
 import time
 from typing import Any, Mapping, Optional
 
@@ -163,11 +167,28 @@ def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] =
             wait_for_coordinator(chosen.coordinator, timeout_s)
         kwargs = dict(coordinator_address=chosen.coordinator,
                       num_processes=chosen.num_processes, process_id=chosen.process_id)
-    try:
-        jax.distributed.initialize(initialization_timeout=max(1, int(timeout_s)), **kwargs)
+    who = ("this process" if chosen.coordinator == AUTO else
+           f"process {chosen.process_id} of {chosen.num_processes}")
+    waited_for = ("the other processes" if chosen.coordinator == AUTO else
+                  f"all {chosen.num_processes} processes to join at {chosen.coordinator}")
+    watchdog = threading.Timer(timeout_s, _give_up, args=(
+        f"jaxformer: {who} waited {timeout_s:g} s for {waited_for}; they did not all come. "
+        "Start every process with the same coordinator and process count (or allow more "
+        "time: --coordinator-timeout).",))
+    watchdog.daemon = True
+    watchdog.start()
+    try:  # JAX's own deadline later than the watchdog's: its expiry is a C++ abort
+        jax.distributed.initialize(initialization_timeout=int(timeout_s) + 30, **kwargs)
     except RuntimeError as error:  # backends already started, or initialised twice
         raise RuntimeError(f"cannot start the distributed runtime: {error}") from None
+    finally:
+        watchdog.cancel()
     return jax.process_count()
+
+
+def _give_up(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+    os._exit(2)  # the main thread is blocked inside JAX's C++ wait
 
 
 def is_primary() -> bool:

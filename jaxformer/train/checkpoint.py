@@ -14,7 +14,12 @@ decide how the arrays come back: each device reads only its own shards, so a
 state saved on one mesh restores straight onto another mesh or device count
 (resharding), and an abstract target allocates nothing before. Every failure -- no
 checkpoint, unreadable or corrupt files, a structure that does not match --
-raises `CheckpointError` naming the directory, and writes nothing. Quietly: a
+raises `CheckpointError` naming the directory, and writes nothing. A damaged
+latest step is reported in one line naming the newest step that does restore;
+`restore(..., fallback=True)` continues from that step instead, after moving the
+damaged ones aside (renamed `<step>.damaged`, never deleted). A save killed
+midway leaves only Orbax's temporary directory, which `remove_unfinished_saves`
+deletes (training calls it when it starts). Quietly: a
 corrupt array index is read alone before Orbax's concurrent reads (`_check_index`),
 and the one harmless leftover of a failed concurrent read, a tensorstore callback
 into Orbax's closed event loop, is kept off stderr (`ignore_closed_loop_callbacks`,
@@ -41,6 +46,14 @@ from jaxformer.nn import stacking
 
 class CheckpointError(Exception):
     """A checkpoint is missing, unreadable or does not fit the model."""
+
+
+class CheckpointDamaged(CheckpointError):
+    """A checkpoint's files are unreadable or corrupt (an earlier step may restore)."""
+
+
+# Orbax writes a step into `<step>.orbax-checkpoint-tmp-<time>` and renames it when done.
+UNFINISHED_MARK = ".orbax-checkpoint-tmp"
 
 
 class Checkpoints:
@@ -75,6 +88,19 @@ class Checkpoints:
         steps = self.steps()
         return steps[-1] if steps else None
 
+    def remove_unfinished_saves(self) -> list[str]:
+        """Delete the temporary directories of saves that were killed midway (never a
+        finished step); returns their paths. Call it only while no save is running."""
+        import shutil  # noqa: PLC0415
+
+        removed = []
+        for name in sorted(os.listdir(self.directory)) if os.path.isdir(self.directory) else []:
+            path = os.path.join(self.directory, name)
+            if UNFINISHED_MARK in name and os.path.isdir(path):
+                shutil.rmtree(path)
+                removed.append(path)
+        return removed
+
     def save(self, step: int, state: Any) -> None:
         """Write `state` as checkpoint `step` (a no-op if that step already exists)."""
         if step in self.steps():
@@ -83,22 +109,47 @@ class Checkpoints:
         self._manager.wait_until_finished()
 
     def restore(self, target: Any, step: Optional[int] = None, *,
-                convert_layout: bool = False) -> Any:
+                convert_layout: bool = False, fallback: bool = False) -> Any:
         """Return the state saved at `step` (default: the latest), shaped like `target`.
 
         `target`: a state of arrays, or of `jax.ShapeDtypeStruct(shape, dtype,
         sharding=...)`; every restored leaf has the target leaf's sharding.
         `convert_layout=True` restores a checkpoint of the other layer layout
-        (scanned <-> unscanned) into `target`'s layout.
+        (scanned <-> unscanned) into `target`'s layout. A damaged latest step
+        raises `CheckpointDamaged` naming the newest step that restores;
+        `fallback=True` restores that step instead and renames the damaged
+        newer ones `<step>.damaged`.
         """
         abstract = _abstract(target)  # ValueError before any file is read
         steps = self.steps()
         if not steps:
             raise CheckpointError(f"no checkpoint found in {self.directory}")
-        step = steps[-1] if step is None else step
-        if step not in steps:
-            raise CheckpointError(f"no checkpoint for step {step} in {self.directory} "
-                                  f"(available: {steps})")
+        if step is not None:
+            if step not in steps:
+                raise CheckpointError(f"no checkpoint for step {step} in {self.directory} "
+                                      f"(available: {steps})")
+            return self._restore_step(target, abstract, step, convert_layout)
+        try:
+            return self._restore_step(target, abstract, steps[-1], convert_layout)
+        except CheckpointDamaged as damaged:
+            for older in reversed(steps[:-1]):
+                try:
+                    state = self._restore_step(target, abstract, older, convert_layout)
+                except CheckpointDamaged:
+                    continue
+                if not fallback:
+                    raise CheckpointDamaged(
+                        f"{damaged}; step {older} restores: continue from it with "
+                        f"--resume --fallback (restore(..., fallback=True))") from damaged
+                for newer in steps[steps.index(older) + 1:]:
+                    path = os.path.join(self.directory, str(newer))
+                    os.rename(path, path + ".damaged")
+                self._manager.reload()
+                return state
+            raise CheckpointDamaged(f"{damaged}; no earlier step restores either") from damaged
+
+    def _restore_step(self, target: Any, abstract: Any, step: int,
+                      convert_layout: bool) -> Any:
         path = os.path.join(self.directory, str(step))
         saved, wanted = self._saved_layout(step), stacking.layout(abstract)
         if saved and wanted and saved != wanted:
@@ -117,9 +168,8 @@ class Checkpoints:
         try:
             restored = self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
         except Exception as error:  # orbax/tensorstore raise many types; one message
-            raise CheckpointError(f"checkpoint {path} is unreadable or corrupt, or does not "
-                                  f"match this model/optimizer: {type(error).__name__}: "
-                                  f"{error}") from error
+            raise CheckpointDamaged(f"checkpoint {path} is unreadable or corrupt: "
+                                    f"{first_line(error)}") from error
         got = jax.tree_util.tree_structure(restored)
         want = jax.tree_util.tree_structure(target)
         if got != want:
@@ -236,8 +286,16 @@ def _check_index(path: str) -> None:
     try:
         ts.KvStore.open({"driver": "ocdbt", "base": f"file://{item}/"}).result().list().result()
     except Exception as error:  # noqa: BLE001 (tensorstore raises ValueError and others)
-        raise CheckpointError(f"checkpoint {path} is corrupt: its array index cannot be "
-                              f"read: {type(error).__name__}: {error}") from error
+        raise CheckpointDamaged(f"checkpoint {path} is corrupt: its array index cannot be "
+                                f"read: {first_line(error)}") from error
+
+
+def first_line(error: BaseException, limit: int = 160) -> str:
+    """"TypeName: the first line of the message", cut to `limit` characters (storage
+    libraries put whole specs, tens of lines, into their messages)."""
+    lines = str(error).strip().splitlines()
+    text = f"{type(error).__name__}: {lines[0] if lines else ''}"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def ignore_closed_loop_callbacks(hook):

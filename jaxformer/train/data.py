@@ -42,6 +42,8 @@ import grain
 import jax.numpy as jnp
 import numpy as np
 
+from jaxformer.errors import FileFormatError, require_file
+
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # jaxformer's TransformerConfig defaults
 
 
@@ -96,11 +98,13 @@ class JSONTokenizer:
         except ImportError as e:  # pragma: no cover - depends on the environment
             raise ValueError(f"tokenizer {path!r}: the `tokenizers` package is needed "
                              "(pip install tokenizers)") from e
+        require_file(path, "tokenizer file")
         try:
             self._tok = Tokenizer.from_file(os.fspath(path))
         except Exception as e:  # tokenizers raises plain Exception on bad JSON
-            raise ValueError(f"tokenizer {path!r} does not load as a Hugging Face "
-                             f"tokenizers JSON file: {e}") from e
+            raise FileFormatError(path, "does not load as a Hugging Face tokenizers JSON "
+                                  f"file ({str(e).splitlines()[0][:120] if str(e) else e!r})",
+                                  "pass a tokenizer.json, or no --tokenizer for bytes") from e
         self._tok.no_padding()
         self._tok.no_truncation()
         self._tok.encode_special_tokens = True
@@ -113,8 +117,8 @@ class JSONTokenizer:
             else:
                 missing.append(f"{role} (tried {', '.join(names)})")
         if missing:
-            raise ValueError(f"tokenizer {path!r} lacks special tokens: {'; '.join(missing)}. "
-                             "Add them (three different tokens) to the tokenizer.")
+            raise FileFormatError(path, f"lacks special tokens: {'; '.join(missing)}",
+                                  "add them (three different tokens) to the tokenizer")
         self.path = os.fspath(path)
         self.pad_id, self.bos_id, self.eos_id = found["pad"], found["bos"], found["eos"]
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)

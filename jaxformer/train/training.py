@@ -42,6 +42,7 @@ import functools
 import json
 import math
 import signal
+import sys
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -446,14 +447,17 @@ def token_byte_counts(tokenizer) -> np.ndarray:
 
 
 def evaluate_lm(model: DecoderOnlyLM, params, data: TextData, *, batch_size: int = 32,
-                mesh=None) -> dict:
+                mesh=None, progress: bool = False) -> dict:
     """Held-out metrics of a decoder-only LM on every held-out window of `data`.
 
     Returns {"loss" (nats per token), "perplexity", "bits_per_byte", "tokens",
     "bytes"}: bits per byte = total cross-entropy in bits over the UTF-8 bytes
     the predicted tokens stand for, comparable across tokenizers (and with a
-    compressor's output size).
+    compressor's output size). `progress`: a progress bar over the held-out
+    batches (on stderr; it disappears when done).
     """
+    from tqdm.auto import tqdm  # noqa: PLC0415
+
     mesh = make_mesh() if mesh is None else mesh
     shards = partitioning.batch_shards(mesh)
     batch_size = max(batch_size - batch_size % shards, shards)
@@ -461,7 +465,10 @@ def evaluate_lm(model: DecoderOnlyLM, params, data: TextData, *, batch_size: int
     token_bytes_V = jnp.asarray(token_byte_counts(data.tokenizer), jnp.float32)
     params = partitioning.place_params(model, params, mesh)  # as `evaluate`
     sums = {"nats": 0.0, "tokens": 0.0, "bytes": 0.0}
-    for batch in data.eval_batches(batch_size):
+    batches = tqdm(data.eval_batches(batch_size), disable=not progress, leave=False,
+                   total=-(-data.num_eval_windows // batch_size), unit="batch",
+                   desc="held-out evaluation", dynamic_ncols=True)
+    for batch in batches:
         for name, value in jax.device_get(step(params, shard_batch(batch, mesh),
                                                token_bytes_V)).items():
             sums[name] += float(value)
@@ -650,7 +657,8 @@ def fit(model_config: TransformerConfig, train_config: TrainConfig, *,
         checkpoint_dir: Optional[str] = None, resume: bool = False, save_every: int = 500,
         log_every: int = 25, progress: bool = True, metrics_file: Optional[str] = None,
         on_step: Optional[Callable[[int], None]] = None, mesh=None,
-        data: Optional[TextData] = None, eval_every: int = 0) -> FitResult:
+        data: Optional[TextData] = None, eval_every: int = 0,
+        fallback: bool = False) -> FitResult:
     """Train `Transformer(model_config)` on the task of `train_config`, or, for
     task "lm", `DecoderOnlyLM(model_config)` on the text of `data`.
 
@@ -664,7 +672,10 @@ def fit(model_config: TransformerConfig, train_config: TrainConfig, *,
         the end and on Ctrl-C). None: no checkpoints.
       resume: restore the latest checkpoint of `checkpoint_dir` and continue
         to `train_config.steps`; the result equals the uninterrupted run's.
-        A missing or unreadable checkpoint raises `CheckpointError`.
+        A missing or unreadable checkpoint raises `CheckpointError`; a damaged
+        latest one names the newest step that restores, and `fallback=True`
+        continues from that step. Temporary directories of saves killed
+        midway are removed first.
       log_every: steps between host syncs: the progress bar, `metrics_file`
         (one JSON line per step, appended) and the non-finite check.
       mesh: may span several processes (`jaxformer.parallel.distributed`): every process
@@ -708,10 +719,14 @@ def fit(model_config: TransformerConfig, train_config: TrainConfig, *,
             return fns.batch(tc.seed, step)
     checkpoints = (Checkpoints(checkpoint_dir, create=not resume)
                    if checkpoint_dir is not None else None)
+    if checkpoints is not None and jax.process_index() == 0:
+        for path in checkpoints.remove_unfinished_saves():
+            print(f"jaxformer: removed {path}, the unfinished save of a killed run",
+                  file=sys.stderr)
     state = fns.init(tc.seed)
     if resume:
         try:
-            state = checkpoints.restore(state)
+            state = checkpoints.restore(state, fallback=fallback)
         except Exception:
             checkpoints.close()
             raise
@@ -719,11 +734,14 @@ def fit(model_config: TransformerConfig, train_config: TrainConfig, *,
     if start_step > tc.steps:
         checkpoints.close()
         raise ValueError(f"the checkpoint is at step {start_step}, beyond steps={tc.steps}")
+    primary = jax.process_index() == 0  # several processes: one bar, one metrics file
+    if progress and primary:  # compiling takes seconds to minutes before the bar moves
+        print(f"jaxformer: compiling the train step on {mesh.devices.size} device(s)...",
+              file=sys.stderr, flush=True)
     train_step, compile_s = fns.compiled_step(state, next_batch(start_step))
 
     stop = _StopFlag()
     history, pending = [], []
-    primary = jax.process_index() == 0  # several processes: one bar, one metrics file
     bar = tqdm(total=tc.steps, initial=start_step, disable=not (progress and primary),
                dynamic_ncols=True, desc=f"{tc.task} {model_config.norm}-LN", unit="step")
     metrics_out = open(metrics_file, "a") if metrics_file and primary else None  # noqa: SIM115
@@ -758,7 +776,7 @@ def fit(model_config: TransformerConfig, train_config: TrainConfig, *,
         nonlocal eval_s
         begin = time.perf_counter()
         metrics = evaluate_lm(fns.model, state.params, data, batch_size=tc.batch_size,
-                              mesh=mesh)
+                              mesh=mesh, progress=progress and primary)
         record = {"step": step, **{f"eval_{k}": v for k, v in metrics.items()}}
         evals.append(record)
         if metrics_out:

@@ -25,9 +25,12 @@ from conftest import saved_run, snapshot, tree_equal
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # The tiny 1+1-layer model and schedule of test_training/test_checkpoint: one compilation.
+# --no-cpu-tuning: only a process's first in-process run could be tuned (tuning must
+# precede JAX's start), and tuned programs round differently in the last bits.
 TINY = ["train", "--preset", "tiny", "--layers", "1", "--max-len", "6", "--batch", "8",
         "--steps", "12", "--warmup", "2", "--lr", "1e-2", "--eval-examples", "16",
-        "--show", "2", "--save-every", "5", "--no-progress", "--dropout", "0.1"]
+        "--show", "2", "--save-every", "5", "--no-progress", "--dropout", "0.1",
+        "--no-cpu-tuning"]
 
 
 
@@ -169,8 +172,9 @@ def test_corrupt_checkpoint_gives_a_clear_error(finished_run, tmp_path, capsys):
     (["--vocab", "4"], "vocab_size must be an int >= 5"),
     (["--save-every", "0"], "--save-every must be positive"),
     (["--compile-cache", os.path.join(REPO, "pyproject.toml")], "is a file, not a directory"),
+    (["--fallback"], "--fallback only applies with --resume"),
 ], ids=["length-beyond-model", "zero-steps", "dropout", "negative-lr", "heads", "vocab",
-        "save-every", "compile-cache-file"])
+        "save-every", "compile-cache-file", "fallback-without-resume"])
 def test_bad_flags_are_refused_before_anything_runs(flags, message, tmp_path, capsys):
     out = tmp_path / "run"
     assert main(TINY + flags + ["--out", str(out)]) == 2
@@ -308,3 +312,51 @@ def test_a_mesh_the_model_does_not_split_over_is_one_line_and_no_run_directory(t
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "does not divide over tensor=3" in lines[0]
     assert not out.exists()
+
+
+def test_out_below_a_file_is_refused_in_one_line(tmp_path, capsys):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    out = a_file / "run"
+    assert main(TINY + ["--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{a_file} is a file, not a directory" in err and len(err.splitlines()) == 1
+    assert a_file.read_text() == "mine"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere: no unwritable dir")
+def test_out_in_an_unwritable_directory_is_refused(tmp_path, capsys):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        assert main(TINY + ["--out", str(locked / "run")]) == 2
+        assert "permission denied" in capsys.readouterr().err
+    finally:
+        locked.chmod(0o700)
+
+
+def test_a_ctrl_c_that_aborts_is_one_line_and_exit_130(tmp_path, monkeypatch, capsys):
+    """A second Ctrl-C (during the save the first one started) raises KeyboardInterrupt
+    out of fit: one line and status 130, no traceback."""
+    def fit_interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(jaxformer.train.training, "fit", fit_interrupted)
+    assert main(TINY + ["--out", str(tmp_path / "run")]) == 130
+    err = capsys.readouterr().err
+    assert "aborted by Ctrl-C" in err and "Traceback" not in err
+
+
+def test_verbose_shows_the_cause_of_an_error(tmp_path, capsys):
+    """One line by default; --verbose adds the traceback of what the library raised."""
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text("{not json")
+    flags = ["train", "--task", "lm", "--data", __file__, "--tokenizer", str(bad),
+             "--out", str(tmp_path / "run"), "--no-progress"]
+    assert main(flags) == 2
+    quiet = capsys.readouterr().err
+    assert main(flags + ["--verbose"]) == 2
+    verbose = capsys.readouterr().err
+    assert len(quiet.strip().splitlines()) == 1 and "Traceback" not in quiet
+    assert verbose.startswith(quiet.strip()) and "Traceback" in verbose

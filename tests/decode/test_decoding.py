@@ -224,6 +224,21 @@ def test_bad_inputs_raise_before_compiling(small, kwargs, error, match):
     assert dict(decoding.TRACE_COUNTS) == before
 
 
+def test_nan_parameters_are_refused_before_decoding(small):
+    """NaN weights would decode to argmax-of-NaN tokens without a word."""
+    config, model, params, src = small
+    broken = jax.tree_util.tree_map(lambda x: x, params)
+    kernel = broken["decoder"]["layers_0"]["ffn"]["wo"]["kernel"]
+    broken["decoder"]["layers_0"]["ffn"]["wo"]["kernel"] = kernel.at[0, 0].set(jnp.nan)
+    before = dict(decoding.TRACE_COUNTS)
+    with pytest.raises(ValueError, match=r"NaN or inf values in .*'layers_0'.*'wo'"):
+        decoding.greedy_decode(model, broken, src, max_new_tokens=3)
+    with pytest.raises(ValueError, match="NaN or inf"):
+        jf.beam_search(model, {"params": broken}, src, max_new_tokens=3, beam_size=2)
+    assert dict(decoding.TRACE_COUNTS) == before
+    decoding.greedy_decode(model, params, src, max_new_tokens=3)  # the intact ones decode
+
+
 def test_decoder_only_model_is_refused_by_greedy_decode(small):
     config, model, params, src = small
     lm = jf.DecoderOnlyLM(config.replace(num_encoder_layers=0))

@@ -8,6 +8,7 @@ import struct
 import numpy as np
 import pytest
 
+from jaxformer.errors import FileFormatError
 from jaxformer.interop.ct2 import read_ct2
 
 from conftest import whisper_model_dir
@@ -63,6 +64,9 @@ def test_reads_back_what_was_written(tmp_path):
     ("extra", "unread bytes"),
     ("bfloat16", "bfloat16"),
     ("old", "version 4"),
+    ("garbage-name", "not a CTranslate2 model.bin"),
+    ("missing", "no such CTranslate2 model file"),
+    ("directory", "is not a file"),
 ])
 def test_damaged_files_raise_naming_the_problem(tmp_path, damage, match):
     path = str(tmp_path / "model.bin")
@@ -73,9 +77,17 @@ def test_damaged_files_raise_naming_the_problem(tmp_path, damage, match):
         data = data[:-20]
     if damage == "extra":
         data += b"\0\0"
+    if damage == "garbage-name":  # the spec name's bytes are not UTF-8
+        data = data[:6] + b"\xff" * 8 + data[14:]
     open(path, "wb").write(data)
-    with pytest.raises(ValueError, match=match):
+    if damage == "missing":
+        os.remove(path)
+    if damage == "directory":
+        os.remove(path)
+        os.mkdir(path)
+    with pytest.raises(FileFormatError, match=match) as error:
         read_ct2(path)
+    assert error.value.path == path and len(str(error.value).splitlines()) == 1
 
 
 def test_reads_the_shipped_whisper_file():

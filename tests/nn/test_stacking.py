@@ -1,6 +1,7 @@
 """scan_layers: the scanned stack computes what the unrolled one does on the same
 weights (moved with the `stacking` converters), and the converters are exact."""
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -84,6 +85,19 @@ def test_decoding_refuses_the_wrong_layout():
         greedy_decode(scanned, params, inputs[0], max_new_tokens=2)
     with pytest.raises(ValueError, match="stacking.unstack_layers"):
         greedy_decode(model, stacking.stack_layers(params), inputs[0], max_new_tokens=2)
+
+
+@pytest.mark.parametrize("kind", ["encdec", "lm"])
+def test_apply_refuses_the_wrong_layout_in_one_line(kind):
+    """Flax's own error here is a 34-46 line scope trace."""
+    model, scanned, params, inputs = setup(kind, "pre")
+    with pytest.raises(ValueError, match="stacking.stack_layers") as wrong:
+        scanned.apply({"params": params}, *inputs)
+    assert len(str(wrong.value).splitlines()) == 1
+    with pytest.raises(ValueError, match="stacking.unstack_layers"):
+        model.apply(flax.core.freeze({"params": stacking.stack_layers(params)}), *inputs)
+    model.apply({"params": params}, *inputs)  # the matching layouts apply
+    scanned.apply({"params": stacking.stack_layers(params)}, *inputs)
 
 
 def test_attention_weights_come_out_per_layer_in_both_layouts():

@@ -231,6 +231,21 @@ def test_an_unreachable_coordinator_is_named_after_the_timeout(tmp_path, capsys)
     assert not out.exists()
 
 
+def test_a_peer_that_never_joins_is_named_and_exits_2(tmp_path):
+    """Process 0 of 2 alone: JAX's own timeout would abort it (status 134, a C++
+    stack); it exits 2 after --coordinator-timeout with one line instead, and
+    writes no run directory."""
+    out = tmp_path / "run"
+    coordinator = f"localhost:{_free_port()}"
+    proc = _train("--coordinator", coordinator, "--num-processes", "2", "--process-id",
+                  "0", "--coordinator-timeout", "3", "--out", str(out))
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, err[-3000:]
+    assert f"waited 3 s for all 2 processes to join at {coordinator}" in err
+    assert "Traceback" not in err and len(err.splitlines()) <= 4, err
+    assert not out.exists()
+
+
 def test_a_taken_coordinator_port_is_named(tmp_path, capsys):
     with socket.socket() as taken:
         taken.bind(("", 0))

@@ -4,6 +4,7 @@ corrupt or mismatched checkpoints give a clear error and change nothing."""
 import asyncio
 import gc
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -15,7 +16,8 @@ import pytest
 
 import jaxformer as jf
 from conftest import snapshot, tree_equal
-from jaxformer.train.checkpoint import CheckpointError, Checkpoints, ignore_closed_loop_callbacks
+from jaxformer.train.checkpoint import (UNFINISHED_MARK, CheckpointDamaged, CheckpointError,
+                                        Checkpoints, ignore_closed_loop_callbacks)
 from jaxformer.train.training import TrainConfig, fit, train_functions
 
 # Dropout on at every site: resuming must also replay the dropout masks bit for bit.
@@ -111,6 +113,59 @@ def test_corrupt_checkpoint_is_refused_and_left_untouched(uninterrupted, tmp_pat
     assert "Traceback" not in err and "Event loop is closed" not in err
     assert len(err.splitlines()) < 5, err
     assert snapshot(corrupt) == before
+
+
+def _damage(step_dir):
+    """Overwrite the array data of a saved step with garbage (its metadata kept)."""
+    for root, _, files in os.walk(step_dir):
+        for name in files:
+            if "metadata" not in name.lower():
+                with open(os.path.join(root, name), "wb") as f:
+                    f.write(b"\x00garbage" * 8)
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+def test_damaged_latest_step_names_the_one_that_restores_and_fallback_resumes_it(
+        uninterrupted, tmp_path, capfd):
+    full, directory = uninterrupted
+    run = tmp_path / "run"
+    shutil.copytree(directory, run)
+    _damage(run / str(TRAIN.steps))
+    before = snapshot(run)
+    capfd.readouterr()
+    with pytest.raises(CheckpointDamaged) as refused:
+        fit(MODEL, TRAIN, checkpoint_dir=str(run), resume=True, progress=False)
+    message = str(refused.value)
+    assert f"{run}/{TRAIN.steps} is corrupt" in message and "step 8 restores" in message
+    assert len(message.splitlines()) == 1 and len(message) < 400, message
+    assert snapshot(run) == before  # refusing changes nothing
+    # --resume --fallback: continues from step 8, replays steps 9-12 exactly, keeps the
+    # damaged step aside.
+    resumed = fit(MODEL, TRAIN, checkpoint_dir=str(run), resume=True, progress=False,
+                  fallback=True)
+    assert resumed.start_step == 8
+    assert tree_equal(resumed.state.params, full.state.params)
+    assert (run / f"{TRAIN.steps}.damaged").is_dir()
+    with Checkpoints(run) as checkpoints:
+        assert checkpoints.latest_step() == TRAIN.steps  # saved anew
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_unfinished_saves_of_a_killed_run_are_removed_on_the_next_start(uninterrupted,
+                                                                       tmp_path, capfd):
+    full, directory = uninterrupted
+    run = tmp_path / "run"
+    shutil.copytree(directory, run)
+    stale = run / f"16{UNFINISHED_MARK}-1764000000"  # what a save killed midway leaves
+    os.makedirs(stale / "default")
+    (stale / "default" / "data").write_bytes(b"partial")
+    kept = run / "notes.txt"  # anything else a user put there stays
+    kept.write_text("mine")
+    fit(MODEL, TRAIN, checkpoint_dir=str(run), resume=True, progress=False)
+    assert not stale.exists() and kept.read_text() == "mine"
+    assert f"removed {stale}" in capfd.readouterr().err
+    with Checkpoints(run) as checkpoints:
+        assert TRAIN.steps in checkpoints.steps()
 
 
 def test_closed_loop_callbacks_alone_are_silenced():
