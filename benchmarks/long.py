@@ -1,0 +1,142 @@
+"""Long sequences, attention level: dense vs blockwise attention, memory and time per token.
+
+Workload: batch 1, 4 heads, head dim 64, float32, causal, CPU. For each T the
+step is a jitted `value_and_grad` of sum(attention output) with respect to
+queries, keys and values (the attention part of a training step):
+
+  dense      `jaxformer.nn.attention.dot_product_attention` on the materialised
+             (1, 1, T, T) causal mask: (T, T) scores, weights and their gradients.
+  blockwise  `jaxformer.nn.blockwise.blockwise_attention` with `MaskSpec(causal=True)`
+             and the default blocks: online softmax over key blocks, blocks above
+             the diagonal skipped, each query block recomputed under jax.checkpoint
+             in the backward pass.
+
+Figures per T: peak temporary bytes of the compiled step
+(`compile().memory_analysis().temp_size_in_bytes`, no run needed) and time per
+token (median wall time of a step / T, compile excluded; rounds alternate dense
+and blockwise so the shared host's drift hits both). Dense runs only while its
+temporaries stay under --dense-max-gib (default 8: 16k needs 12 GiB, too much
+next to other jobs on this 24 GB host; its bytes are still reported; 64k would
+need ~200 GiB and is never compiled). 64k blockwise is compiled (its bytes are
+reported) but only timed with --run-64k (a step takes minutes here).
+
+`--tune` times candidate block sizes at T = 1k instead (how the defaults in
+blockwise.py were chosen).
+
+Run (about 3-4 minutes on 2 shared CPU cores):
+  nice -n 5 python benchmarks/long.py
+Prints a table, then one JSON line: temp_bytes_growth_1k_to_16k (blockwise;
+linear is 16, dense ~256), time_per_token_ratio_vs_dense_1k (dense time /
+blockwise time at 1k; goal >= 0.8), max_attention_seq_len (the longest T whose
+blockwise step compiled and ran), and the per-T figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxformer.nn.attention import dot_product_attention
+from jaxformer.nn.blockwise import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, blockwise_attention
+from jaxformer.nn.mask_structure import MaskSpec, dense_mask
+
+HEADS, HEAD_DIM = 4, 64
+CAUSAL = MaskSpec(causal=True)
+
+
+def step(impl: str, length: int, block_q: int = DEFAULT_BLOCK_Q,
+         block_k: int = DEFAULT_BLOCK_K):
+    """Compiled value_and_grad of sum(attention(q, k, v)) for (1, HEADS, length, HEAD_DIM)."""
+    if impl == "dense":
+        def loss(q, k, v):
+            return dot_product_attention(q, k, v, dense_mask(CAUSAL, length, length))[0].sum()
+    else:
+        def loss(q, k, v):
+            return blockwise_attention(q, k, v, CAUSAL, block_q=block_q, block_k=block_k).sum()
+    x = jax.ShapeDtypeStruct((1, HEADS, length, HEAD_DIM), jnp.float32)
+    return jax.jit(jax.value_and_grad(loss, (0, 1, 2))).lower(x, x, x).compile()
+
+
+def inputs(length: int):
+    r = np.random.default_rng(0)
+    return [jnp.asarray(r.normal(size=(1, HEADS, length, HEAD_DIM)), jnp.float32)
+            for _ in range(3)]
+
+
+def time_rounds(compiled: dict, args, rounds: int) -> dict:
+    """{name: median seconds}, the compiled steps run alternately, after one warm-up each."""
+    for fn in compiled.values():
+        jax.block_until_ready(fn(*args))
+    times = {name: [] for name in compiled}
+    for _ in range(rounds):
+        for name, fn in compiled.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def tune(rounds: int) -> None:
+    length, args = 1024, inputs(1024)
+    compiled = {"dense": step("dense", length)}
+    for bq, bk in [(128, 128), (128, 256), (256, 128), (256, 256), (256, 512), (512, 256),
+                   (512, 512), (1024, 1024)]:
+        compiled[f"{bq}x{bk}"] = step("blockwise", length, bq, bk)
+    seconds = time_rounds(compiled, args, rounds)
+    for name, s in seconds.items():
+        print(f"{name:>10}  {s * 1e3:8.1f} ms  dense/this {seconds['dense'] / s:5.2f}")
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
+    parser.add_argument("--dense-max-gib", type=float, default=8.0,
+                        help="run dense only if its temporaries fit under this")
+    parser.add_argument("--run-64k", action="store_true", help="also time T >= 65536")
+    parser.add_argument("--tune", action="store_true", help="time block sizes at 1k")
+    args = parser.parse_args(argv)
+    if args.tune:
+        tune(rounds=5)
+        return {}
+    rows, max_len = {}, 0
+    print(f"{'T':>6} {'impl':>9} {'temp MiB':>10} {'us/token':>10}")
+    for length in args.lengths:
+        compiled, temp = {}, {}
+        for impl in ("dense", "blockwise"):
+            if impl == "dense" and length > 16384:
+                continue  # ~200 GiB of scores and weights: not even compiled
+            fn = step(impl, length)
+            temp[impl] = fn.memory_analysis().temp_size_in_bytes
+            if impl == "dense" and temp[impl] > args.dense_max_gib * 2 ** 30:
+                continue
+            if length < 65536 or args.run_64k:
+                compiled[impl] = fn
+        rounds = 5 if length <= 1024 else 3 if length <= 4096 else 1
+        seconds = time_rounds(compiled, inputs(length), rounds) if compiled else {}
+        if "blockwise" in seconds:
+            max_len = length
+        for impl in temp:
+            per_token = seconds[impl] / length * 1e6 if impl in seconds else None
+            rows[f"{impl}_{length}"] = dict(temp_bytes=temp[impl], us_per_token=per_token)
+            shown = "-" if per_token is None else f"{per_token:10.1f}"
+            print(f"{length:>6} {impl:>9} {temp[impl] / 2 ** 20:>10.1f} {shown:>10}", flush=True)
+    result = dict(rows=rows, block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K,
+                  max_attention_seq_len=max_len)
+    if "blockwise_1024" in rows and "blockwise_16384" in rows:
+        result["temp_bytes_growth_1k_to_16k"] = round(
+            rows["blockwise_16384"]["temp_bytes"] / rows["blockwise_1024"]["temp_bytes"], 2)
+    if rows.get("dense_1024", {}).get("us_per_token") and rows["blockwise_1024"]["us_per_token"]:
+        result["time_per_token_ratio_vs_dense_1k"] = round(
+            rows["dense_1024"]["us_per_token"] / rows["blockwise_1024"]["us_per_token"], 2)
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

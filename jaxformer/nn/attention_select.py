@@ -1,0 +1,81 @@
+"""Which attention implementation to run: cuDNN's fused kernel, blockwise, or dense.
+
+`choose_attention_impl` is the rule behind `attention_impl="auto"`; it only
+looks at static facts (platform, head dim, dtype, the mask's structure, the
+length), so the choice is made at trace time, is visible (log it, print it) and
+can be overridden by naming an implementation.
+
+  "cudnn"      `jax.nn.dot_product_attention(implementation="cudnn")`: NVIDIA GPUs,
+               float16 / bfloat16, head dim a multiple of 8 and <= 128 (<= 256 on
+               Hopper and later; 128 is what holds everywhere), and a mask cuDNN
+               takes as structure: causal, a causal sliding window, key / query
+               lengths (`jax_nn_mask_arguments`). Segment ids, prefixes, explicit
+               positions and query offsets have no cuDNN form through `jax.nn`.
+  "blockwise"  `blockwise.blockwise_attention`: memory linear in length, any MaskSpec;
+               from `BLOCKWISE_MIN_LENGTH` on.
+  "dense"      `attention.dot_product_attention`: short sequences, and masks given as
+               dense boolean arrays (arbitrary patterns).
+
+Forward-mode AD: dense and blockwise support `jax.jvp`; cuDNN's kernel has a
+custom VJP only (jax.nn), so forward mode needs "blockwise" or "dense" there.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax.numpy as jnp
+
+from jaxformer.nn.mask_structure import MaskSpec
+
+# Blockwise is no slower than dense on CPU from here on for causal masks
+# (benchmarks/long.py), and its temporaries grow linearly instead of quadratically.
+BLOCKWISE_MIN_LENGTH = 1024
+CUDNN_MAX_HEAD_DIM = 128
+CUDNN_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+
+
+def jax_nn_mask_arguments(mask: Optional[MaskSpec]) -> Optional[dict[str, Any]]:
+    """`jax.nn.dot_product_attention` keyword arguments (`is_causal`, `local_window_size`,
+    `query_seq_lengths`, `key_value_seq_lengths`) expressing `mask`, or None if the mask
+    has parts they cannot express (segment ids, prefix, explicit positions, a query
+    offset, a window without causality)."""
+    if mask is None:
+        return {}
+    if (mask.q_segment_ids is not None or mask.prefix_length is not None or mask.has_positions
+            or not (isinstance(mask.q_offset, int) and mask.q_offset == 0)
+            or (mask.window is not None and not mask.causal)):
+        return None
+    args: dict[str, Any] = {"is_causal": mask.causal}
+    if mask.window is not None:  # keys (q - w, q]: w - 1 to the left, none to the right
+        args["local_window_size"] = (mask.window - 1, 0)
+    if mask.q_lengths is not None:
+        args["query_seq_lengths"] = jnp.asarray(mask.q_lengths, jnp.int32)
+    if mask.kv_lengths is not None:
+        args["key_value_seq_lengths"] = jnp.asarray(mask.kv_lengths, jnp.int32)
+    return args
+
+
+def cudnn_supports(head_dim: int, dtype: Any, mask: Optional[MaskSpec]) -> bool:
+    """Whether cuDNN's fused attention (through `jax.nn`) takes this head dim, dtype and
+    mask (the checks of jax's `fused_attention_stablehlo`, for any NVIDIA GPU)."""
+    return (jnp.dtype(dtype) in CUDNN_DTYPES and head_dim % 8 == 0
+            and head_dim <= CUDNN_MAX_HEAD_DIM and jax_nn_mask_arguments(mask) is not None)
+
+
+def choose_attention_impl(platform: str, head_dim: int, dtype: Any,
+                          mask: Optional[MaskSpec | jnp.ndarray], seq_len: int) -> str:
+    """"cudnn", "blockwise" or "dense" for this call (module docstring).
+
+    Args:
+      platform: `jax.devices()[0].platform` or a lowering platform: "cpu", "gpu",
+        "cuda", "rocm", "tpu".
+      head_dim, dtype: of the queries.
+      mask: a MaskSpec, a dense boolean mask (arbitrary pattern: "dense"), or None.
+      seq_len: the longer of the query and key lengths.
+    """
+    if mask is not None and not isinstance(mask, MaskSpec):
+        return "dense"  # an arbitrary pattern only the dense path takes
+    if platform in ("gpu", "cuda") and cudnn_supports(head_dim, dtype, mask):
+        return "cudnn"
+    return "blockwise" if seq_len >= BLOCKWISE_MIN_LENGTH else "dense"
