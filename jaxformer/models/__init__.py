@@ -1,3 +1,3 @@
 """Per-model configurations and weight mappings built from jaxformer's blocks (no new layers)."""
 
-__all__ = ["audio", "llama", "whisper"]
+__all__ = ["audio", "llama", "transcribe", "whisper"]

@@ -1,6 +1,6 @@
 """Audio front end in JAX: WAV reading with checks, and Whisper's log-mel spectrogram.
 
-    audio_N = read_wav(path)                          # 16 kHz mono float32 in [-1, 1]
+    audio_N = read_wav(path)                          # any WAV -> 16 kHz mono float32
     mel_BFM = log_mel_spectrogram(audio_BN)           # (B, 3000 frames, 80 mels)
 
 The spectrogram follows Whisper's `log_mel_spectrogram`: audio padded or cut to
@@ -14,7 +14,8 @@ come out channels-last (B, T, 80), the layout of the encoder's stem.
 from __future__ import annotations
 
 import functools
-import wave
+import math
+import struct
 
 import jax.numpy as jnp
 import numpy as np
@@ -28,30 +29,98 @@ N_MELS = 80
 CHUNK_SAMPLES = 30 * SAMPLE_RATE
 
 
+# WAVE format codes (the fmt chunk's first field; WAVE_FORMAT_EXTENSIBLE carries
+# the real one in the first two bytes of its sub-format GUID).
+_PCM, _FLOAT, _EXTENSIBLE = 1, 3, 0xFFFE
+
+
+def _wav_chunks(path: str, data: bytes) -> tuple[bytes, memoryview]:
+    """(fmt chunk, data chunk) of a RIFF/WAVE file's bytes, or FileFormatError.
+
+    A data chunk whose size runs past the end of the file (written by a stream
+    that never came back to fix the header) is cut at the end of the file.
+    """
+    def unreadable(problem):
+        return FileFormatError(path, f"is not a readable WAV file ({problem})",
+                               "convert it to 16-bit PCM WAV")
+
+    if len(data) < 12 or data[:4] != b"RIFF" or data[8:12] != b"WAVE":
+        raise unreadable("no RIFF/WAVE header")
+    fmt, pos = None, 12
+    while pos + 8 <= len(data):
+        chunk_id, size = data[pos:pos + 4], struct.unpack_from("<I", data, pos + 4)[0]
+        body = memoryview(data)[pos + 8:pos + 8 + size]
+        if chunk_id == b"fmt ":
+            fmt = bytes(body)
+        elif chunk_id == b"data":
+            if fmt is None or len(fmt) < 16:
+                raise unreadable("no fmt chunk before the data")
+            return fmt, body
+        pos += 8 + size + (size & 1)  # chunks are padded to an even size
+    raise unreadable("no fmt and data chunks")
+
+
+def _samples(path: str, fmt: bytes, body: memoryview) -> tuple[np.ndarray, int]:
+    """(frames (N, channels) float32 in [-1, 1], sample rate) of a fmt and data chunk."""
+    code, channels, rate, _, _, bits = struct.unpack_from("<HHIIHH", fmt)
+    if code == _EXTENSIBLE and len(fmt) >= 26:
+        code = struct.unpack_from("<H", fmt, 24)[0]
+    kind = {(_PCM, 8): "u1", (_PCM, 16): "<i2", (_PCM, 24): "i3", (_PCM, 32): "<i4",
+            (_FLOAT, 32): "<f4", (_FLOAT, 64): "<f8"}.get((code, bits))
+    for ok, problem in ((kind is not None, f"{bits}-bit samples of format code {code:#x} "
+                                           f"(8/16/24/32-bit PCM and 32/64-bit float are read)"),
+                        (channels > 0, "0 channels"), (rate > 0, "sample rate 0 Hz")):
+        if not ok:
+            raise FileFormatError(path, problem, "convert it to 16-bit PCM WAV")
+    width = bits // 8
+    raw = np.frombuffer(body, np.uint8)
+    raw = raw[:len(raw) // (width * channels) * width * channels]  # whole frames only
+    if kind == "u1":
+        x = (raw.astype(np.float32) - 128.0) / 128.0
+    elif kind == "i3":  # little-endian 24-bit: put the 3 bytes in the top of an int32
+        b = raw.reshape(-1, 3).astype(np.int32)
+        x = ((b[:, 0] << 8 | b[:, 1] << 16 | b[:, 2] << 24) >> 8).astype(np.float32) / 2.0 ** 23
+    elif kind[1] == "i":
+        x = np.frombuffer(raw.tobytes(), kind).astype(np.float32) / 2.0 ** (bits - 1)
+    else:
+        x = np.frombuffer(raw.tobytes(), kind).astype(np.float32)
+    return x.reshape(-1, channels), rate
+
+
+def resample(audio_N: np.ndarray, rate: int, target: int = SAMPLE_RATE) -> np.ndarray:
+    """(N,) samples at `rate` Hz -> float32 at `target` Hz by polyphase filtering
+    (`scipy.signal.resample_poly`: an anti-aliasing FIR, Kaiser window)."""
+    if rate == target:
+        return np.asarray(audio_N, np.float32)
+    try:
+        from scipy import signal  # noqa: PLC0415  (only needed for other sample rates)
+    except ImportError as error:
+        raise ImportError(f"resampling {rate} Hz audio to {target} Hz needs scipy: "
+                          f"pip install 'jaxformer[audio]'") from error
+    g = math.gcd(rate, target)
+    return signal.resample_poly(audio_N, target // g, rate // g).astype(np.float32)
+
+
 def read_wav(path: str, *, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
-    """A 16-bit PCM mono WAV file -> (N,) float32 in [-1, 1].
+    """A WAV file -> (N,) float32 mono samples at `sample_rate` (16 kHz), in [-1, 1].
+
+    Reads 8/16/24/32-bit PCM and 32/64-bit float files (also in the
+    WAVE_FORMAT_EXTENSIBLE layout) at any sample rate and channel count: the
+    channels are averaged, and another rate is resampled (`resample`, which
+    needs scipy: `pip install 'jaxformer[audio]'`). A 16 kHz mono file is
+    returned exactly as stored (x / 2**15 for 16-bit).
 
     Raises:
-      `FileFormatError` (a ValueError) naming the file and the problem (not a
-      WAV file, sample rate, channel count, sample width) before any samples
-      are read. Resampling and downmixing are the
-      caller's choice, not done silently here.
+      `FileFormatError` (a ValueError) naming the file and the problem (missing,
+      not a RIFF/WAVE file, an unsupported sample format) before anything is
+      resampled.
     """
     path = require_file(path, "WAV file")
-    try:
-        with wave.open(path, "rb") as f:
-            rate, channels, width = f.getframerate(), f.getnchannels(), f.getsampwidth()
-            for ok, problem in ((rate == sample_rate, f"sample rate {rate} Hz, expected "
-                                                       f"{sample_rate} Hz (resample it first)"),
-                                (channels == 1, f"{channels} channels, expected 1 (mono)"),
-                                (width == 2, f"{8 * width}-bit samples, expected 16-bit PCM")):
-                if not ok:
-                    raise FileFormatError(path, problem)
-            data = f.readframes(f.getnframes())
-    except (wave.Error, EOFError) as error:
-        raise FileFormatError(path, f"is not a readable WAV file ({error})",
-                              "convert it to 16-bit PCM WAV") from error
-    return np.frombuffer(data, "<i2").astype(np.float32) / 32768.0
+    with open(path, "rb") as f:
+        data = f.read()
+    frames_NC, rate = _samples(path, *_wav_chunks(path, data))
+    mono_N = frames_NC[:, 0] if frames_NC.shape[1] == 1 else frames_NC.mean(axis=1)
+    return resample(mono_N, rate, sample_rate)
 
 
 def _hz_to_mel(f):

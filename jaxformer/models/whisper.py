@@ -1,4 +1,6 @@
-"""OpenAI Whisper on jaxformer's blocks: config and the CTranslate2 weight mapping.
+"""OpenAI Whisper on jaxformer's blocks: config, the CTranslate2 weight mapping, and
+Whisper's decoding conventions (prompts, token suppression, timestamp rules,
+language detection).
 
 Whisper is a Pre-LN encoder-decoder Transformer: the encoder reads a log-mel
 spectrogram (80 bins, 3000 frames) through two 1-D convolutions (width 3,
@@ -9,19 +11,29 @@ a choice of `TransformerConfig` fields and a renaming of the file's tensors;
 no layer is Whisper-specific.
 
     model, params, vocab = load_ct2(model_dir)       # CTranslate2 model.bin folder
+    ids = transcribe_ids(model, params, vocab, model_dir, features_BTM, timestamps=True)
+    [(code, p)] = detect_language(model, params, vocab, features_BTM[:1])
+
+Audio files to text (windows, segments, SRT) are `jaxformer.models.transcribe`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
+from typing import Optional
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxformer.config import TransformerConfig
 from jaxformer.errors import FileFormatError, require_file
+from jaxformer.decode import api as decoding, processors
 from jaxformer.decode.loop import decode_jit
+from jaxformer.decode.processors import NEG
 from jaxformer.interop import ct2
 from jaxformer.interop.flat import load_flat
 from jaxformer.nn.model import Transformer
@@ -150,8 +162,6 @@ def load_ct2(model_dir: str, dtype: str = "float32"):
                              f"expects {want}")
     config = config_from_ct2(file, vocab, dtype)
     model = Transformer(config, stem=ConvStem(config))
-    import jax  # noqa: PLC0415
-    import jax.numpy as jnp  # noqa: PLC0415
     features = jax.ShapeDtypeStruct((1, 2 * config.encoder_len, N_MELS), jnp.float32)
     params = load_flat(model, map_ct2(file, config), features,
                        jax.ShapeDtypeStruct((1, 1), jnp.int32))
@@ -164,11 +174,71 @@ def special_ids(model_dir: str) -> dict:
         return json.load(f)
 
 
-def prompt_ids(vocab: list[str], language: str = "en") -> list[int]:
-    """<|startoftranscript|> <|lang|> <|transcribe|> <|notimestamps|>: BOS, then the prefix."""
+# -- token conventions ------------------------------------------------------------------
+
+TASKS = ("transcribe", "translate")
+TIME_PRECISION = 0.02  # seconds per timestamp token: <|0.00|>, <|0.02|>, ...
+MULTILINGUAL_VOCAB = 51865  # openai-whisper's test: English-only (".en") vocabularies are smaller
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokens:
+    """The special token ids of a Whisper vocabulary (text tokens come first, then
+    <|endoftext|>, <|startoftranscript|>, the language tokens, the task tokens,
+    ..., <|notimestamps|>, and the timestamps <|0.00|> .. <|30.00|> last)."""
+
+    eot: int
+    sot: int
+    translate: int
+    transcribe: int
+    no_timestamps: int
+    timestamp_begin: int
+    languages: tuple[str, ...]  # codes, in vocabulary order
+    language_ids: tuple[int, ...]
+    multilingual: bool
+
+    def language_id(self, code: str) -> int:
+        """The id of <|code|>, or ValueError naming the code and listing known ones."""
+        if code not in self.languages:
+            raise ValueError(f"unknown language {code!r}: the model knows {len(self.languages)} "
+                             f"codes, e.g. {', '.join(self.languages[:8])} (or 'auto')")
+        return self.language_ids[self.languages.index(code)]
+
+
+def tokens_of(vocab: list[str]) -> Tokens:
+    """The `Tokens` of a vocabulary (as `load_ct2` returns it)."""
     ids = {token: i for i, token in enumerate(vocab)}
-    return [ids[t] for t in ("<|startoftranscript|>", f"<|{language}|>", "<|transcribe|>",
-                             "<|notimestamps|>")]
+    sot, translate = ids["<|startoftranscript|>"], ids["<|translate|>"]
+    languages = [(vocab[i][2:-2], i) for i in range(sot + 1, translate)
+                 if re.fullmatch(r"<\|[a-z]{2,3}(-[a-z]+)?\|>", vocab[i])]
+    no_timestamps = ids["<|notimestamps|>"]
+    return Tokens(eot=ids["<|endoftext|>"], sot=sot, translate=translate,
+                  transcribe=ids["<|transcribe|>"], no_timestamps=no_timestamps,
+                  timestamp_begin=no_timestamps + 1,
+                  languages=tuple(c for c, _ in languages),
+                  language_ids=tuple(i for _, i in languages),
+                  multilingual=len(vocab) >= MULTILINGUAL_VOCAB)
+
+
+def prompt_ids(vocab: list[str], language: Optional[str] = "en", task: str = "transcribe",
+               timestamps: bool = False) -> list[int]:
+    """The decoder prompt: <|startoftranscript|> <|language|> <|task|>, then
+    <|notimestamps|> unless `timestamps`. `language=None` leaves out the language and
+    task tokens, the form English-only models were trained with.
+
+    Raises:
+      ValueError naming an unknown language code or task.
+    """
+    t = tokens_of(vocab)
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+    ids = [t.sot]
+    if language is not None:
+        ids += [t.language_id(language), t.translate if task == "translate" else t.transcribe]
+    return ids if timestamps else ids + [t.no_timestamps]
+
+
+# -- decoding ---------------------------------------------------------------------------
 
 
 def encode(model, params, features_BTM):
@@ -184,29 +254,158 @@ def _encode(model, params, features_BTM):
 _encode_jit = decode_jit(static_argnames=("model",))(_encode)
 
 
-def transcribe_ids(model, params, vocab, model_dir, features_BTM, *, max_new_tokens: int = 224,
-                   language: str = "en", loop: str = "while") -> list[list[int]]:
-    """Greedy transcription as Whisper decodes: forced prefix, suppressed tokens, and
-    blank/EOS suppressed at the first free step. Returns each row's text token ids
-    (prefix and EOS excluded, as ctranslate2's `sequences_ids`).
+def _first_logits(model, params, features_BTM, sot_id):
+    """(B, V) logits of the token after <|startoftranscript|>."""
+    memory_BSD = model.apply({"params": params}, features_BTM, method=Transformer.encode)
+    tgt_B1 = jnp.full((features_BTM.shape[0], 1), sot_id, jnp.int32)
+    return model.apply({"params": params}, tgt_B1, memory_BSD,
+                       method=Transformer.decode)[:, 0].astype(jnp.float32)
 
-    `max_new_tokens` counts the whole decoder input after BOS, as ctranslate2's
-    `max_length` does (so the prefix is part of it). `loop="while"` (default)
-    stops once every row emitted EOS, as ctranslate2 does; "scan" always runs
-    `max_new_tokens - 1` steps. Both give the same ids.
+
+_first_logits_jit = decode_jit(static_argnames=("model",))(_first_logits)
+
+
+def language_probabilities(model, params, vocab: list[str], features_BTM
+                           ) -> tuple[tuple[str, ...], np.ndarray]:
+    """(codes (L,), probabilities (B, L)): the softmax of the language tokens' logits
+    after <|startoftranscript|> (restricted to those tokens), as openai-whisper's and
+    ctranslate2's `detect_language` compute it.
+
+    English-only models have these tokens but were never trained on them (their
+    probabilities are near-uniform); `transcribe` does not ask them.
     """
-    from jaxformer.decode import api as decoding, processors  # noqa: PLC0415
+    t = tokens_of(vocab)
+    logits_BV = _first_logits_jit(model, params, jnp.asarray(features_BTM, jnp.float32), t.sot)
+    logits_BL = np.asarray(logits_BV)[:, list(t.language_ids)].astype(np.float64)
+    probs_BL = np.exp(logits_BL - logits_BL.max(axis=1, keepdims=True))
+    return t.languages, probs_BL / probs_BL.sum(axis=1, keepdims=True)
 
-    special = special_ids(model_dir)
-    prefix = prompt_ids(vocab, language)[1:]
-    out = decoding.greedy_decode(
-        model, params, features_BTM, max_new_tokens=max_new_tokens - 1, prefix=prefix,
-        processors=[processors.suppress_tokens(special["suppress_ids"]),
-                    processors.suppress_at_step(special["suppress_ids_begin"],
-                                                at=len(prefix))], loop=loop)
+
+def detect_language(model, params, vocab: list[str], features_BTM
+                    ) -> list[tuple[str, float]]:
+    """The most probable language of each row of log-mel features (B, 3000, 80):
+    [(code, probability)] (see `language_probabilities` for all of them)."""
+    codes, probs_BL = language_probabilities(model, params, vocab, features_BTM)
+    return [(codes[int(row.argmax())], float(row.max())) for row in probs_BL]
+
+
+@dataclasses.dataclass(frozen=True)
+class TimestampRules:
+    """Whisper's timestamp rules as a logits processor (ctranslate2's
+    `ApplyTimestampRules`), for prompts without <|notimestamps|>.
+
+    From step `sample_begin` (the first token after the prompt) on:
+    <|notimestamps|> is never picked; the first token is a timestamp of at most
+    `max_initial` (index into the timestamps: 50 = 1.00 s); timestamps come in
+    pairs (after a pair the next token is text or EOS, after a single timestamp
+    it is a timestamp or EOS) and never decrease; and where the timestamps
+    together are more probable than any single text token, a timestamp is
+    picked. Rows are handled independently; the other processors (token
+    suppression) must run before this one, as in ctranslate2.
+    """
+
+    eot_id: int
+    no_timestamps_id: int
+    timestamp_begin: int
+    sample_begin: int
+    max_initial: int = 50
+
+    def check(self, vocab_size: int) -> None:
+        if not 0 <= self.eot_id < self.no_timestamps_id < self.timestamp_begin < vocab_size:
+            raise ValueError(f"TimestampRules: ids eot {self.eot_id} < no_timestamps "
+                             f"{self.no_timestamps_id} < timestamp_begin "
+                             f"{self.timestamp_begin} < vocab_size {vocab_size} expected")
+
+    def __call__(self, logits_BV, step, tokens_BN):
+        ids_V = jnp.arange(logits_BV.shape[-1])
+        is_time_V = ids_V >= self.timestamp_begin
+        col_N = jnp.arange(tokens_BN.shape[1])
+        last_B = jnp.take(tokens_BN, jnp.maximum(step - 1, 0), axis=1)
+        before_B = jnp.where(step - 1 > self.sample_begin,
+                             jnp.take(tokens_BN, jnp.maximum(step - 2, 0), axis=1), last_B)
+        first, after = step == self.sample_begin, step > self.sample_begin
+        last_time_B = after & (last_B >= self.timestamp_begin)
+        pair_B = last_time_B & (before_B >= self.timestamp_begin)
+        # The latest timestamp generated so far: later ones may not be smaller.
+        seen_BN = ((col_N >= self.sample_begin) & (col_N < step))[None] & (
+            tokens_BN >= self.timestamp_begin)
+        latest_B = jnp.take_along_axis(
+            tokens_BN, jnp.argmax(jnp.where(seen_BN, col_N, -1), axis=1)[:, None], axis=1)[:, 0]
+        ban_BV = jnp.broadcast_to(ids_V == self.no_timestamps_id, logits_BV.shape)
+        ban_BV |= first & (~is_time_V | (ids_V > self.timestamp_begin + self.max_initial))
+        ban_BV |= pair_B[:, None] & is_time_V
+        ban_BV |= (last_time_B & ~pair_B)[:, None] & (ids_V < self.eot_id)
+        ban_BV |= (after & seen_BN.any(axis=1))[:, None] & is_time_V & (
+            ids_V < latest_B[:, None])
+        logits_BV = jnp.where(ban_BV, NEG, logits_BV)
+        # Timestamps as a whole more probable than the best text token: take one.
+        logp_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
+        time_B = jax.nn.logsumexp(jnp.where(is_time_V, logp_BV, -jnp.inf), axis=-1)
+        text_B = jnp.max(jnp.where(is_time_V, -jnp.inf, logp_BV), axis=-1)
+        force_B = after & ~pair_B & (time_B > text_B)
+        return jnp.where(force_B[:, None] & ~is_time_V, NEG, logits_BV)
+
+
+def whisper_processors(vocab: list[str], prompt: list[int], suppress_ids, suppress_ids_begin,
+                       *, max_initial_timestamp_index: int = 50) -> tuple:
+    """The logits processors Whisper decodes with after `prompt`: `suppress_ids` at
+    every step, `suppress_ids_begin` (blank, EOS) at the first step after the
+    prompt, and the `TimestampRules` unless the prompt ends with <|notimestamps|>."""
+    t = tokens_of(vocab)
+    begin = len(prompt) - 1  # the prompt after BOS is forced: steps 0 .. begin - 1
+    out = (processors.suppress_tokens(suppress_ids),
+           processors.suppress_at_step(suppress_ids_begin, at=begin))
+    if prompt[-1] != t.no_timestamps:
+        out += (TimestampRules(t.eot, t.no_timestamps, t.timestamp_begin, begin,
+                               int(max_initial_timestamp_index)),)
+    return out
+
+
+def generate_ids(model, params, vocab: list[str], features_BTM, prompts: list[list[int]], *,
+                 suppress_ids, suppress_ids_begin, max_text_tokens: int = 224,
+                 loop: str = "while") -> list[list[int]]:
+    """Greedy decoding of each row after its prompt (all prompts of one length, each
+    starting with <|startoftranscript|>), with `whisper_processors`. Returns each
+    row's generated ids, timestamps included, EOS excluded (ctranslate2's
+    `sequences_ids`); at most `max_text_tokens` are generated."""
+    width = {len(p) for p in prompts}
+    if len(width) != 1 or len(prompts) != features_BTM.shape[0]:
+        raise ValueError(f"prompts: one per row of the features ({features_BTM.shape[0]}), "
+                         f"all of one length; got lengths {sorted(width)}")
+    width, t = width.pop(), tokens_of(vocab)
+    if len({p[-1] == t.no_timestamps for p in prompts}) > 1 or any(p[0] != t.sot
+                                                                    for p in prompts):
+        raise ValueError("prompts: each starts with <|startoftranscript|>, and all end with "
+                         "<|notimestamps|> or none does")
+    procs = whisper_processors(vocab, prompts[0], suppress_ids, suppress_ids_begin)
+    prefix = np.asarray([p[1:] for p in prompts], np.int32) if width > 1 else None
+    out = decoding.greedy_decode(model, params, features_BTM,
+                                 max_new_tokens=width - 1 + int(max_text_tokens),
+                                 prefix=prefix, processors=procs, loop=loop)
     eos = model.config.eos_id
     rows = []
     for tokens, length in zip(np.asarray(out.tokens), np.asarray(out.lengths)):
-        text = tokens[len(prefix):int(length)].tolist()
+        text = tokens[width - 1:int(length)].tolist()
         rows.append(text[:-1] if text and text[-1] == eos else text)
     return rows
+
+
+def transcribe_ids(model, params, vocab, model_dir, features_BTM, *, max_new_tokens: int = 224,
+                   language: Optional[str] = "en", task: str = "transcribe",
+                   timestamps: bool = False, loop: str = "while") -> list[list[int]]:
+    """Greedy transcription as Whisper decodes: forced prompt (`prompt_ids`), suppressed
+    tokens, blank/EOS suppressed at the first free step, and the timestamp rules
+    with `timestamps`. Returns each row's token ids (prompt and EOS excluded, as
+    ctranslate2's `sequences_ids`; with timestamps, they are among them).
+
+    `max_new_tokens` counts the whole decoder input after BOS, as ctranslate2's
+    `max_length` does (so the prompt is part of it). `loop="while"` (default)
+    stops once every row emitted EOS, as ctranslate2 does; "scan" always runs
+    `max_new_tokens - 1` steps. Both give the same ids.
+    """
+    special = special_ids(model_dir)
+    prompt = prompt_ids(vocab, language, task, timestamps)
+    return generate_ids(model, params, vocab, features_BTM, [prompt] * features_BTM.shape[0],
+                        suppress_ids=special["suppress_ids"],
+                        suppress_ids_begin=special["suppress_ids_begin"],
+                        max_text_tokens=max_new_tokens - len(prompt), loop=loop)

@@ -96,7 +96,9 @@ def check_finite_params(params, what: str = "params") -> None:
                 if is_concrete(leaf) and jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)}
     if not floating:
         return
-    bad = [name for name, ok in jax.device_get(_finite_leaves(floating)).items() if not ok]
+    with jax.ensure_compile_time_eval():  # concrete even inside a caller's jit/vmap trace
+        finite = jax.device_get(_finite_leaves(floating))
+    bad = [name for name, ok in finite.items() if not ok]
     if bad:
         more = f" and {len(bad) - 4} more" if len(bad) > 4 else ""
         raise ValueError(f"{what} hold NaN or inf values in {', '.join(bad[:4])}{more}: "

@@ -1,0 +1,98 @@
+"""`jaxformer transcribe`: Whisper over WAV files (`jaxformer.models.transcribe`).
+
+    jaxformer transcribe --model DIR talk.wav            # the text
+    jaxformer transcribe --model DIR a.wav b.wav --json  # one JSON line per file
+    jaxformer transcribe --model DIR talk.wav --timestamps --format srt
+
+DIR is a CTranslate2 Whisper folder (`model.bin`, `vocabulary.txt`,
+`config.json`). Any WAV sample rate and channel count; audio longer than 30 s
+is decoded in windows; every file is read and every option checked before the
+model loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from jaxformer.cli.usage import UsageError
+
+FORMATS = ("text", "json", "srt")
+
+
+def add_parser(commands, add_common_flags) -> None:
+    """Register the subcommand on `commands` (argparse subparsers)."""
+    parser = commands.add_parser(
+        "transcribe", help="speech to text with a Whisper model",
+        description="Transcribe (or translate to English) WAV files with a CTranslate2 "
+                    "Whisper folder: any sample rate and channel count, any length.")
+    parser.add_argument("audio", nargs="+", metavar="AUDIO", help="WAV files")
+    parser.add_argument("--model", required=True, metavar="DIR",
+                        help="a CTranslate2 Whisper folder (model.bin, vocabulary.txt, "
+                             "config.json)")
+    parser.add_argument("--language", default="auto",
+                        help='"auto" (detected per file) or a code such as "en" (default auto)')
+    parser.add_argument("--task", choices=("transcribe", "translate"), default="transcribe")
+    parser.add_argument("--timestamps", action="store_true",
+                        help="segment timestamps (Whisper's timestamp tokens)")
+    parser.add_argument("--format", choices=FORMATS, default="text",
+                        help="text, json (one line per file) or srt (default text)")
+    parser.add_argument("--json", action="store_const", const="json", dest="format",
+                        help="the same as --format json")
+    parser.add_argument("--batch", type=int, default=8, help="30 s windows decoded together")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_common_flags(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from jaxformer.models import audio as audio_lib  # noqa: PLC0415
+    from jaxformer.models import transcribe  # noqa: PLC0415
+
+    if args.batch < 1:
+        raise UsageError(f"--batch must be positive, got {args.batch}")
+    if args.format == "srt" and not args.timestamps:
+        raise UsageError("--format srt needs --timestamps")
+    if not os.path.isdir(args.model):
+        raise UsageError(f"--model {args.model}: not a directory (a CTranslate2 Whisper "
+                              "folder with model.bin, vocabulary.txt and config.json)")
+    try:
+        samples = [audio_lib.read_wav(path) for path in args.audio]  # all checked first
+        w = transcribe.load(args.model)
+        transcribe.check_options(w, args.language, args.task)
+        results = transcribe.transcribe(w, samples, language=args.language, task=args.task,
+                                        timestamps=args.timestamps, batch_size=args.batch,
+                                        progress=_progress_bar(args))
+    except ValueError as error:  # FileFormatError included
+        raise UsageError(str(error)) from error
+    for path, result in zip(args.audio, results):
+        if args.format == "json":
+            print(json.dumps({"file": path, **result.to_dict()}, ensure_ascii=False),
+                  flush=True)
+        elif args.format == "srt":
+            print(transcribe.srt(result.segments), end="", flush=True)
+        else:
+            prefix = f"{path}: " if len(args.audio) > 1 else ""
+            print(prefix + transcribe.to_text(result, args.timestamps), flush=True)
+    return 0
+
+
+def _progress_bar(args):
+    """`progress(seconds done, seconds in total)` driving a tqdm bar on stderr, or None."""
+    if args.no_progress:
+        return None
+    from tqdm.auto import tqdm  # noqa: PLC0415
+
+    bar = None
+
+    def progress(done: float, total: float) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=round(total, 1), unit="s", desc="transcribing", file=sys.stderr,
+                       dynamic_ncols=True, leave=False)
+        bar.update(round(done, 1) - bar.n)
+        if done >= total:
+            bar.close()
+
+    return progress

@@ -1,0 +1,69 @@
+"""`jaxformer transcribe` end to end on the installed Whisper tiny: the text of a
+44.1 kHz stereo file equals ctranslate2's text of the 16 kHz mono original; bad
+options and files are one line and exit 2 before the model loads."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from jaxformer.cli.main import main
+from jaxformer.models import audio, transcribe, whisper
+
+from conftest import REPO, whisper_model_dir
+
+FOX = os.path.join(REPO, "tests", "data", "fox_espeak.wav")
+FOX_44K = os.path.join(REPO, "tests", "data", "fox_espeak_44k_stereo.wav")
+
+
+@pytest.fixture(scope="module")
+def ct2_text():
+    """ctranslate2's greedy text of the 16 kHz mono clip (English-only prompt)."""
+    ctranslate2 = pytest.importorskip("ctranslate2", reason="needs the test extra")
+    model_dir = whisper_model_dir()
+    runtime = ctranslate2.models.Whisper(model_dir, device="cpu", compute_type="float32",
+                                         intra_threads=1)
+    vocab = whisper.load_ct2(model_dir)[2]
+    features = np.asarray(audio.log_mel_spectrogram(audio.pad_or_trim(audio.read_wav(FOX))[None]))
+    storage = ctranslate2.StorageView.from_array(np.ascontiguousarray(
+        features.transpose(0, 2, 1)))
+    ids = runtime.generate(storage, [whisper.prompt_ids(vocab, None)], beam_size=1)
+    return transcribe.decode_text(vocab, ids[0].sequences_ids[0]).strip()
+
+
+def test_json_lines_and_srt_of_a_44k_stereo_file(ct2_text, capsys):
+    assert main(["transcribe", "--model", whisper_model_dir(), FOX_44K, FOX, "--json",
+                 "--no-progress"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["file"] for line in lines] == [FOX_44K, FOX]
+    assert lines[0]["text"] == lines[1]["text"] == ct2_text
+    assert lines[0]["language"] == "en" and lines[0]["language_probability"] is None
+    assert lines[0]["segments"][0]["start"] == 0.0
+    assert main(["transcribe", "--model", whisper_model_dir(), FOX, "--timestamps",
+                 "--format", "srt", "--no-progress"]) == 0
+    srt = capsys.readouterr().out
+    assert srt.startswith("1\n00:00:00,000 --> 00:00:0") and ct2_text.split()[-1] in srt
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--language", "xx"], "xx"),
+    (["--task", "translate"], "English-only"),
+    (["--format", "srt"], "--format srt needs --timestamps"),
+    (["--batch", "0"], "--batch must be positive"),
+], ids=["language", "translate-english-only", "srt-without-timestamps", "batch"])
+def test_bad_options_are_one_line_and_exit_2(flags, message, capsys):
+    assert main(["transcribe", "--model", whisper_model_dir(), FOX, *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_file_that_is_not_audio_is_named(tmp_path, capsys):
+    not_audio = tmp_path / "notes.wav"
+    not_audio.write_text("hello")
+    assert main(["transcribe", "--model", whisper_model_dir(), FOX, str(not_audio)]) == 2
+    err = capsys.readouterr().err
+    assert str(not_audio) in err and len(err.strip().splitlines()) == 1, err
+    assert main(["transcribe", "--model", str(tmp_path), FOX]) == 2  # no model files
+    err = capsys.readouterr().err
+    assert str(tmp_path) in err and len(err.strip().splitlines()) == 1, err
