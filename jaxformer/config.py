@@ -12,7 +12,7 @@ from typing import Literal, Optional
 
 import jax.numpy as jnp
 
-Norm = Literal["post", "pre"]
+Norm = Literal["post", "pre", "sandwich", "post_sublayer"]
 Activation = Literal["relu", "gelu", "gelu_tanh", "silu"]
 Positions = Literal["sinusoidal", "learned", "fixed", "none"]
 NormType = Literal["layernorm", "rmsnorm"]
@@ -20,9 +20,12 @@ Rope = Literal["none", "half", "interleaved"]
 AttentionImpl = Literal["einsum", "jax"]
 Remat = Literal["none", "full", "save_proj", "save_dots"]
 Precision = Literal["default", "mixed"]
+# RoPE frequency scaling kinds, as checkpoints name them (Hugging Face's `rope_type`).
+ROPE_SCALINGS = ("linear", "llama3")
 
 _CHOICES = {
-    "norm": ("post", "pre"),
+    "norm": ("post", "pre", "sandwich", "post_sublayer"),
+    "embedding_scale_dtype": ("param", "compute"),
     "activation": ("relu", "gelu", "gelu_tanh", "silu"),
     "encoder_positions": ("sinusoidal", "learned", "fixed", "none"),
     "decoder_positions": ("sinusoidal", "learned", "fixed", "none"),
@@ -84,11 +87,15 @@ class TransformerConfig(ConfigMixin):
     residual_dropout: float = 0.0
     embedding_dropout: float = 0.0
     ffn_dropout: float = 0.0
+    # Where each sublayer f's norm sits:
     # "post": x = LN(x + f(x)) (the original paper, seed 001);
-    # "pre":  x = x + f(LN(x)), followed by a final LN per stack (seed 002).
+    # "pre":  x = x + f(LN(x)), followed by a final LN per stack (seed 002);
+    # "sandwich": x = x + LN'(f(LN(x))), a norm before and after (Gemma 2/3;
+    #   the second is `*_post_norm`);
+    # "post_sublayer": x = x + LN(f(x)), the norm on the sublayer's output (OLMo 2).
     norm: Norm = "post"
-    # A final LayerNorm after each stack. None: only for "pre". torch.nn.Transformer
-    # always has one, so weights imported from it set this to True.
+    # A final LayerNorm after each stack. None: for every placement but "post".
+    # torch.nn.Transformer always has one, so weights imported from it set this to True.
     final_norm: Optional[bool] = None
     # "gelu" is the exact erf form (torch.nn.GELU()); "gelu_tanh" the approximation;
     # "silu" = x * sigmoid(x) (with gated_ffn: SwiGLU).
@@ -108,9 +115,44 @@ class TransformerConfig(ConfigMixin):
     # "interleaved" pairs (2i, 2i + 1) (RoFormer, Meta's Llama, GGUF files).
     rope: Rope = "none"
     rope_theta: float = 10000.0
+    # RoPE base of the local (sliding-window) layers; None = rope_theta. Gemma 3:
+    # 10000 local, 1e6 global.
+    rope_local_theta: Optional[float] = None
+    # RoPE frequency scaling as a checkpoint states it: None, "linear" (every
+    # frequency / factor) or "llama3" (Llama 3.1's smooth low-frequency scaling with
+    # rope_low_freq_factor, rope_high_freq_factor, rope_original_max_len). It
+    # applies to the layers that use rope_theta (not to local layers with their own
+    # rope_local_theta: Gemma 3 scales its global layers only).
+    rope_scaling: Optional[str] = None
+    rope_scaling_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
     # "layernorm": (x - mean) / std * scale + bias; "rmsnorm": x / rms(x) * scale.
     norm_type: NormType = "layernorm"
     layer_norm_epsilon: float = 1e-5  # the epsilon of either norm
+    # RMSNorm as x / rms(x) * (1 + scale), scale initialised to 0 (Gemma), in float32.
+    norm_scale_plus_one: bool = False
+    # Per-head norm (the configured norm over K) of the queries and keys of every
+    # attention, before RoPE (Qwen 3, Gemma 3). Parameters query_norm, key_norm (K,).
+    qk_norm: bool = False
+    # Features K per head; None = d_model // num_heads (Gemma: 256 with d_model 640).
+    # Always an int once built (None is resolved; `replace` re-derives it).
+    head_dim: Optional[int] = None
+    # Attention logits = q.k * query_scale; None = 1 / sqrt(head_dim). Gemma:
+    # query_pre_attn_scalar ** -0.5.
+    query_scale: Optional[float] = None
+    # Soft caps: logits -> cap * tanh(logits / cap), on attention logits (after the
+    # scale, before the mask) and on the output logits (Gemma 2). None = off.
+    attn_logit_softcapping: Optional[float] = None
+    final_logit_softcapping: Optional[float] = None
+    # Local attention: a local layer's query at slot t sees keys at slots
+    # t - sliding_window < s <= t (Mistral, Gemma 2/3, Qwen 2). Which layers are
+    # local: `attention_pattern`, letters "L" (local) and "G" (global) repeated
+    # over the layers ("LG": Gemma 2; "LLLLLG": Gemma 3; one letter per layer for
+    # an explicit list); None = every layer local when sliding_window is set.
+    sliding_window: Optional[int] = None
+    attention_pattern: Optional[str] = None
     # Key/value heads G (grouped-query attention; 1 = multi-query). None = num_heads.
     # Each group of num_heads / G query heads shares one key/value head, so the
     # KV cache holds G heads.
@@ -123,6 +165,10 @@ class TransformerConfig(ConfigMixin):
     output_bias: bool = True  # bias of decoder/out_proj (when not tied)
     # Multiply token embeddings by sqrt(d_model) (paper, seeds 000/002).
     scale_embeddings: bool = True
+    # "param": the table's rows times sqrt(d_model), then cast to the compute dtype;
+    # "compute": cast first, then times sqrt(d_model) rounded to the compute dtype
+    # (Gemma's normaliser in Hugging Face). Equal in float32.
+    embedding_scale_dtype: str = "param"
     # Output projection = target embedding transposed (no separate matrix).
     tie_output_embedding: bool = False
     # What the encoder reads: "tokens" (ids through src_embed) or "embedded"
@@ -164,6 +210,14 @@ class TransformerConfig(ConfigMixin):
     cpu_tuning: bool = False
 
     def __post_init__(self):
+        _require(self.head_dim is None or (isinstance(self.head_dim, int)
+                                           and self.head_dim > 0), "head_dim",
+                 f"must be None or a positive int, got {self.head_dim!r}")
+        # head_dim None is resolved to d_model // num_heads; `replace` re-derives it.
+        object.__setattr__(self, "_derived_head_dim", self.head_dim is None)
+        if self.head_dim is None and isinstance(self.num_heads, int) and self.num_heads > 0 \
+                and isinstance(self.d_model, int):
+            object.__setattr__(self, "head_dim", self.d_model // self.num_heads)
         for name in ("src_vocab_size", "tgt_vocab_size", "d_model", "num_heads",
                      "d_ff", "max_len"):
             _require(isinstance(getattr(self, name), int) and getattr(self, name) > 0,
@@ -178,8 +232,9 @@ class TransformerConfig(ConfigMixin):
                      f"must be a non-negative int, got {value!r}")
         _require(self.num_decoder_layers > 0, "num_decoder_layers",
                  "must be positive: every model here ends in a decoder")
-        _require(self.d_model % self.num_heads == 0, "d_model",
-                 f"{self.d_model} is not divisible by num_heads={self.num_heads}")
+        _require(not self._derived_head_dim or self.d_model % self.num_heads == 0, "d_model",
+                 f"{self.d_model} is not divisible by num_heads={self.num_heads} "
+                 "(or set head_dim)")
         for name in ("attention_dropout", "residual_dropout", "embedding_dropout",
                      "ffn_dropout"):
             value = getattr(self, name)
@@ -204,6 +259,7 @@ class TransformerConfig(ConfigMixin):
         _require(self.rope == "none" or self.head_dim % 2 == 0, "rope",
                  f"needs an even head dim (rotated in pairs), got head_dim={self.head_dim}")
         _require(self.rope_theta > 0, "rope_theta", f"must be positive, got {self.rope_theta!r}")
+        self._check_blocks()
         _require(self.layer_norm_epsilon > 0, "layer_norm_epsilon",
                  f"must be positive, got {self.layer_norm_epsilon!r}")
         for name in ("pad_id", "bos_id", "eos_id"):
@@ -229,10 +285,66 @@ class TransformerConfig(ConfigMixin):
                  f"needs src_vocab_size == tgt_vocab_size, got "
                  f"{self.src_vocab_size} and {self.tgt_vocab_size}")
 
+    def _check_blocks(self) -> None:
+        """The choices of today's open models (Gemma, Qwen, Mistral, Llama 3)."""
+        for name in ("query_scale", "attn_logit_softcapping", "final_logit_softcapping",
+                     "rope_local_theta"):
+            value = getattr(self, name)
+            _require(value is None or (isinstance(value, (int, float)) and value > 0), name,
+                     f"must be None or a positive number, got {value!r}")
+        for name in ("qk_norm", "norm_scale_plus_one"):
+            _require(isinstance(getattr(self, name), bool), name,
+                     f"must be a bool, got {getattr(self, name)!r}")
+        _require(not self.norm_scale_plus_one or self.norm_type == "rmsnorm",
+                 "norm_scale_plus_one", 'is an RMSNorm parameterisation: needs norm_type="rmsnorm"')
+        _require(self.sliding_window is None or (isinstance(self.sliding_window, int)
+                                                 and self.sliding_window > 0),
+                 "sliding_window", f"must be None or a positive int, got {self.sliding_window!r}")
+        pattern = self.attention_pattern
+        _require(pattern is None or (isinstance(pattern, str) and pattern
+                                     and set(pattern) <= set("LG")), "attention_pattern",
+                 f'must be None or a non-empty string of "L" (local) and "G" (global), '
+                 f"got {pattern!r}")
+        _require(pattern is None or "L" not in pattern or self.sliding_window is not None,
+                 "attention_pattern", 'has local layers ("L"): set sliding_window')
+        _require(self.attention_impl == "einsum" or self.attn_logit_softcapping is None,
+                 "attn_logit_softcapping", 'needs attention_impl="einsum" '
+                 "(jax.nn.dot_product_attention has no soft cap)")
+        _require(self.rope_scaling is None or self.rope_scaling in ROPE_SCALINGS,
+                 "rope_scaling", f"{self.rope_scaling!r} is not implemented "
+                 f"(implemented: None, {', '.join(map(repr, ROPE_SCALINGS))})")
+        _require(self.rope_scaling_factor > 0, "rope_scaling_factor",
+                 f"must be positive, got {self.rope_scaling_factor!r}")
+        _require(self.rope_scaling != "llama3" or (
+            0 < self.rope_low_freq_factor < self.rope_high_freq_factor
+            and isinstance(self.rope_original_max_len, int) and self.rope_original_max_len > 0),
+            "rope_low_freq_factor", "llama3 scaling needs 0 < rope_low_freq_factor < "
+            "rope_high_freq_factor and a positive rope_original_max_len, got "
+            f"{self.rope_low_freq_factor}, {self.rope_high_freq_factor}, "
+            f"{self.rope_original_max_len}")
+
+    def replace(self, **changes):
+        if self._derived_head_dim and "head_dim" not in changes:
+            changes["head_dim"] = None  # derived from the (maybe new) d_model / num_heads
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        values = dataclasses.asdict(self)
+        if self._derived_head_dim:
+            values["head_dim"] = None  # stays derived after a round trip
+        return values
+
     # Derived values: properties, so there is one source of truth.
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.num_heads
+    def layer_is_local(self, layer: int) -> bool:
+        """Whether self-attention layer `layer` (of either stack) is a sliding-window one."""
+        if self.sliding_window is None:
+            return False
+        if self.attention_pattern is None:
+            return True
+        return self.attention_pattern[layer % len(self.attention_pattern)] == "L"
+
+    def local_layers(self, num_layers: int) -> tuple[bool, ...]:
+        return tuple(self.layer_is_local(i) for i in range(num_layers))
 
     @property
     def encoder_len(self) -> int:
@@ -257,7 +369,7 @@ class TransformerConfig(ConfigMixin):
 
     @property
     def use_final_norm(self) -> bool:
-        return self.norm == "pre" if self.final_norm is None else self.final_norm
+        return self.norm != "post" if self.final_norm is None else self.final_norm
 
     @property
     def compute_dtype(self) -> jnp.dtype:

@@ -32,6 +32,17 @@ chunk into the past between segments (one copy per segment); a step then
 reads P + chunk slots, on average about 60 % of T_max at 4 segments
 (80 of 128). Slot numbers stay
 global: the chunk's slot i is slot P + i.
+
+Local layers (`config.sliding_window`, `config.attention_pattern`). A local
+layer's query never sees a key more than `sliding_window` - 1 slots back, so its
+cache is a ring of R = min(sliding_window, T_max) slots: slot s lives in ring
+position s mod R. A call feeding T tokens at slots a..a+T-1 attends over the
+ring as it was (each ring position's slot is the newest s < a with s = j mod R)
+and the T new keys, masked by `ring_mask` (window, causality, the row's
+start), then writes the newest R of the slots into the ring. Cache bytes: a
+global layer holds T_max slots, a local one R, so an all-local model's cache
+is min(W, T_max) / T_max of a full one. Chunking (`fold`) leaves the rings
+alone (their past is empty).
 """
 
 from __future__ import annotations
@@ -64,6 +75,8 @@ class DecodeCache:
         cache is kept in chunks (`self_kv` then holds slots P..), or None.
       length_axis: the slot axis of every key/value array (static;
         `attention.kv_length_axis`): 2 for (B, G, T, K), 1 for (B, T, G, K).
+      local: per decoder layer, whether its self_kv is a sliding-window ring (static).
+      window: the rings' most slots, `config.sliding_window` (static; 0 without rings).
     """
 
     self_kv: tuple[KV, ...]
@@ -73,20 +86,32 @@ class DecodeCache:
     cross_mask: Optional[jax.Array] = None
     past_kv: Optional[tuple[KV, ...]] = None
     length_axis: int = flax.struct.field(pytree_node=False, default=2)
+    local: tuple[bool, ...] = flax.struct.field(pytree_node=False, default=())
+    window: int = flax.struct.field(pytree_node=False, default=0)
 
     @property
     def batch(self) -> int:
         return self.start_B.shape[0]
 
+    def _full_layer(self) -> int:
+        """A layer with a full (not ring) cache, or 0 if every layer is a ring."""
+        return next((i for i, ring in enumerate(self.local_flags) if not ring), 0)
+
+    @property
+    def local_flags(self) -> tuple[bool, ...]:
+        return self.local or (False,) * len(self.self_kv)
+
     @property
     def past_len(self) -> int:
         """P: slots held in `past_kv` (0 without)."""
-        return 0 if self.past_kv is None else self.past_kv[0].key.shape[self.length_axis]
+        if self.past_kv is None:
+            return 0
+        return self.past_kv[self._full_layer()].key.shape[self.length_axis]
 
     @property
     def max_len(self) -> int:
-        """T_max: the number of slots, past and current chunk."""
-        return self.past_len + self.self_kv[0].key.shape[self.length_axis]
+        """T_max: the number of slots, past and current chunk (of a full layer)."""
+        return self.past_len + self.self_kv[self._full_layer()].key.shape[self.length_axis]
 
 
 def init_cache(config: TransformerConfig, batch: int, max_len: int,
@@ -107,12 +132,23 @@ def init_cache(config: TransformerConfig, batch: int, max_len: int,
                          f"max_len={config.decoder_len} (config.decoder_max_len or max_len; positions "
                          f"would run off the table)")
     dtype = config.compute_dtype if dtype is None else jnp.dtype(dtype)
-    shape = kv_shape(config, batch, max_len)
-    layers = tuple(KV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-                   for _ in range(config.num_decoder_layers))
-    return DecodeCache(self_kv=layers, index=jnp.zeros((), jnp.int32),
+    local = config.local_layers(config.num_decoder_layers)
+    layers = []
+    for ring in local:
+        shape = kv_shape(config, batch, min(max_len, config.sliding_window) if ring else max_len)
+        layers.append(KV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)))
+    return DecodeCache(self_kv=tuple(layers), index=jnp.zeros((), jnp.int32),
                        start_B=jnp.zeros((batch,), jnp.int32),
-                       length_axis=kv_length_axis(config))
+                       length_axis=kv_length_axis(config), local=local,
+                       window=config.sliding_window or 0)
+
+
+def cache_bytes(cache: DecodeCache) -> int:
+    """Bytes of the self-attention keys and values (past and current chunk)."""
+    arrays = [x for kv in cache.self_kv for x in kv]
+    if cache.past_kv is not None:
+        arrays += [x for kv in cache.past_kv for x in kv]
+    return sum(x.size * x.dtype.itemsize for x in arrays)
 
 
 def kv_shape(config: TransformerConfig, batch: int, slots: int) -> tuple[int, ...]:
@@ -133,13 +169,19 @@ def check_cache(cache: DecodeCache, config: TransformerConfig) -> None:
         raise ValueError(f"cache has its slots on axis {cache.length_axis}, attention_impl="
                          f"{config.attention_impl!r} reads them on axis "
                          f"{kv_length_axis(config)}: build it with init_cache(config, ...)")
+    local = config.local_layers(config.num_decoder_layers)
+    if cache.local_flags != local:
+        raise ValueError(f"cache has sliding-window rings on layers {cache.local_flags}, the "
+                         f"config's local layers are {local}: build it with init_cache(config, ...)")
     batch, slots = cache.batch, cache.max_len - cache.past_len
-    chex.assert_shape([x for kv in cache.self_kv for x in kv], kv_shape(config, batch, slots))
+    ring = min(slots + cache.past_len, config.sliding_window or 1)
+    for kv, is_ring in zip(cache.self_kv, local):
+        chex.assert_shape(list(kv), kv_shape(config, batch, ring if is_ring else slots))
     if cache.past_kv is not None:
         if len(cache.past_kv) != config.num_decoder_layers:
             raise ValueError("cache.past_kv must have one KV per decoder layer")
-        chex.assert_shape([x for kv in cache.past_kv for x in kv],
-                          kv_shape(config, batch, cache.past_len))
+        for kv, is_ring in zip(cache.past_kv, local):
+            chex.assert_shape(list(kv), kv_shape(config, batch, 0 if is_ring else cache.past_len))
     chex.assert_shape(cache.index, ())
     chex.assert_type([cache.index, cache.start_B], jnp.int32)
     if cache.cross_kv is not None:
@@ -159,6 +201,21 @@ def self_attention_mask(cache: DecodeCache, num_queries: int) -> jnp.ndarray:
     visible_TK = key_slot[None, :] <= query_slot_T[:, None]
     started_BK = key_slot[None, :] >= cache.start_B[:, None]
     return (visible_TK[None, :, :] & started_BK[:, None, :])[:, None]
+
+
+def ring_mask(cache: DecodeCache, num_queries: int, ring_len: int, window: int) -> jnp.ndarray:
+    """(B, 1, T, R + T): what the T queries at slots index.. of a local layer see in
+    [its ring of R slots before the write, the T new keys]: keys at most window - 1
+    slots back, written, not after the query, not before the row's start."""
+    first = cache.index
+    query_T = first + jnp.arange(num_queries)
+    ring_slot_R = first - 1 - jnp.remainder(first - 1 - jnp.arange(ring_len), ring_len)
+    new_slot_T = first + jnp.arange(num_queries)
+    key_slot = jnp.concatenate([ring_slot_R, new_slot_T])
+    distance_TK = query_T[:, None] - key_slot[None, :]
+    visible_TK = (distance_TK >= 0) & (distance_TK < window) & (key_slot >= 0)[None, :]
+    started_BK = key_slot[None, :] >= cache.start_B[:, None]
+    return (visible_TK[None] & started_BK[:, None, :])[:, None]
 
 
 def positions(cache: DecodeCache, num_queries: int) -> jnp.ndarray:
@@ -191,11 +248,17 @@ def cached_forward(model, params, cache: DecodeCache,
       (logits (B, T, V) float32, the cache with the new keys/values and index + T).
     """
     num_queries = tokens_BT.shape[1]
+    rings = [kv for kv, ring in zip(cache.self_kv, cache.local_flags) if ring]
+    local_mask = None
+    if rings:
+        local_mask = ring_mask(cache, num_queries, rings[0].key.shape[cache.length_axis],
+                               model.config.sliding_window)
     logits_BTV, self_kv = model.apply(
         {"params": params}, tokens_BT, self_attention_mask(cache, num_queries),
         cache.cross_kv, cache.cross_mask,
         positions_BT=positions(cache, num_queries), caches=cache.self_kv,
         cache_index=cache.index - cache.past_len, past_kvs=cache.past_kv,
+        ring_mask=local_mask, ring_index=cache.index if rings else None,
         deterministic=True, method=_call_decoder)
     return logits_BTV, cache.replace(self_kv=self_kv, index=cache.index + num_queries)
 
@@ -216,9 +279,25 @@ def fold(cache: DecodeCache, chunk_len: int) -> DecodeCache:
 
     pasts = (None,) * len(cache.self_kv) if cache.past_kv is None else cache.past_kv
     axis = cache.length_axis
-    empty = tuple(KV(*(jnp.zeros(x.shape[:axis] + (chunk_len,) + x.shape[axis + 1:], x.dtype)
-                       for x in kv)) for kv in cache.self_kv)
-    return cache.replace(past_kv=tuple(map(joined, pasts, cache.self_kv)), self_kv=empty)
+
+    def resized(kv: KV, length: int) -> KV:
+        return KV(*(jnp.zeros(x.shape[:axis] + (length,) + x.shape[axis + 1:], x.dtype)
+                    for x in kv))
+
+    past, chunk = [], []
+    for kv, old, ring in zip(cache.self_kv, pasts, cache.local_flags):
+        if ring:  # a sliding-window ring stays; its past is empty
+            past.append(resized(kv, 0))
+            slots = kv.key.shape[axis]
+            # A ring shorter than the window has never wrapped (it held every slot so
+            # far): it grows towards the window with the slots to come.
+            grow = min(cache.window, slots + chunk_len) - slots
+            chunk.append(kv if grow <= 0 else KV(*(
+                jnp.concatenate([x, resized(KV(x, x), grow).key], axis=axis) for x in kv)))
+        else:
+            past.append(joined(old, kv))
+            chunk.append(resized(kv, chunk_len))
+    return cache.replace(past_kv=tuple(past), self_kv=tuple(chunk))
 
 
 def with_memory(model, params, cache: DecodeCache, memory_BSD: jnp.ndarray,

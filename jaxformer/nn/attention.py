@@ -37,7 +37,8 @@ from jaxformer.config import TransformerConfig
 from jaxformer.nn import tuning
 from jaxformer.nn.tuning import apply_dropout
 from jaxformer.nn.axes import logical
-from jaxformer.nn.rope import apply_rope
+from jaxformer.nn.norms import layer_norm
+from jaxformer.nn.rope import apply_rope, layer_frequencies
 
 
 class KV(NamedTuple):
@@ -57,6 +58,8 @@ def dot_product_attention(
     dropout_rate: float = 0.0,
     dropout_rng: Optional[jax.Array] = None,
     dropout_mask: Callable = jax.random.bernoulli,
+    scale: Optional[float] = None,
+    softcap: Optional[float] = None,
 ) -> tuple[jnp.ndarray, jnp.ndarray]:
     """softmax(Q K^T / sqrt(K) masked) V, per head.
 
@@ -69,6 +72,8 @@ def dot_product_attention(
       mask: boolean, broadcastable to (B, H, T, S); True = may attend.
       dropout_rate, dropout_rng: dropout on the weights (off if rng is None).
       dropout_mask: `(rng, keep_prob, shape) -> bool mask` (`jax.random.bernoulli`).
+      scale: the logits' factor instead of 1 / sqrt(K) (`config.query_scale`).
+      softcap: logits -> softcap * tanh(logits / softcap) before the mask (Gemma 2).
 
     Returns:
       (out (B, H, T, K), weights (B, H, T, S) after dropout). Unused weights
@@ -103,7 +108,12 @@ def dot_product_attention(
             batch, heads, num_queries, depth)
 
     logits_BHTS = jnp.concatenate([scores(k) for k in keys], axis=-1)
-    logits_BHTS = (logits_BHTS / math.sqrt(depth)).astype(jnp.float32)
+    if scale is None:
+        logits_BHTS = (logits_BHTS / math.sqrt(depth)).astype(jnp.float32)
+    else:
+        logits_BHTS = (logits_BHTS * scale).astype(jnp.float32)
+    if softcap is not None:
+        logits_BHTS = softcap * jnp.tanh(logits_BHTS / softcap)
     if mask is not None:
         logits_BHTS = jnp.where(mask, logits_BHTS, jnp.finfo(jnp.float32).min)
     weights_BHTS = jax.nn.softmax(logits_BHTS, axis=-1)
@@ -142,11 +152,14 @@ class MultiHeadAttention(nn.Module):
     `out` kernel (H, K, D), plus each projection's bias if
     `config.has_attention_bias("q" | "k" | "v" | "o")`.
     `rotary=True` (self-attention of a `config.rope` model) rotates queries
-    and keys by their positions.
+    and keys by their positions, with the frequencies of a local layer if
+    `local` (`rope.layer_frequencies`). `config.qk_norm` adds `query_norm` and
+    `key_norm` (K,), applied per head before the rotation.
     """
 
     config: TransformerConfig
     rotary: bool = False
+    local: bool = False
 
     def setup(self):
         c = self.config
@@ -168,28 +181,44 @@ class MultiHeadAttention(nn.Module):
                                      **kv_names, **common)
         self.out = nn.DenseGeneral(features=c.d_model, axis=(-2, -1), use_bias=bias("o"),
                                    **names(("heads", "kv", "embed"), ("embed",)), **common)
+        if c.qk_norm:
+            self.query_norm = layer_norm(c)
+            self.key_norm = layer_norm(c)
 
-    def _rotate(self, x_BTHK: jnp.ndarray, positions_BT: Optional[jnp.ndarray]) -> jnp.ndarray:
+    def _rotate(self, x_BTHK: jnp.ndarray, positions_BT: Optional[jnp.ndarray],
+                inv_freq=None) -> jnp.ndarray:
+        """RoPE (if `rotary`) with `inv_freq` (K/2,), default this layer kind's."""
         if not self.rotary:
             return x_BTHK
         if positions_BT is None:
             positions_BT = jnp.arange(x_BTHK.shape[1])[None, :]
-        return apply_rope(x_BTHK, positions_BT, self.config.rope_theta, self.config.rope)
+        if inv_freq is None:
+            inv_freq = layer_frequencies(self.config, self.local)
+        return apply_rope(x_BTHK, positions_BT, None, self.config.rope, inv_freq=inv_freq)
+
+    def _head_norm(self, norm, x_BTHK: jnp.ndarray) -> jnp.ndarray:
+        """Per-head norm over K (`config.qk_norm`), in the projection's dtype."""
+        return norm(x_BTHK).astype(x_BTHK.dtype) if self.config.qk_norm else x_BTHK
 
     def _layout(self, x_BTHK: jnp.ndarray) -> jnp.ndarray:
         """(B, T, H, K) as the attention implementation reads it (`kv_length_axis`)."""
         return x_BTHK if self.config.attention_impl == "jax" else _heads_major(x_BTHK)
 
-    def kv(self, inputs_BSD: jnp.ndarray, positions_BS: Optional[jnp.ndarray] = None) -> KV:
+    def kv(self, inputs_BSD: jnp.ndarray, positions_BS: Optional[jnp.ndarray] = None,
+           inv_freq=None) -> KV:
         """Project keys and values: (B, S, D) -> KV of (B, G, S, K) ("einsum") or
         (B, S, G, K) ("jax"; see `kv_length_axis`).
 
-        Keys are rotated (if `rotary`) by `positions_BS`, default 0..S-1.
+        Keys are rotated (if `rotary`) by `positions_BS`, default 0..S-1, with
+        `inv_freq` (default: this layer kind's frequencies).
         """
         # checkpoint_name: what config.remat="save_proj" keeps (identity otherwise).
         key_BSGK = checkpoint_name(self.key(inputs_BSD), "key_proj")
         value_BSGK = checkpoint_name(self.value(inputs_BSD), "value_proj")
-        return KV(self._layout(self._rotate(key_BSGK, positions_BS)), self._layout(value_BSGK))
+        if self.config.qk_norm:
+            key_BSGK = self._head_norm(self.key_norm, key_BSGK)
+        return KV(self._layout(self._rotate(key_BSGK, positions_BS, inv_freq)),
+                  self._layout(value_BSGK))
 
     def __call__(
         self,
@@ -199,26 +228,32 @@ class MultiHeadAttention(nn.Module):
         *,
         positions_BT: Optional[jnp.ndarray] = None,
         deterministic: bool = True,
+        inv_freq=None,
     ) -> jnp.ndarray:
         """Attend from `inputs_q_BTD` to `kv`: (B, T, D) -> (B, T, D).
 
-        Queries are rotated (if `rotary`) by `positions_BT`, default 0..T-1.
+        Queries are rotated (if `rotary`) by `positions_BT`, default 0..T-1
+        (with `inv_freq`, default this layer kind's frequencies).
 
         The (B, H, T, S) attention weights are sown into the `intermediates`
         collection as `attention_weights`: pass `mutable="intermediates"` to
         `apply` to get them (see `model.attention_weights`).
         """
-        query_BTHK = self._rotate(checkpoint_name(self.query(inputs_q_BTD), "query_proj"),
-                                  positions_BT)
+        query_BTHK = checkpoint_name(self.query(inputs_q_BTD), "query_proj")
+        if self.config.qk_norm:
+            query_BTHK = self._head_norm(self.query_norm, query_BTHK)
+        query_BTHK = self._rotate(query_BTHK, positions_BT, inv_freq)
         if self.config.attention_impl == "jax":  # (B, T, H, K); takes G < H kv heads
             key, value = (jnp.concatenate(x, axis=1) if isinstance(x, tuple) else x
                           for x in kv)  # a cache in segments (past, chunk): one array
-            out_BTHK = jax.nn.dot_product_attention(query_BTHK, key, value, mask=mask)
+            out_BTHK = jax.nn.dot_product_attention(query_BTHK, key, value, mask=mask,
+                                                    scale=self.config.query_scale)
             return checkpoint_name(self.out(out_BTHK), "out_proj")
         rate = self.config.attention_dropout
         dropout_rng = None if deterministic or rate == 0.0 else self.make_rng("dropout")
         out_BHTK, weights_BHTS = dot_product_attention(
             _heads_major(query_BTHK), kv.key, kv.value, mask, dropout_rate=rate,
-            dropout_rng=dropout_rng, dropout_mask=tuning.dropout_mask(self.config))
+            dropout_rng=dropout_rng, dropout_mask=tuning.dropout_mask(self.config),
+            scale=self.config.query_scale, softcap=self.config.attn_logit_softcapping)
         self.sow("intermediates", "attention_weights", weights_BHTS)
         return checkpoint_name(self.out(_heads_major(out_BHTK)), "out_proj")

@@ -1,9 +1,15 @@
 """Building blocks: embeddings and positions, feed-forward, encoder/decoder layers.
 
 Each layer applies its sublayers through `_residual`, the one place that knows
-the difference between Post-LN, x = LN(x + f(x)), and Pre-LN, x = x + f(LN(x)).
-`layer_norm` builds the configured norm (LayerNorm or RMSNorm) under the same
-parameter names.
+where the norms sit (`config.norm`): Post-LN, x = LN(x + f(x)); Pre-LN,
+x = x + f(LN(x)); "sandwich", x = x + LN'(f(LN(x))) (Gemma 2/3); and
+"post_sublayer", x = x + LN(f(x)) (OLMo 2).
+`layer_norm` (`norms.py`) builds the configured norm (LayerNorm, RMSNorm or
+Gemma's (1 + w) RMSNorm) under the same parameter names.
+
+A layer is local (`local=True`: a sliding-window layer of
+`config.attention_pattern`) or global; the caller hands each layer the mask of
+its kind, and a local layer rotates with the local RoPE frequencies.
 """
 
 from __future__ import annotations
@@ -22,6 +28,10 @@ from jaxformer.nn.attention import KV, MultiHeadAttention, dense_init, kv_length
 from jaxformer.config import TransformerConfig
 from jaxformer.nn import tuning
 from jaxformer.nn.axes import ACTIVATION_BTD, constrain, logical
+from jaxformer.nn.norms import layer_norm
+
+__all__ = ["DecoderLayer", "EncoderLayer", "FeedForward", "PositionEmbedding", "TokenEmbedding",
+           "activation_fn", "layer_norm", "ring_write", "sinusoidal_table"]
 
 
 def sinusoidal_table(max_len: int, d_model: int) -> np.ndarray:
@@ -42,17 +52,6 @@ def activation_fn(name: str) -> Callable[[jnp.ndarray], jnp.ndarray]:
             "gelu": functools.partial(jax.nn.gelu, approximate=False),
             "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),
             "silu": jax.nn.silu}[name]
-
-
-def layer_norm(config: TransformerConfig, name: Optional[str] = None) -> nn.Module:
-    """The configured norm: LayerNorm (scale, bias) or RMSNorm (scale only)."""
-    # norm_dtype: float32 under precision="mixed" (statistics and output).
-    common = dict(epsilon=config.layer_norm_epsilon, dtype=config.norm_dtype,
-                  param_dtype=config.params_dtype, name=name,
-                  scale_init=logical(nn.initializers.ones, ("norm",)))
-    if config.norm_type == "rmsnorm":
-        return nn.RMSNorm(**common)
-    return nn.LayerNorm(bias_init=logical(nn.initializers.zeros, ("norm",)), **common)
 
 
 class TokenEmbedding(nn.Module):
@@ -77,9 +76,14 @@ class TokenEmbedding(nn.Module):
         """(B, T) ids -> (B, T, D), times sqrt(D) if `config.scale_embeddings`."""
         ids = jnp.where(tokens_BT < 0, self.vocab_size, tokens_BT)  # negative ids would wrap
         x_BTD = jnp.take(self.embedding, ids, axis=0, mode="fill", fill_value=jnp.nan)
-        if self.config.scale_embeddings:
-            x_BTD = x_BTD * math.sqrt(self.config.d_model)
-        return x_BTD.astype(self.config.compute_dtype)
+        c = self.config
+        if c.scale_embeddings and c.embedding_scale_dtype == "compute":
+            # Gemma (Hugging Face): the normaliser rounded to the compute dtype.
+            return x_BTD.astype(c.compute_dtype) * jnp.asarray(math.sqrt(c.d_model),
+                                                               c.compute_dtype)
+        if c.scale_embeddings:
+            x_BTD = x_BTD * math.sqrt(c.d_model)
+        return x_BTD.astype(c.compute_dtype)
 
     def attend(self, x_BTD: jnp.ndarray) -> jnp.ndarray:
         """(B, T, D) -> (B, T, V) logits against the embedding matrix (tied output)."""
@@ -161,47 +165,78 @@ class FeedForward(nn.Module):
 
 
 def _residual(config: TransformerConfig, norm: nn.Module, dropout: nn.Module,
-              sublayer: Callable, x_BTD: jnp.ndarray, deterministic: bool):
+              sublayer: Callable, x_BTD: jnp.ndarray, deterministic: bool,
+              post_norm: Optional[nn.Module] = None):
     """Apply `sublayer` with residual and LayerNorm in the configured placement.
 
     `sublayer` maps (B, T, D) to ((B, T, D), aux); aux (a new cache) is passed
-    through.
+    through. `post_norm`: the second norm of "sandwich".
     """
-    if config.norm == "pre":
+    if config.norm in ("pre", "sandwich"):
         out_BTD, aux = sublayer(norm(x_BTD))
-        return x_BTD + dropout(out_BTD, deterministic=deterministic), aux
+        if config.norm == "sandwich":
+            out_BTD = post_norm(out_BTD)
+        out_BTD = dropout(out_BTD, deterministic=deterministic)
+        return (x_BTD + out_BTD).astype(x_BTD.dtype), aux
     out_BTD, aux = sublayer(x_BTD)
+    if config.norm == "post_sublayer":
+        out_BTD = dropout(norm(out_BTD), deterministic=deterministic)
+        return (x_BTD + out_BTD).astype(x_BTD.dtype), aux
     # The residual stream keeps its dtype (a no-op unless precision="mixed", whose
     # norms compute and return float32): a scanned layer's carry must not change type.
     return norm(x_BTD + dropout(out_BTD, deterministic=deterministic)).astype(x_BTD.dtype), aux
 
 
+def ring_write(ring: jnp.ndarray, new: jnp.ndarray, first_slot: jnp.ndarray,
+               axis: int) -> jnp.ndarray:
+    """A ring of R slots along `axis` after writing the T entries of `new` at slots
+    first_slot.. (slot s at ring position s mod R; only the newest R survive)."""
+    ring_len, count = ring.shape[axis], new.shape[axis]
+    if count == 1:  # one decode step: a single slice write
+        start = [0] * ring.ndim
+        start[axis] = jnp.remainder(first_slot, ring_len)
+        return jax.lax.dynamic_update_slice(ring, new, start)
+    last = first_slot + count - 1
+    newest_R = last - jnp.remainder(last - jnp.arange(ring_len), ring_len)  # slot per position
+    taken = jnp.take(new, jnp.clip(newest_R - first_slot, 0, count - 1), axis=axis)
+    shape = [1] * ring.ndim
+    shape[axis] = ring_len
+    return jnp.where((newest_R >= first_slot).reshape(shape), taken, ring)
+
+
 class EncoderLayer(nn.Module):
-    """Self-attention + FFN, two Add & Norm. Parameters: self_attn, self_attn_norm, ffn, ffn_norm."""
+    """Self-attention + FFN, two Add & Norm. Parameters: self_attn, self_attn_norm, ffn, ffn_norm
+    (+ self_attn_post_norm, ffn_post_norm for norm="sandwich")."""
 
     config: TransformerConfig
+    local: bool = False  # a sliding-window layer (its mask comes from the caller)
 
     def setup(self):
         c = self.config
-        self.self_attn = MultiHeadAttention(c, rotary=c.rope != "none")
+        self.self_attn = MultiHeadAttention(c, rotary=c.rope != "none", local=self.local)
         self.ffn = FeedForward(c)
         self.self_attn_norm = layer_norm(c)
         self.ffn_norm = layer_norm(c)
+        if c.norm == "sandwich":
+            self.self_attn_post_norm = layer_norm(c)
+            self.ffn_post_norm = layer_norm(c)
         self.dropout = tuning.dropout(c, c.residual_dropout)
 
     def __call__(self, x_BSD: jnp.ndarray, mask: Optional[jnp.ndarray], *,
-                 deterministic: bool = True) -> jnp.ndarray:
-        """(B, S, D), mask (B|1, 1, S|1, S) -> (B, S, D)."""
+                 deterministic: bool = True, inv_freq=None) -> jnp.ndarray:
+        """(B, S, D), mask (B|1, 1, S|1, S) -> (B, S, D). `inv_freq`: RoPE frequencies
+        (default: this layer kind's)."""
+        sandwich = self.config.norm == "sandwich"
 
         def attend(h):
-            return self.self_attn(h, self.self_attn.kv(h), mask,
-                                  deterministic=deterministic), None
+            return self.self_attn(h, self.self_attn.kv(h, inv_freq=inv_freq), mask,
+                                  deterministic=deterministic, inv_freq=inv_freq), None
 
         x_BSD, _ = _residual(self.config, self.self_attn_norm, self.dropout, attend, x_BSD,
-                                   deterministic)
+                             deterministic, self.self_attn_post_norm if sandwich else None)
         x_BSD, _ = _residual(self.config, self.ffn_norm, self.dropout,
                              lambda h: (self.ffn(h, deterministic=deterministic), None),
-                             x_BSD, deterministic)
+                             x_BSD, deterministic, self.ffn_post_norm if sandwich else None)
         return constrain(x_BSD, ACTIVATION_BTD)
 
 
@@ -209,22 +244,30 @@ class DecoderLayer(nn.Module):
     """Masked self-attention (+ cross-attention) + FFN, each with Add & Norm.
 
     Parameters: self_attn, self_attn_norm, cross_attn and cross_attn_norm (if
-    `cross_attention`), ffn, ffn_norm.
+    `cross_attention`), ffn, ffn_norm; norm="sandwich" adds `*_post_norm` of each.
     With `cross_attention=False` this is the decoder-only LM layer of seed 004.
     """
 
     config: TransformerConfig
     cross_attention: bool = True
+    local: bool = False  # a sliding-window layer (its mask comes from the caller)
 
     def setup(self):
         c = self.config
-        self.self_attn = MultiHeadAttention(c, rotary=c.rope != "none")
+        sandwich = c.norm == "sandwich"
+        self.self_attn = MultiHeadAttention(c, rotary=c.rope != "none", local=self.local)
         self.self_attn_norm = layer_norm(c)
+        if sandwich:
+            self.self_attn_post_norm = layer_norm(c)
         if self.cross_attention:
             self.cross_attn = MultiHeadAttention(c)
             self.cross_attn_norm = layer_norm(c)
+            if sandwich:
+                self.cross_attn_post_norm = layer_norm(c)
         self.ffn = FeedForward(c)
         self.ffn_norm = layer_norm(c)
+        if sandwich:
+            self.ffn_post_norm = layer_norm(c)
         self.dropout = tuning.dropout(c, c.residual_dropout)
 
     def cross_kv(self, memory_BSD: jnp.ndarray) -> KV:
@@ -243,6 +286,8 @@ class DecoderLayer(nn.Module):
         past: Optional[KV] = None,
         positions_BT: Optional[jnp.ndarray] = None,
         deterministic: bool = True,
+        inv_freq=None,
+        ring_index: Optional[jnp.ndarray] = None,
     ) -> tuple[jnp.ndarray, Optional[KV]]:
         """One decoder layer.
 
@@ -261,12 +306,28 @@ class DecoderLayer(nn.Module):
             attend over past then cache, and `self_mask` spans P + T_max slots.
           positions_BT: (B|1, T) positions of the inputs for RoPE (default
             0..T-1); cached keys were rotated by theirs when written.
+          inv_freq: RoPE frequencies (K/2,) (default: this layer kind's; a scanned
+            stack of mixed kinds passes each layer's).
+          ring_index: with `cache`, the cache is a sliding-window ring (a local
+            layer; `decode.cache`) and this is the absolute slot of the first new
+            token: the queries attend over [ring, new keys] (`self_mask` spans
+            R + T), then the new keys are written at their slots mod R.
         Returns:
           (y_BTD, the updated cache or None).
         """
 
+        post = (lambda name: getattr(self, name)) if self.config.norm == "sandwich" else (
+            lambda name: None)
+
         def self_attend(h_BTD):
-            kv = self.self_attn.kv(h_BTD, positions_BT)
+            kv = self.self_attn.kv(h_BTD, positions_BT, inv_freq)
+            if cache is not None and ring_index is not None:
+                axis = kv_length_axis(self.config)
+                seen = KV((cache.key, kv.key), (cache.value, kv.value))
+                out = self.self_attn(h_BTD, seen, self_mask, positions_BT=positions_BT,
+                                     deterministic=deterministic, inv_freq=inv_freq)
+                return out, KV(*(ring_write(old, new.astype(old.dtype), ring_index, axis)
+                                 for old, new in zip(cache, kv)))
             if cache is not None:
                 start = [0, 0, 0, 0]
                 start[kv_length_axis(self.config)] = cache_index
@@ -274,18 +335,19 @@ class DecoderLayer(nn.Module):
                         jax.lax.dynamic_update_slice(cache.value, kv.value.astype(cache.value.dtype), start))
             seen = kv if past is None else KV((past.key, kv.key), (past.value, kv.value))
             out = self.self_attn(h_BTD, seen, self_mask, positions_BT=positions_BT,
-                                 deterministic=deterministic)
+                                 deterministic=deterministic, inv_freq=inv_freq)
             return out, (kv if cache is not None else None)
 
         y_BTD, new_cache = _residual(self.config, self.self_attn_norm, self.dropout,
-                                                     self_attend, y_BTD, deterministic)
+                                     self_attend, y_BTD, deterministic,
+                                     post("self_attn_post_norm"))
         if self.cross_attention:
             y_BTD, _ = _residual(
                 self.config, self.cross_attn_norm, self.dropout,
                 lambda h: (self.cross_attn(h, cross_kv, cross_mask,
                                            deterministic=deterministic), None),
-                y_BTD, deterministic)
+                y_BTD, deterministic, post("cross_attn_post_norm"))
         y_BTD, _ = _residual(self.config, self.ffn_norm, self.dropout,
                              lambda h: (self.ffn(h, deterministic=deterministic), None),
-                             y_BTD, deterministic)
+                             y_BTD, deterministic, post("ffn_post_norm"))
         return constrain(y_BTD, ACTIVATION_BTD), new_cache

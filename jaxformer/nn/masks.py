@@ -47,6 +47,18 @@ def decoder_self_mask(tgt_BT: jnp.ndarray, pad_id: int = 0) -> jnp.ndarray:
     return causal_mask(tgt_BT.shape[1]) & padding_mask(tgt_BT, pad_id)
 
 
+def sliding_window_mask(query_slots_T: jnp.ndarray, key_slots_S: jnp.ndarray,
+                        window: int) -> jnp.ndarray:
+    """(1, 1, T, S): True where |query slot - key slot| < window.
+
+    With a causal mask this is a local layer's band: the query at slot t sees keys
+    t - window < s <= t (Hugging Face's `kv_idx > q_idx - sliding_window`). Slots,
+    not positions: within one sequence (or one packed segment) they differ alike.
+    """
+    distance_TS = query_slots_T[:, None] - key_slots_S[None, :]
+    return (jnp.abs(distance_TS) < window)[None, None]
+
+
 def combine_masks(*masks: Optional[jnp.ndarray]) -> Optional[jnp.ndarray]:
     """Logical AND of the masks that are not None (None if all are None)."""
     present = [m for m in masks if m is not None]

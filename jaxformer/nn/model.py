@@ -38,7 +38,7 @@ from jaxformer.nn.attention import KV, dense_init
 from jaxformer.config import TransformerConfig
 from jaxformer.nn.layers import (DecoderLayer, EncoderLayer, PositionEmbedding, TokenEmbedding,
                               layer_norm)
-from jaxformer.nn.masks import decoder_self_mask, padding_mask
+from jaxformer.nn.masks import decoder_self_mask, padding_mask, sliding_window_mask
 from jaxformer.nn.axes import logical
 
 
@@ -54,7 +54,8 @@ class Encoder(nn.Module):
         if layer_stack.uses_blocks(c):
             self.layers = layer_stack.encoder_stack(c, c.num_encoder_layers)
         else:
-            self.layers = [EncoderLayer(c) for _ in range(c.num_encoder_layers)]
+            self.layers = [EncoderLayer(c, local=c.layer_is_local(i))
+                           for i in range(c.num_encoder_layers)]
         if c.use_final_norm:
             self.final_norm = layer_norm(c)
 
@@ -65,11 +66,17 @@ class Encoder(nn.Module):
         else:  # continuous sources (audio features, patches): positions only
             x_BSD = src.astype(self.config.compute_dtype)
         x_BSD = self.positions(x_BSD, deterministic=deterministic)
-        if layer_stack.uses_blocks(self.config):
-            x_BSD = layer_stack.run_encoder_stack(self.layers, x_BSD, mask, deterministic)
+        c = self.config
+        length = jnp.arange(x_BSD.shape[1])
+        local_mask = local_attention_mask(c, mask, length, length)
+        if layer_stack.uses_blocks(c):
+            x_BSD = layer_stack.run_encoder_stack(
+                self.layers, x_BSD, mask, deterministic, local_mask,
+                layer_stack.scanned_flags(c, c.num_encoder_layers))
         else:
-            for layer in self.layers:
-                x_BSD = layer(x_BSD, mask, deterministic=deterministic)
+            for i, layer in enumerate(self.layers):
+                x_BSD = layer(x_BSD, local_mask if c.layer_is_local(i) else mask,
+                              deterministic=deterministic)
         if self.config.use_final_norm:
             x_BSD = self.final_norm(x_BSD)
         return x_BSD
@@ -89,8 +96,9 @@ class Decoder(nn.Module):
             self.layers = layer_stack.decoder_stack(c, c.num_decoder_layers,
                                                     self.cross_attention)
         else:
-            self.layers = [DecoderLayer(c, cross_attention=self.cross_attention)
-                           for _ in range(c.num_decoder_layers)]
+            self.layers = [DecoderLayer(c, cross_attention=self.cross_attention,
+                                        local=c.layer_is_local(i))
+                           for i in range(c.num_decoder_layers)]
         if c.use_final_norm:
             self.final_norm = layer_norm(c)
         if not c.tie_output_embedding:
@@ -117,6 +125,8 @@ class Decoder(nn.Module):
         caches: Optional[Sequence[KV]] = None,
         cache_index: Optional[jnp.ndarray] = None,
         past_kvs: Optional[Sequence[KV]] = None,
+        ring_mask: Optional[jnp.ndarray] = None,
+        ring_index: Optional[jnp.ndarray] = None,
         deterministic: bool = True,
     ) -> tuple[jnp.ndarray, Optional[tuple[KV, ...]]]:
         """Returns (logits (B, T, V) in float32, updated per-layer caches or None).
@@ -126,24 +136,40 @@ class Decoder(nn.Module):
         attend over it, after `past_kvs` if given: see `DecoderLayer`. With `config.scan_layers`,
         `cross_kvs` is the memory (B, S, D) itself (each scanned layer projects
         it) and there are no caches (decoding runs `stacking.unscanned`).
+        A local layer's cache is a sliding-window ring (`decode.cache`): it attends
+        with `ring_mask` and writes at the absolute slot `ring_index`.
         """
+        c = self.config
         y_BTD = self.positions(self.embed(tgt_BT), positions_BT, deterministic=deterministic)
+        local_mask = None
+        if caches is None:
+            slots = jnp.arange(tgt_BT.shape[1])
+            local_mask = local_attention_mask(c, self_mask, slots, slots)
         new_caches = []
         if layer_stack.uses_blocks(self.config) and caches is None:
             y_BTD = layer_stack.run_decoder_stack(
                 self.layers, y_BTD, self_mask, cross_kvs if self.cross_attention else None,
-                cross_mask, positions_BT, deterministic)
+                cross_mask, positions_BT, deterministic, local_mask,
+                layer_stack.scanned_flags(c, c.num_decoder_layers))
         else:
             if caches is not None and layer_stack.uses_blocks(self.config):
                 raise ValueError("a scanned or rematted stack takes no KV cache: decode "
                                  "through jaxformer.nn.stacking.for_decoding(model, params) "
                                  "(the decoding entry points do)")
             for i, layer in enumerate(self.layers):
+                ring = caches is not None and c.layer_is_local(i)
+                if ring and ring_mask is None:
+                    raise ValueError("a local layer's cache is a sliding-window ring: pass "
+                                     "ring_mask and ring_index (decode.cache.cached_forward "
+                                     "does)")
+                mask = ring_mask if ring else (
+                    local_mask if c.layer_is_local(i) else self_mask)
                 y_BTD, cache = layer(
-                    y_BTD, self_mask, cross_kvs[i] if self.cross_attention else None, cross_mask,
+                    y_BTD, mask, cross_kvs[i] if self.cross_attention else None, cross_mask,
                     cache=None if caches is None else caches[i], cache_index=cache_index,
-                    past=None if past_kvs is None else past_kvs[i],
-                    positions_BT=positions_BT, deterministic=deterministic)
+                    past=None if past_kvs is None or ring else past_kvs[i],
+                    positions_BT=positions_BT, deterministic=deterministic,
+                    ring_index=ring_index if ring else None)
                 new_caches.append(cache)
         if self.config.use_final_norm:
             y_BTD = self.final_norm(y_BTD)
@@ -151,7 +177,22 @@ class Decoder(nn.Module):
             logits_BTV = self.embed.attend(y_BTD.astype(self.config.norm_dtype))
         else:
             logits_BTV = self.out_proj(y_BTD)
-        return logits_BTV.astype(jnp.float32), (None if caches is None else tuple(new_caches))
+        logits_BTV = logits_BTV.astype(jnp.float32)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits_BTV = cap * jnp.tanh(logits_BTV / cap)
+        return logits_BTV, (None if caches is None else tuple(new_caches))
+
+
+def local_attention_mask(config: TransformerConfig, mask: Optional[jnp.ndarray],
+                         query_slots_T: jnp.ndarray, key_slots_S: jnp.ndarray
+                         ) -> Optional[jnp.ndarray]:
+    """The sliding-window layers' mask: `mask` (the global layers') and the band
+    |query slot - key slot| < config.sliding_window; None without local layers."""
+    if config.sliding_window is None:
+        return None
+    band = sliding_window_mask(query_slots_T, key_slots_S, config.sliding_window)
+    return band if mask is None else mask & band
 
 
 def _no_scanned_decoding(config: TransformerConfig) -> None:

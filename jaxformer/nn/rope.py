@@ -11,24 +11,80 @@ Checkpoints disagree on which features form pair i:
 The two are the same function up to a permutation of the query/key
 projection rows (`half_to_interleaved_rows`), which is how llama.cpp's
 converter turns a Hugging Face checkpoint into a GGUF file.
+
+Frequency scaling (`config.rope_scaling`, as checkpoints state it): "linear"
+divides every frequency by the factor; "llama3" (Llama 3.1) divides the low
+frequencies (wavelength above original_max_len / low_freq_factor) by the factor,
+keeps the high ones (wavelength below original_max_len / high_freq_factor) and
+interpolates in between. `layer_frequencies` gives a layer's (K/2,) frequencies;
+local (sliding-window) layers may have their own base (`rope_local_theta`).
 """
 
 from __future__ import annotations
 
+import math
+from typing import Optional
+
 import jax.numpy as jnp
 import numpy as np
 
-
-def rope_angles(positions_BT: jnp.ndarray, head_dim: int, theta: float) -> jnp.ndarray:
-    """(B, T) positions -> (B, T, K/2) float32 angles position * theta^(-2i/K)."""
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
-    return positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+from jaxformer.config import TransformerConfig
 
 
-def apply_rope(x_BTHK: jnp.ndarray, positions_BT: jnp.ndarray, theta: float,
-               layout: str) -> jnp.ndarray:
-    """Rotate queries or keys (B, T, H, K) by their positions (B|1, T); float32 inside."""
-    angles_BT1P = rope_angles(positions_BT, x_BTHK.shape[-1], theta)[:, :, None]  # P = K/2
+def rope_frequencies(head_dim: int, theta: float) -> np.ndarray:
+    """(K/2,) float32 inverse frequencies theta^(-2i/K)."""
+    return (1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+            ).astype(np.float32)
+
+
+def scaled_frequencies(inv_freq: np.ndarray, kind: Optional[str], factor: float,
+                       low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
+                       original_max_len: int = 8192) -> np.ndarray:
+    """`inv_freq` under the scaling `kind` (None, "linear", "llama3"), float32."""
+    if kind is None:
+        return inv_freq
+    if kind == "linear":
+        return (inv_freq / np.float32(factor)).astype(np.float32)
+    if kind != "llama3":
+        raise ValueError(f"RoPE scaling {kind!r} is not implemented (linear, llama3)")
+    low_wavelen = original_max_len / low_freq_factor
+    high_wavelen = original_max_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_max_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def layer_frequencies(config: TransformerConfig, local: bool = False) -> np.ndarray:
+    """(K/2,) frequencies of a global layer, or of a local one (`local`): a local layer
+    with its own base (`rope_local_theta`) is not scaled."""
+    if local and config.rope_local_theta is not None:
+        return rope_frequencies(config.head_dim, config.rope_local_theta)
+    return scaled_frequencies(rope_frequencies(config.head_dim, config.rope_theta),
+                              config.rope_scaling, config.rope_scaling_factor,
+                              config.rope_low_freq_factor, config.rope_high_freq_factor,
+                              config.rope_original_max_len)
+
+
+def rope_angles(positions_BT: jnp.ndarray, head_dim: int, theta: float,
+                inv_freq=None) -> jnp.ndarray:
+    """(B, T) positions -> (B, T, K/2) float32 angles position * theta^(-2i/K)
+    (or position * inv_freq when given)."""
+    if inv_freq is None:
+        inv_freq = rope_frequencies(head_dim, theta)
+    return positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+
+
+def apply_rope(x_BTHK: jnp.ndarray, positions_BT: jnp.ndarray, theta: Optional[float],
+               layout: str, *, inv_freq=None) -> jnp.ndarray:
+    """Rotate queries or keys (B, T, H, K) by their positions (B|1, T); float32 inside.
+
+    `inv_freq` (K/2,) replaces the frequencies of `theta` (scaled RoPE, a local base).
+    """
+    angles_BT1P = rope_angles(positions_BT, x_BTHK.shape[-1], theta,
+                              inv_freq)[:, :, None]  # P = K/2
     cos, sin = jnp.cos(angles_BT1P), jnp.sin(angles_BT1P)
     x = x_BTHK.astype(jnp.float32)
     if layout == "half":

@@ -1,0 +1,251 @@
+"""Hugging Face checkpoint directories: six architectures against `transformers` itself.
+
+For each architecture `transformers` builds a tiny random float32 model (its
+modeling file is the reference), saves it with `save_pretrained`, and
+jaxformer loads the directory. Prompts are ragged and longer than the sliding
+window, so local and global layers differ: the logits of every prompt position
+(jaxformer: one right-padded batch; transformers: each prompt alone) agree to
+1e-5 relative to the largest logit, and 16 greedy tokens decoded with
+jaxformer's KV cache equal transformers' `generate`. Bad directories are
+refused naming the file, field or tensors.
+"""
+
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxformer as jf
+from jaxformer.models import load
+from jaxformer.errors import FileFormatError
+
+torch = pytest.importorskip("torch", reason="the reference needs torch")
+transformers = pytest.importorskip("transformers", reason="the reference needs transformers")
+pytest.importorskip("safetensors", reason="needs the `llm` extra")
+pytest.importorskip("tokenizers", reason="needs the `llm` extra")
+
+from jaxformer.interop.flat import CheckpointMismatch  # noqa: E402
+from jaxformer.models import hf  # noqa: E402
+
+VOCAB, WINDOW, N_NEW = 128, 4, 16
+LENGTHS = (11, 6, 14)  # ragged, all but one longer than the window
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+              pad_token_id=0, bos_token_id=2, eos_token_id=1, rms_norm_eps=1e-6)
+ARCHS = {
+    "LlamaForCausalLM": (transformers.LlamaConfig, dict(
+        attention_bias=True, mlp_bias=True,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                          high_freq_factor=4.0, original_max_position_embeddings=16))),
+    "MistralForCausalLM": (transformers.MistralConfig, dict(sliding_window=WINDOW, head_dim=16)),
+    "Qwen2ForCausalLM": (transformers.Qwen2Config, dict(
+        use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
+    "Qwen3ForCausalLM": (transformers.Qwen3Config, dict(
+        head_dim=16, tie_word_embeddings=True, use_sliding_window=True, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"])),
+    "Gemma2ForCausalLM": (transformers.Gemma2Config, dict(
+        head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW,
+        attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
+    "Gemma3ForCausalLM": (transformers.Gemma3TextConfig, dict(
+        head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW, num_hidden_layers=3,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": dict(rope_type="linear", factor=4.0,
+                                                rope_theta=10000.0),
+                         "sliding_attention": dict(rope_type="default", rope_theta=100.0)})),
+}
+
+
+def write_tokenizer(directory):
+    """A word-level tokenizer.json over the tiny vocabulary: "w3 w4" -> [3, 4]."""
+    import tokenizers
+    from tokenizers import models, pre_tokenizers
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2} | {f"w{i}": i for i in range(3, VOCAB)}
+    tokenizer = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(os.path.join(directory, "tokenizer.json"))
+
+
+def build(arch, directory, **save):
+    """A random float32 `arch` model saved in `directory`; returns the torch model."""
+    config_class, extra = ARCHS[arch]
+    torch.manual_seed(0)
+    model = getattr(transformers, arch)(config_class(**(COMMON | extra))).float().eval()
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # weights large enough that every block matters
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=generator)
+            p.copy_(p + 0.2 * noise if p.ndim == 1 else 0.15 * noise)
+    model.save_pretrained(directory, **save)
+    write_tokenizer(directory)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def loaded(request, tmp_path_factory):
+    """(arch, torch model, jaxformer model, params, tokenizer, its directory)."""
+    arch = request.param
+    directory = str(tmp_path_factory.mktemp(arch))
+    reference = build(arch, directory)
+    model, params, tokenizer = load(directory)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield arch, reference, model, params, tokenizer, directory
+    torch.set_num_threads(threads)
+
+
+def prompts():
+    rng = np.random.default_rng(5)
+    rows = [rng.integers(3, VOCAB, n) for n in LENGTHS]
+    batch = np.zeros((len(rows), max(LENGTHS)), np.int32)  # right-padded with PAD 0
+    for i, row in enumerate(rows):
+        batch[i, :len(row)] = row
+    return rows, batch
+
+
+def torch_logits(reference, row):
+    with torch.no_grad():
+        return reference(torch.tensor([row.tolist()])).logits[0].numpy()
+
+
+def test_logits_of_ragged_prompts_equal_transformers(loaded):
+    arch, reference, model, params, _, _ = loaded
+    rows, batch = prompts()
+    assert model.config.sliding_window in (None, WINDOW)
+    got = np.asarray(jax.jit(model.apply)({"params": params}, jnp.asarray(batch)))
+    for i, row in enumerate(rows):
+        want = torch_logits(reference, row)
+        error = np.abs(got[i, :len(row)] - want).max() / np.abs(want).max()
+        assert error <= 1e-5, (arch, i, error)
+
+
+def test_greedy_tokens_with_the_cache_equal_transformers_generate(loaded):
+    arch, reference, model, params, _, _ = loaded
+    rows, batch = prompts()
+    out = jf.generate(model, params, jnp.asarray(batch), max_new_tokens=N_NEW,
+                      prompt_lengths=np.array(LENGTHS))
+    for i, row in enumerate(rows):
+        with torch.no_grad():
+            want = reference.generate(torch.tensor([row.tolist()]), max_new_tokens=N_NEW,
+                                      do_sample=False, eos_token_id=1,
+                                      pad_token_id=0)[0, len(row):].numpy()
+        n = int(out.lengths[i])
+        np.testing.assert_array_equal(np.asarray(out.tokens[i, :n]), want[:n], err_msg=arch)
+        assert n == len(want) or want[n - 1] == 1
+
+
+def test_the_blocks_matter(loaded):
+    """Without its window (or with its window on every layer) the model is another one:
+    the window and the layer pattern are really applied."""
+    arch, reference, model, params, _, _ = loaded
+    c = model.config
+    if arch not in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):  # two suffice: keep it fast
+        pytest.skip("checked on the Gemma models")
+    rows, batch = prompts()
+    other = c.replace(sliding_window=None, attention_pattern=None)
+    got = np.asarray(jf.DecoderOnlyLM(other).apply({"params": params}, jnp.asarray(batch[:1])))
+    want = torch_logits(reference, rows[0])
+    assert np.abs(got[0, :len(rows[0])] - want).max() > 1e-3 * np.abs(want).max()
+
+
+def test_tokenizer_is_the_directorys(loaded):
+    tokenizer = loaded[4]
+    assert tokenizer.encode("w3 w17 w99").ids == [3, 17, 99]
+
+
+def test_config_maps_the_blocks():
+    gemma3 = hf.config_from_hf(dict(
+        architectures=["Gemma3ForCausalLM"]) | COMMON | ARCHS["Gemma3ForCausalLM"][1])
+    assert (gemma3.attention_pattern, gemma3.sliding_window, gemma3.qk_norm, gemma3.norm,
+            gemma3.norm_scale_plus_one, gemma3.head_dim, gemma3.rope_local_theta,
+            gemma3.rope_scaling) == ("LLG", 4, True, "sandwich", True, 16, 100.0, "linear")
+    qwen2 = hf.config_from_hf(dict(architectures=["Qwen2ForCausalLM"]) | COMMON | dict(
+                                   **ARCHS["Qwen2ForCausalLM"][1]))
+    assert qwen2.attention_biases == "qkv" and qwen2.attention_pattern == "GL"
+
+
+# -- bad input ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("bad"))
+    build("LlamaForCausalLM", directory)
+    return directory
+
+
+def copy_of(directory, tmp_path):
+    target = str(tmp_path / "copy")
+    shutil.copytree(directory, target)
+    return target
+
+
+def edit_config(directory, **changes):
+    path = os.path.join(directory, "config.json")
+    with open(path) as f:
+        values = json.load(f)
+    values.update(changes)
+    with open(path, "w") as f:
+        json.dump(values, f)
+
+
+def test_truncated_safetensors_is_refused_naming_the_file(llama_dir, tmp_path):
+    directory = copy_of(llama_dir, tmp_path)
+    path = os.path.join(directory, "model.safetensors")
+    with open(path, "rb") as f:
+        data = f.read()
+    with open(path, "wb") as f:
+        f.write(data[:len(data) // 2])
+    with pytest.raises(FileFormatError, match="model.safetensors"):
+        load(directory)
+
+
+def test_missing_shard_is_refused_naming_it(tmp_path):
+    directory = str(tmp_path / "sharded")
+    build("Qwen3ForCausalLM", directory, max_shard_size="20KB")
+    index = json.load(open(os.path.join(directory, "model.safetensors.index.json")))
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1
+    model, params, _ = load(directory)  # the sharded directory loads whole
+    assert jf.count_params(params) == sum(np.prod(s) for s in hf.expected_tensors(
+        model.config, "Qwen3ForCausalLM").values())
+    os.remove(os.path.join(directory, shards[-1]))
+    with pytest.raises(FileFormatError, match=shards[-1]):
+        load(directory)
+
+
+@pytest.mark.parametrize("changes,field", [
+    (dict(rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=1e4)), "rope_type"),
+    (dict(architectures=["FalconForCausalLM"]), "FalconForCausalLM"),
+    (dict(hidden_act="relu2"), "hidden_act"),
+    (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
+])
+def test_unsupported_config_is_refused_before_any_tensor_is_read(llama_dir, tmp_path, changes,
+                                                                 field):
+    directory = copy_of(llama_dir, tmp_path)
+    edit_config(directory, **changes)
+    os.remove(os.path.join(directory, "model.safetensors"))  # never reached
+    with pytest.raises(ValueError, match=field):
+        load(directory)
+
+
+def test_wrong_shaped_tensors_are_listed_together(llama_dir, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    directory = copy_of(llama_dir, tmp_path)
+    path = os.path.join(directory, "model.safetensors")
+    tensors = load_file(path)
+    tensors["model.layers.0.self_attn.q_proj.weight"] = np.zeros((8, 32), np.float32)
+    tensors["model.layers.1.mlp.up_proj.weight"] = np.zeros((64, 31), np.float32)
+    del tensors["model.norm.weight"]
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(CheckpointMismatch) as error:
+        load(directory)
+    message = str(error.value)
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.up_proj.weight",
+                 "model.norm.weight"):
+        assert name in message
