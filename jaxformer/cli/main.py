@@ -8,6 +8,8 @@
     jaxformer train --mesh data=2,fsdp=2,tensor=2    # shard over 8 devices (default: data)
     jaxformer generate --run runs/lm "def main("     # continue a prompt with a trained LM
     jaxformer decode --run runs/copy "5 6 7"         # decode a source with a trained model
+    jaxformer generate --model SmolLM2.gguf "The capital of France is"   # a pretrained LM
+    jaxformer eval --model SmolLM2.gguf --data 'texts/*.txt'   # loss, perplexity, bits/byte
     jaxformer transcribe --model DIR talk.wav        # speech to text (jaxformer.cli.transcribe)
 
 A run directory (`--out`, default runs/<task>-<norm>-<time>) holds:
@@ -53,7 +55,9 @@ import time
 import traceback
 from typing import Optional, Sequence
 
+from jaxformer.cli import evaluate as evaluate_command
 from jaxformer.cli import transcribe as transcribe_command
+from jaxformer.cli.runs import has_checkpoint, language_model, load_run, read_run_config
 from jaxformer.cli.usage import UsageError
 
 # Flags that shape the model / the trajectory: on --resume they must agree with
@@ -188,12 +192,19 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=_train_command)
 
     generate = commands.add_parser(
-        "generate", help="continue prompts with the LM of a `--task lm` run",
-        description="Load the latest checkpoint of a language-model run and continue each "
-                    "prompt (sampled; --temperature 0 for greedy).")
+        "generate", help="continue prompts with a pretrained LM or a `--task lm` run",
+        description="Continue each prompt with a pretrained language model (--model: a "
+                    "GGUF file or a Hugging Face directory; greedy by default) or the latest "
+                    "checkpoint of a --task lm run (--run; sampled at 0.8 by default).")
     generate.add_argument("prompts", nargs="+", metavar="PROMPT")
-    generate.add_argument("--run", required=True, help="the run directory (--out of train)")
-    _add_sampling_flags(generate, temperature=0.8)
+    source = generate.add_mutually_exclusive_group(required=True)
+    source.add_argument("--run", help="the run directory (--out of train)")
+    source.add_argument("--model", metavar="PATH",
+                        help="a GGUF file or a Hugging Face checkpoint directory")
+    generate.add_argument("--json", action="store_true",
+                          help="one JSON line per prompt: prompt, ids (the new tokens), text, "
+                               "seconds")
+    _add_sampling_flags(generate, temperature=None)
     _add_compile_cache_flag(generate)
     generate.set_defaults(func=_generate_command)
 
@@ -208,14 +219,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_flags(decode, temperature=0.0)
     _add_compile_cache_flag(decode)
     decode.set_defaults(func=_decode_command)
+    evaluate_command.add_parser(commands, _add_compile_cache_flag)
     transcribe_command.add_parser(commands, _add_compile_cache_flag)
     return parser
 
 
-def _add_sampling_flags(parser, *, temperature: float) -> None:
+def _add_sampling_flags(parser, *, temperature: Optional[float]) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=200)
     parser.add_argument("--temperature", type=float, default=temperature,
-                        help=f"0 = greedy (default {temperature})")
+                        help="0 = greedy (default " + (
+                            f"{temperature})" if temperature is not None else
+                            "0 with --model, 0.8 with --run)"))
     parser.add_argument("--top-k", type=int)
     parser.add_argument("--top-p", type=float)
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
@@ -318,7 +332,7 @@ def _train_command(args) -> int:
             raise UsageError("--resume needs --out, the run directory to continue")
         out = args.out
         config_path = os.path.join(out, "config.json")
-        model_config, train_config, saved = _read_run_config(out, "cannot resume: ")
+        model_config, train_config, saved = read_run_config(out, "cannot resume: ")
         conflicts = _conflicts(args, model_config, train_config, model_overrides,
                                train_overrides, saved.get("preset"))
         if conflicts:
@@ -341,7 +355,7 @@ def _train_command(args) -> int:
     model_config = model_config.replace(cpu_tuning=_cpu_tuning(args))  # before JAX starts
     _start_processes(args, processes)  # after the checks of --out: no process wrote yet
     checkpoint_dir = os.path.join(out, "checkpoints")
-    if args.resume and not (os.path.isdir(checkpoint_dir) and _has_checkpoint(checkpoint_dir)):
+    if args.resume and not (os.path.isdir(checkpoint_dir) and has_checkpoint(checkpoint_dir)):
         raise UsageError(f"cannot resume: no checkpoint in {out}/checkpoints")  # (Orbax: JAX)
     data = None
     try:  # everything checkable before compiling: data/task vs model, batch vs devices
@@ -589,62 +603,26 @@ def resume_mesh_spec(args, saved_spec: Optional[str]) -> Optional[str]:
     return saved_spec
 
 
-def _read_run_config(run_dir: str, context: str = ""):
-    """(model config, train config, the saved dict) from `run_dir`/config.json."""
-    from jaxformer.config import TransformerConfig  # noqa: PLC0415
-    from jaxformer.train.training import TrainConfig  # noqa: PLC0415
-
-    config_path = os.path.join(run_dir, "config.json")
-    if not os.path.isfile(config_path):
-        raise UsageError(f"{context}{config_path} does not exist (not a run directory)")
-    try:
-        with open(config_path) as f:
-            saved = json.load(f)
-        return (TransformerConfig.from_dict(saved["model"]),
-                TrainConfig.from_dict(saved["train"]), saved)
-    except (ValueError, KeyError, TypeError) as error:
-        raise UsageError(f"{context}{config_path} is not a valid run config: "
-                         f"{error}") from error
-
-
-def _load_run(run_dir: str, task_kind: str):
-    """(model config, train config, params of the latest checkpoint) of a run directory.
-
-    `task_kind`: "lm" or "seq2seq", the kind of run the command needs.
-    """
-    from jaxformer.train.checkpoint import CheckpointError, Checkpoints  # noqa: PLC0415
-    from jaxformer.train.training import train_functions  # noqa: PLC0415
-
-    model_config, train_config, _ = _read_run_config(run_dir)
-    if (train_config.task == "lm") != (task_kind == "lm"):
-        want = "a --task lm run" if task_kind == "lm" else "a copy/reverse/sort run"
-        raise UsageError(f"{run_dir} is a {train_config.task} run; this command needs {want}")
-    directory = os.path.join(run_dir, "checkpoints")
-    if not os.path.isdir(directory) or not _has_checkpoint(directory):
-        raise UsageError(f"no checkpoint in {directory}")
-    try:
-        with Checkpoints(directory, create=False) as checkpoints:
-            state = checkpoints.restore(train_functions(model_config, train_config).init(0))
-    except CheckpointError as error:
-        raise UsageError(str(error)) from error
-    return model_config, train_config, state.params
-
-
 def _generate_command(args) -> int:
-    from jaxformer.train.data import load_tokenizer  # noqa: PLC0415
-    from jaxformer.nn.model import DecoderOnlyLM  # noqa: PLC0415
-
-    model_config, train_config, params = _load_run(args.run, "lm")
-    try:
-        tokenizer = load_tokenizer(train_config.tokenizer)
-        prompts = [[tokenizer.bos_id, *tokenizer.encode(p).tolist()] for p in args.prompts]
-    except ValueError as error:
-        raise UsageError(str(error)) from error
-    texts = _continue_prompts(DecoderOnlyLM(model_config), params, tokenizer, prompts,
-                              args.max_new_tokens, temperature=args.temperature,
-                              top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    for prompt, text in zip(args.prompts, texts):
-        print(prompt + text)
+    model, params, tokenizer = language_model(args.run, args.model)
+    temperature = args.temperature if args.temperature is not None else (
+        0.8 if args.run is not None else 0.0)
+    prompts = [tokenizer.encode_prompt(p).tolist() for p in args.prompts]
+    for text, prompt in zip(args.prompts, prompts):
+        if not prompt:
+            raise UsageError(f"prompt {text!r} encodes to no tokens")
+    started = time.perf_counter()
+    new_ids = _continue_prompts(model, params, prompts, args.max_new_tokens,
+                                temperature=temperature, top_k=args.top_k, top_p=args.top_p,
+                                seed=args.seed)
+    seconds = round(time.perf_counter() - started, 3)
+    for prompt, ids in zip(args.prompts, new_ids):
+        text = tokenizer.decode(ids)
+        if args.json:
+            print(json.dumps({"prompt": prompt, "ids": ids, "text": text,
+                              "seconds": seconds}, ensure_ascii=False), flush=True)
+        else:
+            print(prompt + text, flush=True)
     return 0
 
 
@@ -656,7 +634,7 @@ def _decode_command(args) -> int:
     from jaxformer.nn.model import Transformer  # noqa: PLC0415
     from jaxformer.train.training import task_for  # noqa: PLC0415
 
-    model_config, train_config, params = _load_run(args.run, "seq2seq")
+    model_config, train_config, params = load_run(args.run, "seq2seq")
     model = Transformer(model_config)
     if args.sources:
         try:
@@ -684,13 +662,6 @@ def _decode_command(args) -> int:
         decoded = " ".join(map(str, _strip(tokens[:n], {model_config.eos_id, *stop})))
         print(f"{source}  ->  {decoded}")
     return 0
-
-
-def _has_checkpoint(directory: str) -> bool:
-    from jaxformer.train.checkpoint import Checkpoints  # noqa: PLC0415
-
-    with Checkpoints(directory, create=False) as checkpoints:
-        return bool(checkpoints.steps())
 
 
 def _conflicts(args, model_config, train_config, model_overrides, train_overrides,
@@ -741,10 +712,11 @@ def _show_examples(model, params, heldout, count: int) -> None:
         print(f"{src:<{width}}  {pred:<{width}}  {'yes' if ok else 'NO'}")
 
 
-def _continue_prompts(model, params, tokenizer, prompts, max_new_tokens: int, *,
+def _continue_prompts(model, params, prompts, max_new_tokens: int, *,
                       temperature: float = 0.8, top_k=None, top_p=None, seed: int = 0
-                      ) -> list[str]:
-    """Sampled (temperature 0: greedy) continuations of token prompts, as text."""
+                      ) -> list[list[int]]:
+    """Sampled (temperature 0: greedy) continuations of token prompts: the new ids,
+    up to and without EOS."""
     import jax  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
 
@@ -763,7 +735,8 @@ def _continue_prompts(model, params, tokenizer, prompts, max_new_tokens: int, *,
                    rng=jax.random.PRNGKey(seed), temperature=temperature, top_k=top_k,
                    top_p=top_p)
     tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
-    return [tokenizer.decode(row[:n]) for row, n in zip(tokens, lengths)]
+    return [[int(i) for i in row[:n] if i != model.config.eos_id]
+            for row, n in zip(tokens, lengths)]
 
 
 def _show_continuations(model, params, data, count: int, max_new_tokens: int) -> None:
@@ -771,7 +744,8 @@ def _show_continuations(model, params, data, count: int, max_new_tokens: int) ->
     if count == 0:
         return
     prompts = data.eval_prompts(count, min(64, model.config.max_len // 2))
-    texts = _continue_prompts(model, params, data.tokenizer, prompts, max_new_tokens)
+    texts = [data.tokenizer.decode(ids)
+             for ids in _continue_prompts(model, params, prompts, max_new_tokens)]
     for i, (prompt, text) in enumerate(zip(prompts, texts)):
         print(f"--- held-out prompt {i + 1} (sampled continuation after >>>)")
         print(f"{data.tokenizer.decode(prompt)}>>>{text}")

@@ -45,8 +45,6 @@ Pieces::
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import math
 from typing import Any, Mapping, Optional, Sequence

@@ -60,6 +60,10 @@ class ByteTokenizer:
             data = data.encode("utf-8")
         return np.frombuffer(data, np.uint8).astype(np.int32) + 3
 
+    def encode_prompt(self, text: str) -> np.ndarray:
+        """A generation prompt: BOS then the text's ids."""
+        return np.concatenate([[self.bos_id], self.encode(text)]).astype(np.int32)
+
     def _bytes(self, ids) -> bytes:
         ids = np.asarray(ids).reshape(-1)
         return (ids[ids >= 3] - 3).astype(np.uint8).tobytes()
@@ -120,12 +124,38 @@ class JSONTokenizer:
             raise FileFormatError(path, f"lacks special tokens: {'; '.join(missing)}",
                                   "add them (three different tokens) to the tokenizer")
         self.path = os.fspath(path)
+        self.pretrained = False
         self.pad_id, self.bos_id, self.eos_id = found["pad"], found["bos"], found["eos"]
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def wrap(cls, tokenizer, *, pad_id: int, bos_id: int, eos_id: int, vocab_size: int,
+             name: str = "the model's tokenizer") -> "JSONTokenizer":
+        """A loaded `tokenizers.Tokenizer` (a pretrained model's: `jaxformer.models.load`)
+        with the model's special ids and vocabulary size (its logits' width)."""
+        self = cls.__new__(cls)
+        # A copy: the caller's tokenizer keeps its settings. Text spelling a special
+        # token stays that token here, as the model's own tokenizer treats it.
+        self._tok = type(tokenizer).from_str(tokenizer.to_str())
+        self._tok.no_padding()
+        self._tok.no_truncation()
+        self.path = name
+        self.pad_id, self.bos_id, self.eos_id = pad_id, bos_id, eos_id
+        self.vocab_size = vocab_size
+        self.pretrained = True
+        return self
 
     def encode(self, data: str) -> np.ndarray:
         """(N,) int32 ids, no specials added (a post-processor's BOS/EOS are not applied)."""
         return np.asarray(self._tok.encode(data, add_special_tokens=False).ids, np.int32)
+
+    def encode_prompt(self, text: str) -> np.ndarray:
+        """A generation prompt: BOS then the text's ids for a model trained here (every
+        document starts with BOS), or as the tokenizer's post-processor makes it for a
+        pretrained model (`wrap`: BOS only where that model expects it)."""
+        if self.pretrained:
+            return np.asarray(self._tok.encode(text, add_special_tokens=True).ids, np.int32)
+        return np.concatenate([[self.bos_id], self.encode(text)]).astype(np.int32)
 
     def decode(self, ids) -> str:
         """Text of the ids, special tokens dropped."""
@@ -247,7 +277,8 @@ class TextData:
     and at least 1 left to train on). A single-document corpus is split inside:
     its first (1 - eval_fraction) of the bytes (at least 1 byte each side, moved
     to a UTF-8 character boundary) train as [BOS] + tokens, the rest is held out
-    as tokens + [EOS].
+    as tokens + [EOS]. `patterns=None` with `eval_patterns`: held-out data only
+    (evaluation; no training windows).
     """
 
     def __init__(self, patterns, tokenizer, seq_len: int, *, eval_patterns=None,
@@ -258,12 +289,14 @@ class TextData:
             raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
         self.tokenizer, self.seq_len = tokenizer, seq_len
         self.vocab_size = tokenizer.vocab_size
-        train_docs = read_documents(patterns)
+        if patterns is None and eval_patterns is None:
+            raise ValueError("no data: give training patterns, eval_patterns, or both")
+        train_docs = read_documents(patterns) if patterns is not None else []
         if eval_patterns is not None:
             eval_docs = read_documents(eval_patterns)
             held = {os.path.realpath(name) for name, _ in eval_docs}
             train_docs = [d for d in train_docs if os.path.realpath(d[0]) not in held]
-            if not train_docs:
+            if not train_docs and patterns is not None:
                 raise ValueError("every training file is also a held-out file "
                                  "(eval_patterns): nothing left to train on")
             train, held_out = self._encode_all(train_docs), self._encode_all(eval_docs)
@@ -281,7 +314,8 @@ class TextData:
         self.eval_bytes = b"".join(raw for _, raw, _ in held_out)
         self.train_bytes_count = sum(len(raw) for _, raw, _ in train)
         self._eval_docs = [ids for _, _, ids in held_out]
-        self._train_stream, self.num_train_windows = self._stream([ids for _, _, ids in train])
+        self._train_stream, self.num_train_windows = (
+            self._stream([ids for _, _, ids in train]) if train else (None, 0))
         self._eval_stream, self.num_eval_windows = self._stream(self._eval_docs)
         if self.num_eval_windows == 0:
             raise ValueError(f"the held-out split ({', '.join(self.eval_names)}) has no "

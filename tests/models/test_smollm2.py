@@ -165,3 +165,55 @@ def test_example_prints_the_continuation(smollm2, monkeypatch, capsys):
     monkeypatch.setattr(llama, "load_gguf", lambda *args, **kwargs: smollm2[:3])
     example.main(["--raw", "The capital of France is", "--max-new-tokens", "3"])
     assert capsys.readouterr().out.startswith("The capital of France is Paris.")
+
+
+def test_cli_generate_equals_the_library_greedy_ids(smollm2, jaxformer_greedy, monkeypatch,
+                                                    capsys):
+    """`jaxformer generate --model FILE --json`: the prompts encoded as the tokenizer
+    does, greedy by default, the new ids equal to the library's greedy ids (themselves
+    equal to transformers'). The file's load is the session's (`models.load` patched to
+    return it: loading is tested by the fixture itself)."""
+    import json
+
+    import jaxformer.models
+    from jaxformer.cli.main import main
+
+    model, params, tokenizer, path = smollm2
+    monkeypatch.setattr(jaxformer.models, "load", lambda p: (model, params, tokenizer))
+    eos = model.config.eos_id
+    assert main(["generate", "--model", path, *PROMPTS, "--max-new-tokens", str(N_NEW),
+                 "--json"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["prompt"] for line in lines] == PROMPTS
+    for row, line in enumerate(lines):
+        n = int(jaxformer_greedy.lengths[row])
+        want = [int(i) for i in np.asarray(jaxformer_greedy.tokens[row, :n]) if i != eos]
+        assert line["ids"] == want and line["text"] == smollm2[2].decode(want)
+
+
+def test_cli_eval_equals_transformers_loss(smollm2, hf_model, tmp_path, monkeypatch, capsys):
+    """`jaxformer eval --model` on one document: the loss of predicting [BOS] + text +
+    [EOS] token by token equals transformers' cross-entropy on the same ids."""
+    import json
+
+    import torch
+
+    import jaxformer.models
+    from jaxformer.cli.main import main
+
+    model, params, tokenizer, path = smollm2
+    monkeypatch.setattr(jaxformer.models, "load", lambda p: (model, params, tokenizer))
+    text = "The quick brown fox jumps over the lazy dog. JAX transforms functions."
+    (tmp_path / "doc.txt").write_text(text)
+    assert main(["eval", "--model", path, "--data", str(tmp_path / "doc.txt"),
+                 "--seq-len", "64", "--no-progress"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    c = model.config
+    ids = [c.bos_id, *tokenizer.encode(text, add_special_tokens=False).ids, c.eos_id]
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([ids])).logits[0, :-1]
+    want = float(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:])))
+    assert got["tokens"] == len(ids) - 1 and got["bytes"] == len(text.encode())
+    np.testing.assert_allclose(got["loss"], want, rtol=1e-4)
+    np.testing.assert_allclose(got["bits_per_byte"],
+                               want * (len(ids) - 1) / np.log(2) / len(text.encode()), rtol=1e-4)

@@ -1,0 +1,90 @@
+"""Run directories of `jaxformer train`: their config, their latest parameters, and
+pretrained language models (`jaxformer.models.load`) behind one interface."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from jaxformer.cli.usage import UsageError
+
+
+def read_run_config(run_dir: str, context: str = ""):
+    """(model config, train config, the saved dict) from `run_dir`/config.json."""
+    from jaxformer.config import TransformerConfig  # noqa: PLC0415
+    from jaxformer.train.training import TrainConfig  # noqa: PLC0415
+
+    config_path = os.path.join(run_dir, "config.json")
+    if not os.path.isfile(config_path):
+        raise UsageError(f"{context}{config_path} does not exist (not a run directory)")
+    try:
+        with open(config_path) as f:
+            saved = json.load(f)
+        return (TransformerConfig.from_dict(saved["model"]),
+                TrainConfig.from_dict(saved["train"]), saved)
+    except (ValueError, KeyError, TypeError) as error:
+        raise UsageError(f"{context}{config_path} is not a valid run config: "
+                         f"{error}") from error
+
+
+def load_run(run_dir: str, task_kind: str):
+    """(model config, train config, params of the latest checkpoint) of a run directory.
+
+    `task_kind`: "lm" or "seq2seq", the kind of run the command needs.
+    """
+    from jaxformer.train.checkpoint import CheckpointError, Checkpoints  # noqa: PLC0415
+    from jaxformer.train.training import train_functions  # noqa: PLC0415
+
+    model_config, train_config, _ = read_run_config(run_dir)
+    if (train_config.task == "lm") != (task_kind == "lm"):
+        want = "a --task lm run" if task_kind == "lm" else "a copy/reverse/sort run"
+        raise UsageError(f"{run_dir} is a {train_config.task} run; this command needs {want}")
+    directory = os.path.join(run_dir, "checkpoints")
+    if not os.path.isdir(directory) or not has_checkpoint(directory):
+        raise UsageError(f"no checkpoint in {directory}")
+    try:
+        with Checkpoints(directory, create=False) as checkpoints:
+            state = checkpoints.restore(train_functions(model_config, train_config).init(0))
+    except CheckpointError as error:
+        raise UsageError(str(error)) from error
+    return model_config, train_config, state.params
+
+
+def has_checkpoint(directory: str) -> bool:
+    from jaxformer.train.checkpoint import Checkpoints  # noqa: PLC0415
+
+    with Checkpoints(directory, create=False) as checkpoints:
+        return bool(checkpoints.steps())
+
+
+def language_model(run_dir=None, model_path=None):
+    """(DecoderOnlyLM, params, tokenizer) of a `--task lm` run (`run_dir`) or of a
+    pretrained checkpoint (`model_path`: a Hugging Face directory or a GGUF file).
+
+    The tokenizer has the interface of `jaxformer.train.data` (encode to an id
+    array without specials, decode, pad/bos/eos ids, byte_count).
+    """
+    from jaxformer.nn.model import DecoderOnlyLM  # noqa: PLC0415
+    from jaxformer.train.data import JSONTokenizer, load_tokenizer  # noqa: PLC0415
+
+    if run_dir is not None:
+        model_config, train_config, params = load_run(run_dir, "lm")
+        try:
+            return DecoderOnlyLM(model_config), params, load_tokenizer(train_config.tokenizer)
+        except ValueError as error:
+            raise UsageError(str(error)) from error
+    from jaxformer.models import load  # noqa: PLC0415
+
+    try:
+        model, params, tokenizer = load(model_path)
+    except ImportError as error:
+        raise UsageError(f"--model {model_path}: {error} (pip install 'jaxformer[llm]')"
+                         ) from error
+    except ValueError as error:  # FileFormatError, unsupported architectures and values
+        raise UsageError(str(error)) from error
+    if tokenizer is None:
+        raise UsageError(f"--model {model_path}: no tokenizer.json beside the weights")
+    c = model.config
+    return model, params, JSONTokenizer.wrap(tokenizer, pad_id=c.pad_id, bos_id=c.bos_id,
+                                             eos_id=c.eos_id, vocab_size=c.tgt_vocab_size,
+                                             name=os.fspath(model_path))
