@@ -360,3 +360,22 @@ def test_verbose_shows_the_cause_of_an_error(tmp_path, capsys):
     verbose = capsys.readouterr().err
     assert len(quiet.strip().splitlines()) == 1 and "Traceback" not in quiet
     assert verbose.startswith(quiet.strip()) and "Traceback" in verbose
+
+
+def test_generate_and_eval_refuse_bad_sources_in_one_line(finished_run, tmp_path, capsys):
+    text = tmp_path / "doc.txt"
+    text.write_text("some text")
+    cases = [
+        (["eval", "--model", str(tmp_path / "missing.gguf"), "--data", str(text)],
+         "no such checkpoint directory or GGUF file"),
+        (["eval", "--run", finished_run[0], "--data", str(text)], "needs a --task lm run"),
+        (["generate", "--model", str(tmp_path), "hello"], "config.json"),
+        (["eval", "--model", str(tmp_path), "--data", str(text), "--batch", "0"],
+         "--batch must be positive"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, (argv, err)
+    with pytest.raises(SystemExit):  # one source only
+        main(["generate", "--run", finished_run[0], "--model", str(tmp_path), "hello"])
