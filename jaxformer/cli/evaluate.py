@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 
 from jaxformer.cli.runs import language_model
-from jaxformer.cli.usage import UsageError
+from jaxformer.cli.usage import UsageError, require_positive
 
 
 def add_parser(commands, add_common_flags) -> None:
@@ -44,8 +44,7 @@ def run(args) -> int:
     from jaxformer.train.data import TextData  # noqa: PLC0415
     from jaxformer.train.training import evaluate_lm  # noqa: PLC0415
 
-    if args.batch < 1:
-        raise UsageError(f"--batch must be positive, got {args.batch}")
+    require_positive("--batch", args.batch)
     if args.seq_len is not None and args.seq_len < 2:
         raise UsageError(f"--seq-len must be at least 2, got {args.seq_len}")
     model, params, tokenizer = language_model(args.run, args.model)

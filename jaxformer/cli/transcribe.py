@@ -16,7 +16,7 @@ import json
 import os
 import sys
 
-from jaxformer.cli.usage import UsageError
+from jaxformer.cli.usage import UsageError, require_positive
 
 FORMATS = ("text", "json", "srt")
 
@@ -50,8 +50,7 @@ def run(args) -> int:
     from jaxformer.models import audio as audio_lib  # noqa: PLC0415
     from jaxformer.models import transcribe  # noqa: PLC0415
 
-    if args.batch < 1:
-        raise UsageError(f"--batch must be positive, got {args.batch}")
+    require_positive("--batch", args.batch)
     if args.format == "srt" and not args.timestamps:
         raise UsageError("--format srt needs --timestamps")
     if not os.path.isdir(args.model):

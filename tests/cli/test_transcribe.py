@@ -11,7 +11,7 @@ import pytest
 from jaxformer.cli.main import main
 from jaxformer.models import audio, transcribe, whisper
 
-from conftest import REPO, whisper_model_dir
+from conftest import REPO, whisper_ct2_runtime, whisper_model_dir
 
 FOX = os.path.join(REPO, "tests", "data", "fox_espeak.wav")
 FOX_44K = os.path.join(REPO, "tests", "data", "fox_espeak_44k_stereo.wav")
@@ -20,10 +20,10 @@ FOX_44K = os.path.join(REPO, "tests", "data", "fox_espeak_44k_stereo.wav")
 @pytest.fixture(scope="module")
 def ct2_text():
     """ctranslate2's greedy text of the 16 kHz mono clip (English-only prompt)."""
-    ctranslate2 = pytest.importorskip("ctranslate2", reason="needs the test extra")
+    import ctranslate2  # noqa: PLC0415 (whisper_ct2_runtime skips without it)
+
     model_dir = whisper_model_dir()
-    runtime = ctranslate2.models.Whisper(model_dir, device="cpu", compute_type="float32",
-                                         intra_threads=1)
+    runtime = whisper_ct2_runtime(model_dir)
     vocab = whisper.load_ct2(model_dir)[2]
     features = np.asarray(audio.log_mel_spectrogram(audio.pad_or_trim(audio.read_wav(FOX))[None]))
     storage = ctranslate2.StorageView.from_array(np.ascontiguousarray(

@@ -23,7 +23,7 @@ import pytest
 from jaxformer.errors import FileFormatError
 from jaxformer.models import audio, transcribe, whisper
 
-from conftest import whisper_model_dir
+from conftest import whisper_ct2_runtime, whisper_model_dir
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "data")
 FOX = os.path.join(DATA, "fox_espeak.wav")
@@ -138,11 +138,8 @@ def test_srt_and_segment_splitting():
 @pytest.fixture(scope="module")
 def whisper_tiny():
     """(transcribe.Whisper, model_dir, ctranslate2 runtime) of the installed model."""
-    ctranslate2 = pytest.importorskip("ctranslate2", reason="needs the test extra")
     model_dir = whisper_model_dir()
-    runtime = ctranslate2.models.Whisper(model_dir, device="cpu", compute_type="float32",
-                                         intra_threads=1)
-    return transcribe.load(model_dir), model_dir, runtime
+    return transcribe.load(model_dir), model_dir, whisper_ct2_runtime(model_dir)
 
 
 def _features(*signals):
@@ -182,8 +179,6 @@ def test_timestamp_ids_match_ctranslate2(whisper_tiny):
 def multilingual_copy(whisper_tiny, tmp_path_factory):
     """(Whisper marked multilingual, its folder, ctranslate2 on it): the installed
     model with random language-token embeddings (tied: also their output rows)."""
-    import ctranslate2  # noqa: PLC0415
-
     from jaxformer.interop import ct2  # noqa: PLC0415
 
     _, source, _ = whisper_tiny
@@ -206,8 +201,7 @@ def multilingual_copy(whisper_tiny, tmp_path_factory):
     config = whisper.special_ids(source) | {"lang_ids": rows}  # the file's list lacks <|en|>
     (out / "config.json").write_text(json.dumps(config))
     w = dataclasses.replace(transcribe.load(str(out)), multilingual=True)
-    runtime = ctranslate2.models.Whisper(str(out), device="cpu", compute_type="float32",
-                                         intra_threads=1)
+    runtime = whisper_ct2_runtime(str(out))
     assert runtime.is_multilingual
     return w, str(out), runtime
 
