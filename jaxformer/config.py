@@ -205,7 +205,7 @@ class TransformerConfig(ConfigMixin):
     precision: Precision = "default"
     # XLA:CPU fusion steering (jaxformer.backends.cpu): Dense kernel gradients in
     # the kernel's layout (a custom VJP: no jax.jvp / jax.jacfwd through the
-    # model) and dropout masks drawn once. Same values; gated by
+    # model) and dropout masks drawn once. Same values up to rounding; gated by
     # lax.platform_dependent, so GPU and TPU programs never contain them.
     cpu_tuning: bool = False
 

@@ -14,8 +14,9 @@ Two switches, both off by default:
   VJP), `Dropout` (masks drawn once, in a conditional XLA does not fuse), and
   `dropout_key` (the fused threefry of `backends.threefry`).
 
-Each trick computes the same values as the default path (the tests check it);
-why each one pays on XLA:CPU, with figures, is in `benchmarks/NOTES.md`. The
+Each trick computes the same values as the default path up to float rounding
+(the tests check it); why each one pays on XLA:CPU, with figures, is in
+`benchmarks/NOTES.md`. The
 custom VJP admits no forward-mode autodiff: `jax.jvp` through a model with
 `cpu_tuning=True` raises `ForwardModeError` naming the field to change.
 """

@@ -388,8 +388,8 @@ def _train_command(args) -> int:
               f"{mesh_spec_string(mesh)}, {distributed.describe()}, run dir {out}",
               flush=True)
         if model_config.cpu_tuning:
-            print("jaxformer train: CPU tuning on (jaxformer.backends.cpu; same results; "
-                  "--no-cpu-tuning turns it off)", flush=True)
+            print("jaxformer train: CPU tuning on (jaxformer.backends.cpu; same results up to "
+                  "rounding; --no-cpu-tuning turns it off)", flush=True)
     try:
         result = fit(model_config, train_config, checkpoint_dir=checkpoint_dir,
                      resume=args.resume, save_every=args.save_every, log_every=args.log_every,
