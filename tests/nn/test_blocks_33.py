@@ -34,6 +34,26 @@ def ids(seed, shape, low=3, high=16):
     return jnp.asarray(np.random.default_rng(seed).integers(low, high, shape), jnp.int32)
 
 
+WIDTH = 11  # every single-row pass of `gemma` has this width: one compile serves all
+
+
+@pytest.fixture(scope="module")
+def gemma(make_lm):
+    """(model, params, forward): the Gemma-like LM (layers L, G, L) and its jitted
+    `forward(params, tokens_1W, mask, positions_1W)`."""
+    model, params = lm(make_lm)
+    forward = jax.jit(lambda p, t, mask, pos: model.apply({"params": p}, t, mask,
+                                                          positions_BT=pos))
+    return model, params, forward
+
+
+def causal_row(tokens_1T):
+    """(tokens right-padded to WIDTH, causal mask, positions 0..WIDTH-1): the first T
+    logits are the row's alone (the mask hides the padding that follows)."""
+    padded = jnp.pad(tokens_1T, ((0, 0), (0, WIDTH - tokens_1T.shape[1])), constant_values=3)
+    return padded, jf.causal_mask(WIDTH), jnp.arange(WIDTH)[None]
+
+
 def test_defaults_keep_head_dim_derived():
     assert jf.tiny().head_dim == 8 and jf.tiny().replace(d_model=64).head_dim == 16
     assert jf.tiny(head_dim=5, d_model=30, num_heads=4).head_dim == 5  # 30 % 4 != 0 is fine
@@ -71,32 +91,35 @@ def test_post_sublayer_norm_equals_the_formula(make_lm):
     np.testing.assert_allclose(got[0], want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("remat", ["none", "full"])
-def test_scanned_mixed_pattern_equals_unrolled(make_lm, remat):
-    model, params = lm(make_lm)
-    tokens = ids(1, (2, 9))
-    want = model.apply({"params": params}, tokens)
-    scanned = jf.DecoderOnlyLM(model.config.replace(scan_layers=True, remat=remat))
-    got = scanned.apply({"params": stacking.stack_layers(params)}, tokens)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+def test_scanned_mixed_pattern_equals_unrolled(gemma):
+    """(Remat under scan is covered by tests/nn/test_remat.py.)"""
+    model, params, forward = gemma
+    tokens, mask, positions = causal_row(ids(1, (1, WIDTH)))
+    want = forward(params, tokens, mask, positions)
+    scanned = jf.DecoderOnlyLM(model.config.replace(scan_layers=True))
     # The local layers' frequencies and window are really per layer: all-global differs.
-    other = jf.DecoderOnlyLM(model.config.replace(attention_pattern="G")).apply(
-        {"params": params}, tokens)
+    all_global = jf.DecoderOnlyLM(model.config.replace(attention_pattern="G"))
+    got, other = jax.jit(lambda p, stacked, t: (  # one compile for both
+        scanned.apply({"params": stacked}, t), all_global.apply({"params": p}, t)))(
+        params, stacking.stack_layers(params), tokens)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert np.abs(np.asarray(other) - np.asarray(want)).max() > 1e-3
 
 
-def test_window_applies_inside_packed_segments(make_lm):
+def test_window_applies_inside_packed_segments(gemma):
     """Two sequences packed in one row (segment mask, positions restarting) give each
     sequence's logits alone."""
-    model, params = lm(make_lm, num_decoder_layers=2)
+    model, params, forward = gemma
     first, second = ids(2, (1, 6)), ids(3, (1, 5))
     packed = jnp.concatenate([first, second], axis=1)
     segment = jnp.asarray([0] * 6 + [1] * 5)
-    mask = (segment[:, None] == segment[None, :])[None, None] & jf.causal_mask(11)
+    mask = (segment[:, None] == segment[None, :])[None, None] & jf.causal_mask(WIDTH)
     positions = jnp.asarray([list(range(6)) + list(range(5))])
-    got = model.apply({"params": params}, packed, mask, positions_BT=positions)
-    np.testing.assert_allclose(got[:, :6], model.apply({"params": params}, first), atol=1e-5)
-    np.testing.assert_allclose(got[:, 6:], model.apply({"params": params}, second), atol=1e-5)
+    got = forward(params, packed, mask, positions)
+    np.testing.assert_allclose(got[:, :6], forward(params, *causal_row(first))[:, :6],
+                               atol=1e-5)
+    np.testing.assert_allclose(got[:, 6:], forward(params, *causal_row(second))[:, :5],
+                               atol=1e-5)
 
 
 def full_recompute_greedy(model, params, rows, n_new):
@@ -115,24 +138,32 @@ def full_recompute_greedy(model, params, rows, n_new):
     return np.asarray(out)
 
 
-@pytest.mark.parametrize("segments", [1, 3])
-def test_ring_cache_greedy_equals_full_recomputation(make_lm, segments):
-    """Ragged prompts longer than the window, 12 new tokens: the rings wrap many times
-    (and, in segments, grow and stay put through `fold`)."""
+LENGTHS, N_NEW = (7, 4), 12
+
+
+@pytest.fixture(scope="module")
+def ring_case(make_lm):
+    """(model, params, right-padded prompts, greedy tokens by full recomputation): computed
+    once for every `segments` below."""
     model, params = lm(make_lm, seed=2, final_logit_softcapping=None)
     out_bias = params["decoder"]["out_proj"]["bias"]
     params["decoder"]["out_proj"]["bias"] = np.where(np.arange(len(out_bias)) == 2, -1e3,
                                                      out_bias)  # EOS never: 12 tokens each
-    lengths = (7, 4)
-    rows = [np.asarray(ids(10 + i, (n,))) for i, n in enumerate(lengths)]
-    batch = np.zeros((2, 7), np.int32)
+    rows = [np.asarray(ids(10 + i, (n,))) for i, n in enumerate(LENGTHS)]
+    batch = np.zeros((2, max(LENGTHS)), np.int32)
     for i, row in enumerate(rows):
         batch[i, :len(row)] = row
-    out = decoding.generate(model, params, jnp.asarray(batch), max_new_tokens=12,
-                            prompt_lengths=np.asarray(lengths), segments=segments)
-    want = full_recompute_greedy(model, params, rows, 12)
-    for i in range(2):
-        np.testing.assert_array_equal(np.asarray(out.tokens[i]), want[i])
+    return model, params, batch, full_recompute_greedy(model, params, rows, N_NEW)
+
+
+@pytest.mark.parametrize("segments", [1, 3])
+def test_ring_cache_greedy_equals_full_recomputation(ring_case, segments):
+    """Ragged prompts longer than the window, 12 new tokens: the rings wrap many times
+    (and, in segments, grow and stay put through `fold`)."""
+    model, params, batch, want = ring_case
+    out = decoding.generate(model, params, jnp.asarray(batch), max_new_tokens=N_NEW,
+                            prompt_lengths=np.asarray(LENGTHS), segments=segments)
+    np.testing.assert_array_equal(np.asarray(out.tokens), want)
 
 
 def test_all_local_cache_at_four_windows_is_a_quarter(make_lm):
@@ -155,13 +186,13 @@ def test_encoder_decoder_with_local_layers_decodes_like_recomputation(make_trans
     np.testing.assert_array_equal(got.lengths, lengths)
 
 
-def test_forward_mode_through_every_block(make_lm):
-    model, params = lm(make_lm)
+def test_forward_mode_through_every_block(gemma):
+    model, params, _ = gemma
     tokens = ids(6, (1, 6))
     tangent = jax.tree_util.tree_map(jnp.ones_like, params)
     f = lambda p: model.apply({"params": p}, tokens).sum()  # noqa: E731
-    forward = jax.jit(lambda p, t: jax.jvp(f, (p,), (t,))[1])(params, tangent)
-    grads = jax.jit(jax.grad(f))(params)
+    forward, grads = jax.jit(lambda p, t: (jax.jvp(f, (p,), (t,))[1], jax.grad(f)(p)))(
+        params, tangent)  # one compile for both
     backward = sum(jnp.vdot(g, t) for g, t in zip(jax.tree_util.tree_leaves(grads),
                                                   jax.tree_util.tree_leaves(tangent)))
     np.testing.assert_allclose(forward, backward, rtol=2e-3)
