@@ -19,7 +19,7 @@ Per-model mappings from GGUF names to jaxformer parameters live in
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -81,6 +81,51 @@ class GGUFFile:
 
 
 GGUF_MAGIC = b"GGUF"
+# GGUF value types -> byte sizes of the fixed-size ones (8 = string, 9 = array).
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def read_architecture(path, *, max_entries: int = 64) -> Optional[str]:
+    """`general.architecture` from the first metadata entries, without parsing the rest
+    of the file (the full parse of a large vocabulary takes seconds); None if it is
+    not among the first `max_entries` (converters write it first)."""
+    import struct  # noqa: PLC0415 - only here
+
+    path = require_file(path, "GGUF file")
+    try:
+        with open(path, "rb") as f:
+            magic, _version, _tensors, count = struct.unpack("<4sIQQ", f.read(24))
+            if magic != GGUF_MAGIC:
+                raise FileFormatError(path, f"is not a GGUF file (it starts with {magic!r}, "
+                                            f"not {GGUF_MAGIC!r})")
+
+            def string() -> bytes:
+                (n,) = struct.unpack("<Q", f.read(8))
+                return f.read(n)
+
+            def skip(kind: int) -> None:
+                if kind == 8:
+                    string()
+                elif kind == 9:
+                    item, n = struct.unpack("<IQ", f.read(12))
+                    if item in _SCALAR_BYTES:
+                        f.seek(n * _SCALAR_BYTES[item], 1)
+                    else:
+                        for _ in range(n):
+                            skip(item)
+                else:
+                    f.seek(_SCALAR_BYTES[kind], 1)
+
+            for _ in range(min(count, max_entries)):
+                key = string()
+                (kind,) = struct.unpack("<I", f.read(4))
+                if key == b"general.architecture" and kind == 8:
+                    return string().decode("utf-8", "replace")
+                skip(kind)
+    except (struct.error, KeyError, OSError, MemoryError) as error:
+        raise FileFormatError(path, f"damaged GGUF header ({type(error).__name__}: {error})",
+                              "it is truncated or corrupt: download it again") from error
+    return None
 
 
 def read_gguf(path) -> GGUFFile:

@@ -1,12 +1,35 @@
-"""Llama-architecture GGUF files (Llama, SmolLM2, ...) as a jaxformer `DecoderOnlyLM`.
+"""GGUF files by architecture (llama, mistral, qwen2, qwen3, gemma2, gemma3) as a
+jaxformer `DecoderOnlyLM`.
 
     model, params, tokenizer = load_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")
     ids = tokenizer.encode("The capital of France is").ids
     out = jaxformer.generate(model, params, jnp.asarray([ids]), max_new_tokens=16)
 
-The config is `jaxformer.config.llama` with the file's sizes: pre-RMSNorm
-(the file's epsilon), RoPE (the file's base), SwiGLU, grouped-query attention,
-no biases, tied embeddings unless the file has `output.weight`.
+`general.architecture` picks the mapping, as llama.cpp reads each one; every
+family is a config choice of `jaxformer.config.llama` (pre-RMSNorm, RoPE,
+gated FFN, grouped-query attention) with the file's sizes:
+
+    llama, mistral   no biases; query/key rows permuted by the converter (below)
+    qwen2            query/key/value biases
+    qwen3            per-head q/k RMSNorm, head dim `{arch}.attention.key_length`
+    gemma2           sandwich norms, (1 + w) RMSNorm, embeddings * sqrt(D), GELU,
+                     soft caps, local/global alternating (window
+                     `{arch}.attention.sliding_window`)
+    gemma3           gemma2's blocks + q/k norm (no soft caps), 5 local : 1 global,
+                     local RoPE base `{arch}.rope.freq_base_swa` (llama.cpp: 10000),
+                     linear RoPE scaling of the global layers (`{arch}.rope.scaling.*`)
+
+Gemma: llama.cpp's converter stores every norm weight with the 1 of the (1 + w)
+parameterisation already added; it is subtracted here, so the parameters are
+the Hugging Face checkpoint's. The query scale is `{arch}.attention.scale` if the
+file has it, else llama.cpp's: 1/sqrt(head dim), 1/sqrt(D / heads) for the 27B
+models. The local/global pattern is `{arch}.attention.sliding_window_pattern`
+if present (a period or one flag per layer), else llama.cpp's (2 resp. 6).
+llama.cpp implements no sliding window for the other families; neither does
+this reader.
+
+An unknown architecture is refused by name from the first metadata entries,
+before the rest of the file is parsed.
 
 GGUF name -> jaxformer parameter (numpy order of the GGUF tensor on the left):
 
@@ -17,34 +40,47 @@ GGUF name -> jaxformer parameter (numpy order of the GGUF tensor on the left):
     blk.i.attn_q          (H*K, D)  .../self_attn/query/kernel (D, H, K)   rows permuted, below
     blk.i.attn_k          (G*K, D)  .../self_attn/key/kernel   (D, G, K)   rows permuted, below
     blk.i.attn_v          (G*K, D)  .../self_attn/value/kernel (D, G, K)
+    blk.i.attn_{q,k,v}.bias (N*K,)  .../self_attn/{query,key,value}/bias (N, K)   qwen2
+    blk.i.attn_{q,k}_norm (K,)      .../self_attn/{query,key}_norm/scale          qwen3, gemma3
     blk.i.attn_output     (D, H*K)  .../self_attn/out/kernel   (H, K, D)
+    blk.i.post_attention_norm (D,)  .../self_attn_post_norm/scale                 gemma
     blk.i.ffn_norm        (D,)      decoder/layers_i/ffn_norm/scale
+    blk.i.post_ffw_norm   (D,)      .../ffn_post_norm/scale                       gemma
     blk.i.ffn_gate / ffn_up (F, D)  .../ffn/gate/kernel, ffn/wi/kernel (D, F)
     blk.i.ffn_down        (D, F)    .../ffn/wo/kernel (F, D)
 
-RoPE layout: llama.cpp's converter permutes each head's query/key rows from
-Hugging Face's half-split order to the interleaved pair order, which its RoPE
-kernel uses. `rope="half"` (default) undoes that permutation, giving exactly
-the Hugging Face checkpoint's weights; `rope="interleaved"` keeps the file's
-rows and rotates interleaved pairs. Both compute the same function; mixing
-them (interleaved rows, half rotation) does not (tested).
+RoPE layout: for llama/mistral, llama.cpp's converter permutes each head's
+query/key rows from Hugging Face's half-split order to the interleaved pair
+order, which its RoPE kernel uses (the other families keep Hugging Face's
+order). `rope="half"` (default) gives exactly the Hugging Face checkpoint's
+weights; `rope="interleaved"` keeps (or makes) interleaved rows and rotates
+interleaved pairs. Both compute the same function; mixing them (interleaved
+rows, half rotation) does not (tested).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxformer.config import TransformerConfig, llama
-from jaxformer.interop.gguf import GGUFFile, read_gguf, tokenizer_from_gguf
+from jaxformer.interop.gguf import (GGUFFile, read_architecture, read_gguf,
+                                    tokenizer_from_gguf)
 from jaxformer.nn.model import DecoderOnlyLM
 from jaxformer.nn.rope import half_to_interleaved_rows
 
-ARCHITECTURE = "llama"
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
+PERMUTED = ("llama", "mistral")  # query/key rows in interleaved order (the converter's permute)
+GEMMA = ("gemma2", "gemma3")
+# llama.cpp's local:global period when the file states none, and its 27B layer counts.
+_SWA_PERIOD = {"gemma2": 2, "gemma3": 6}
+_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # Metadata that would change the function but that jaxformer does not implement.
-_UNSUPPORTED_KEYS = ("llama.rope.scaling.type", "llama.attention.layer_norm_epsilon",
-                     "llama.expert_count")
+_UNSUPPORTED_KEYS = ("{a}.attention.layer_norm_epsilon", "{a}.expert_count",
+                     "{a}.rope.scaling.attn_factor", "{a}.attention.key_length_swa")
 
 
 def _meta(file: GGUFFile, key: str, default=None):
@@ -66,46 +102,105 @@ def _special_ids(file: GGUFFile) -> tuple[int, int, int]:
     return pad, bos, eos
 
 
+def check_architecture(path, arch: str) -> None:
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (supported: "
+                         f"{', '.join(ARCHITECTURES)})")
+
+
+def _rope_scaling(file: GGUFFile, a: str) -> dict:
+    kind = file.metadata.get(f"{a}.rope.scaling.type", "none")
+    if kind == "none":
+        return {}
+    if kind == "linear":
+        return dict(rope_scaling="linear",
+                    rope_scaling_factor=float(_meta(file, f"{a}.rope.scaling.factor")))
+    raise ValueError(f"{file.path}: metadata {a}.rope.scaling.type={kind!r} is not supported "
+                     "by jaxformer (implemented: none, linear)")
+
+
+def _window(file: GGUFFile, a: str, layers: int) -> tuple[Optional[int], Optional[str]]:
+    """(sliding_window, attention_pattern): Gemma's local/global layers as llama.cpp
+    reads them (the other families: full attention everywhere)."""
+    if a not in GEMMA:
+        return None, None
+    window = int(_meta(file, f"{a}.attention.sliding_window"))
+    period = file.metadata.get(f"{a}.attention.sliding_window_pattern", _SWA_PERIOD[a])
+    if isinstance(period, (list, tuple)):  # one flag per layer: True = local
+        if len(period) != layers:
+            raise ValueError(f"{file.path}: {a}.attention.sliding_window_pattern has "
+                             f"{len(period)} entries for {layers} layers")
+        pattern = "".join("L" if local else "G" for local in period)
+    else:  # llama.cpp's set_swa_pattern(n): every n-th layer global (n = 0: all local)
+        n = int(period)
+        pattern = "".join("L" if n == 0 or (i + 1) % n else "G" for i in range(layers))
+    return (window, pattern) if "L" in pattern else (None, None)
+
+
 def config_from_gguf(file: GGUFFile, *, rope: str = "half", dtype: str = "float32",
                      max_len: int | None = None) -> TransformerConfig:
-    """The `TransformerConfig` a llama-architecture GGUF file describes.
+    """The `TransformerConfig` a GGUF file describes (see the module docstring).
 
     Raises ValueError naming the problem for another architecture, metadata
-    jaxformer does not implement (rope scaling, partial rotary, MoE) or a
-    tensor of an unsupported quantization type: before any tensor is decoded.
+    jaxformer does not implement (rope scaling other than linear, Llama 3's
+    rope_freqs, partial rotary, MoE) or a tensor of an unsupported quantization
+    type: before any tensor is decoded.
     """
-    if file.architecture != ARCHITECTURE:
-        raise ValueError(f"{file.path}: GGUF architecture {file.architecture!r} is not "
-                         f"supported here; expected {ARCHITECTURE!r}")
+    a = file.architecture
+    check_architecture(file.path, a)
     for key in _UNSUPPORTED_KEYS:
-        if key in file.metadata:
-            raise ValueError(f"{file.path}: metadata {key!r} is not supported by jaxformer")
+        if key.format(a=a) in file.metadata:
+            raise ValueError(f"{file.path}: metadata {key.format(a=a)!r} is not supported by "
+                             "jaxformer")
+    if "rope_freqs.weight" in file.tensors:
+        raise ValueError(f"{file.path}: tensor 'rope_freqs.weight' (RoPE frequency factors, "
+                         "e.g. Llama 3.1's rope scaling) is not supported by jaxformer")
     file.check_types()
-    a = ARCHITECTURE
     d_model = int(_meta(file, f"{a}.embedding_length"))
     heads = int(_meta(file, f"{a}.attention.head_count"))
-    head_dim = d_model // heads if d_model % heads == 0 else -1
+    layers = int(_meta(file, f"{a}.block_count"))
+    head_dim = int(file.metadata.get(f"{a}.attention.key_length",
+                                     d_model // heads if d_model % heads == 0 else -1))
+    value_dim = int(file.metadata.get(f"{a}.attention.value_length", head_dim))
     rot = int(file.metadata.get(f"{a}.rope.dimension_count", head_dim))
-    if rot != head_dim:
-        raise ValueError(f"{file.path}: rope.dimension_count={rot} differs from the head "
-                         f"dim {head_dim} (partial rotary or odd head dims are not supported)")
+    if head_dim <= 0 or rot != head_dim or value_dim != head_dim:
+        raise ValueError(f"{file.path}: rope.dimension_count={rot}, attention.value_length="
+                         f"{value_dim} and the head dim {head_dim} differ (partial rotary or "
+                         "odd head dims are not supported)")
     vocab = len(file.metadata.get("tokenizer.ggml.tokens", ())) or int(
         _meta(file, f"{a}.vocab_size"))
     pad, bos, eos = _special_ids(file)
     context = int(_meta(file, f"{a}.context_length"))
-    return llama(
+    window, pattern = _window(file, a, layers)
+    fields = dict(
         src_vocab_size=vocab, tgt_vocab_size=vocab, d_model=d_model, num_heads=heads,
         num_kv_heads=int(_meta(file, f"{a}.attention.head_count_kv", heads)),
-        d_ff=int(_meta(file, f"{a}.feed_forward_length")),
-        num_decoder_layers=int(_meta(file, f"{a}.block_count")),
-        max_len=context if max_len is None else max_len,
+        head_dim=head_dim, d_ff=int(_meta(file, f"{a}.feed_forward_length")),
+        num_decoder_layers=layers, max_len=context if max_len is None else max_len,
         layer_norm_epsilon=float(_meta(file, f"{a}.attention.layer_norm_rms_epsilon")),
         rope_theta=float(file.metadata.get(f"{a}.rope.freq_base", 10000.0)), rope=rope,
         tie_output_embedding="output.weight" not in file.tensors,
-        pad_id=pad, bos_id=bos, eos_id=eos, dtype=dtype)
+        sliding_window=window, attention_pattern=pattern,
+        pad_id=pad, bos_id=bos, eos_id=eos, dtype=dtype, **_rope_scaling(file, a))
+    fields["attention_biases"] = "qkv" if a == "qwen2" else ""
+    if a in ("qwen3", "gemma3"):
+        fields["qk_norm"] = True
+    if a in GEMMA:
+        default_scale = (d_model / heads if layers == _27B_LAYERS[a] else head_dim) ** -0.5
+        caps = {k: file.metadata.get(f"{a}.{k}") for k in ("attn_logit_softcapping",
+                                                           "final_logit_softcapping")}
+        fields.update(norm="sandwich", norm_scale_plus_one=True, scale_embeddings=True,
+                      embedding_scale_dtype="compute", activation="gelu_tanh",
+                      query_scale=float(file.metadata.get(f"{a}.attention.scale",
+                                                          default_scale)),
+                      **{k: (None if v is None else float(v)) for k, v in caps.items()})
+        if a == "gemma3":
+            fields["rope_local_theta"] = float(file.metadata.get(f"{a}.rope.freq_base_swa",
+                                                                 10000.0))
+    return llama(**fields)
 
 
-def expected_shapes(config: TransformerConfig) -> dict[str, tuple[int, ...]]:
+def expected_shapes(config: TransformerConfig, arch: str = "llama") -> dict[str, tuple[int, ...]]:
     """GGUF tensor name -> numpy shape that `config` implies (the file must match exactly)."""
     D, H, G, K, F, V = (config.d_model, config.num_heads, config.kv_heads, config.head_dim,
                         config.d_ff, config.tgt_vocab_size)
@@ -113,22 +208,31 @@ def expected_shapes(config: TransformerConfig) -> dict[str, tuple[int, ...]]:
     if not config.tie_output_embedding:
         shapes["output.weight"] = (V, D)
     for i in range(config.num_decoder_layers):
+        b = f"blk.{i}."
         shapes.update({
-            f"blk.{i}.attn_norm.weight": (D,), f"blk.{i}.ffn_norm.weight": (D,),
-            f"blk.{i}.attn_q.weight": (H * K, D), f"blk.{i}.attn_k.weight": (G * K, D),
-            f"blk.{i}.attn_v.weight": (G * K, D), f"blk.{i}.attn_output.weight": (D, H * K),
-            f"blk.{i}.ffn_gate.weight": (F, D), f"blk.{i}.ffn_up.weight": (F, D),
-            f"blk.{i}.ffn_down.weight": (D, F)})
+            b + "attn_norm.weight": (D,), b + "ffn_norm.weight": (D,),
+            b + "attn_q.weight": (H * K, D), b + "attn_k.weight": (G * K, D),
+            b + "attn_v.weight": (G * K, D), b + "attn_output.weight": (D, H * K),
+            b + "ffn_gate.weight": (F, D), b + "ffn_up.weight": (F, D),
+            b + "ffn_down.weight": (D, F)})
+        for letter, n in (("q", H), ("k", G), ("v", G)):
+            if config.has_attention_bias(letter):
+                shapes[b + f"attn_{letter}.bias"] = (n * K,)
+        if config.qk_norm:
+            shapes.update({b + "attn_q_norm.weight": (K,), b + "attn_k_norm.weight": (K,)})
+        if arch in GEMMA:
+            shapes.update({b + "post_attention_norm.weight": (D,),
+                           b + "post_ffw_norm.weight": (D,)})
     return shapes
 
 
 def check_shapes(file: GGUFFile, config: TransformerConfig) -> None:
     """Every tensor present with the shape `config` implies, and no other tensor."""
-    want = expected_shapes(config)
+    want = expected_shapes(config, file.architecture)
     missing = sorted(set(want) - set(file.tensors))
     extra = sorted(set(file.tensors) - set(want))
     if missing or extra:
-        raise ValueError(f"{file.path}: tensors do not match a llama model with "
+        raise ValueError(f"{file.path}: tensors do not match a {file.architecture} model with "
                          f"{config.num_decoder_layers} layers: missing {missing[:5]}, "
                          f"unexpected {extra[:5]}")
     for name, shape in want.items():
@@ -137,12 +241,12 @@ def check_shapes(file: GGUFFile, config: TransformerConfig) -> None:
                              f"expected {shape} from the metadata")
 
 
-def _heads_rows(w_RD: np.ndarray, heads: int, head_dim: int, rope: str) -> np.ndarray:
-    """(heads*K, D) projection rows -> kernel (D, heads, K), rows in `rope`'s pair order."""
-    w_HKD = w_RD.reshape(heads, head_dim, -1)
-    if rope == "half":  # undo llama.cpp's permutation: half[p[j]] = interleaved[j]
-        w_HKD = w_HKD[:, np.argsort(half_to_interleaved_rows(head_dim)), :]
-    return np.ascontiguousarray(w_HKD.transpose(2, 0, 1))
+def _feature_order(arch: str, head_dim: int, rope: str) -> np.ndarray:
+    """Index along a head's K query/key features taking the file's order to `rope`'s."""
+    p = half_to_interleaved_rows(head_dim)  # interleaved[j] = half[p[j]]
+    if arch in PERMUTED:  # file rows are interleaved
+        return np.argsort(p) if rope == "half" else np.arange(head_dim)
+    return p if rope == "interleaved" else np.arange(head_dim)
 
 
 def params_from_gguf(file: GGUFFile, config: TransformerConfig) -> dict:
@@ -151,39 +255,63 @@ def params_from_gguf(file: GGUFFile, config: TransformerConfig) -> dict:
     Checks every tensor's shape against `config` first (`check_shapes`).
     """
     check_shapes(file, config)
+    arch = file.architecture
     H, G, K, D = config.num_heads, config.kv_heads, config.head_dim, config.d_model
-    dtype = config.params_dtype
+    order = _feature_order(arch, K, config.rope)
 
     def get(name):
-        return file.array(name)
+        value = file.array(name)
+        if arch in GEMMA and name.endswith("norm.weight"):
+            value = value - 1.0  # the converter stored 1 + w
+        return value
+
+    def heads(name, n, permute):  # (n*K, D) rows or (n*K,) bias -> (n, K, ...)
+        value = get(name).reshape(n, K, -1)
+        return value[:, order] if permute else value
+
+    def kernel(name, n, permute):
+        return heads(name, n, permute).transpose(2, 0, 1)
 
     decoder = {"final_norm": {"scale": get("output_norm.weight")}}
     if not config.tie_output_embedding:
         decoder["out_proj"] = {"kernel": get("output.weight").T}
     for i in range(config.num_decoder_layers):
         b = f"blk.{i}."
-        decoder[f"layers_{i}"] = {
-            "self_attn_norm": {"scale": get(b + "attn_norm.weight")},
-            "self_attn": {
-                "query": {"kernel": _heads_rows(get(b + "attn_q.weight"), H, K, config.rope)},
-                "key": {"kernel": _heads_rows(get(b + "attn_k.weight"), G, K, config.rope)},
-                "value": {"kernel": get(b + "attn_v.weight").reshape(G, K, D).transpose(2, 0, 1)},
-                "out": {"kernel": get(b + "attn_output.weight").T.reshape(H, K, D)},
-            },
-            "ffn_norm": {"scale": get(b + "ffn_norm.weight")},
-            "ffn": {"gate": {"kernel": get(b + "ffn_gate.weight").T},
-                    "wi": {"kernel": get(b + "ffn_up.weight").T},
-                    "wo": {"kernel": get(b + "ffn_down.weight").T}},
-        }
+        attn = {"query": {"kernel": kernel(b + "attn_q.weight", H, True)},
+                "key": {"kernel": kernel(b + "attn_k.weight", G, True)},
+                "value": {"kernel": kernel(b + "attn_v.weight", G, False)},
+                "out": {"kernel": get(b + "attn_output.weight").T.reshape(H, K, D)}}
+        for name, letter, n in (("query", "q", H), ("key", "k", G), ("value", "v", G)):
+            if config.has_attention_bias(letter):
+                attn[name]["bias"] = heads(b + f"attn_{letter}.bias", n, letter != "v")[..., 0]
+        if config.qk_norm:  # a per-feature scale: reordered with the rows
+            attn["query_norm"] = {"scale": get(b + "attn_q_norm.weight")[order]}
+            attn["key_norm"] = {"scale": get(b + "attn_k_norm.weight")[order]}
+        layer = {"self_attn_norm": {"scale": get(b + "attn_norm.weight")}, "self_attn": attn,
+                 "ffn_norm": {"scale": get(b + "ffn_norm.weight")},
+                 "ffn": {"gate": {"kernel": get(b + "ffn_gate.weight").T},
+                         "wi": {"kernel": get(b + "ffn_up.weight").T},
+                         "wo": {"kernel": get(b + "ffn_down.weight").T}}}
+        if arch in GEMMA:
+            layer["self_attn_post_norm"] = {"scale": get(b + "post_attention_norm.weight")}
+            layer["ffn_post_norm"] = {"scale": get(b + "post_ffw_norm.weight")}
+        decoder[f"layers_{i}"] = layer
     params = {"embed": {"embedding": get("token_embd.weight")}, "decoder": decoder}
-    return jax.tree_util.tree_map(lambda x: jnp.asarray(np.ascontiguousarray(x), dtype), params)
+    return jax.tree_util.tree_map(lambda x: jnp.asarray(np.ascontiguousarray(x),
+                                                        config.params_dtype), params)
 
 
 def load_gguf(path, *, rope: str = "half", dtype: str = "float32", max_len: int | None = None):
-    """(DecoderOnlyLM, params, tokenizers.Tokenizer) from a llama GGUF file.
+    """(DecoderOnlyLM, params, tokenizers.Tokenizer or None) from a GGUF file.
 
-    `max_len` caps the context (default: the file's context length).
+    `max_len` caps the context (default: the file's context length). An
+    unsupported architecture is refused from the first metadata entries.
     """
+    arch = read_architecture(path)
+    if arch is not None:  # else the full parse below finds it (or its absence)
+        check_architecture(path, arch)
     file = read_gguf(path)
     config = config_from_gguf(file, rope=rope, dtype=dtype, max_len=max_len)
-    return DecoderOnlyLM(config), params_from_gguf(file, config), tokenizer_from_gguf(file)
+    tokenizer = (tokenizer_from_gguf(file) if "tokenizer.ggml.model" in file.metadata
+                 else None)
+    return DecoderOnlyLM(config), params_from_gguf(file, config), tokenizer

@@ -47,8 +47,8 @@ ARCHS = {
     "Qwen3ForCausalLM": (transformers.Qwen3Config, dict(
         head_dim=16, tie_word_embeddings=True, use_sliding_window=True, sliding_window=WINDOW,
         layer_types=["sliding_attention", "full_attention"])),
-    "Gemma2ForCausalLM": (transformers.Gemma2Config, dict(
-        head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW,
+    "Gemma2ForCausalLM": (transformers.Gemma2Config, dict(  # query scale: Gemma 3's
+        head_dim=16, query_pre_attn_scalar=16, sliding_window=WINDOW,
         attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
     "Gemma3ForCausalLM": (transformers.Gemma3TextConfig, dict(
         head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW, num_hidden_layers=3,
@@ -70,7 +70,7 @@ def write_tokenizer(directory):
     tokenizer.save(os.path.join(directory, "tokenizer.json"))
 
 
-def build(arch, directory, **save):
+def build(arch, directory):
     """A random float32 `arch` model saved in `directory`; returns the torch model."""
     config_class, extra = ARCHS[arch]
     torch.manual_seed(0)
@@ -80,17 +80,30 @@ def build(arch, directory, **save):
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=generator)
             p.copy_(p + 0.2 * noise if p.ndim == 1 else 0.15 * noise)
-    model.save_pretrained(directory, **save)
+    model.save_pretrained(directory)
     write_tokenizer(directory)
     return model
 
 
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """`saved(arch)` -> (its directory, torch model): each built once per module."""
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            directory = str(tmp_path_factory.mktemp(arch))
+            cache[arch] = directory, build(arch, directory)
+        return cache[arch]
+
+    return get
+
+
 @pytest.fixture(scope="module", params=list(ARCHS))
-def loaded(request, tmp_path_factory):
+def loaded(request, saved):
     """(arch, torch model, jaxformer model, params, tokenizer, its directory)."""
     arch = request.param
-    directory = str(tmp_path_factory.mktemp(arch))
-    reference = build(arch, directory)
+    directory, reference = saved(arch)
     model, params, tokenizer = load(directory)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -139,15 +152,15 @@ def test_greedy_tokens_with_the_cache_equal_transformers_generate(loaded):
 
 
 def test_the_blocks_matter(loaded):
-    """Without its window (or with its window on every layer) the model is another one:
-    the window and the layer pattern are really applied."""
+    """Without its window the model is another one: the window and the layer pattern are
+    really applied (on Gemma 3: local layers with their own RoPE base; the per-layer
+    pattern in general is tests/nn/test_blocks_33.py's)."""
     arch, reference, model, params, _, _ = loaded
-    c = model.config
-    if arch not in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):  # two suffice: keep it fast
-        pytest.skip("checked on the Gemma models")
+    if arch != "Gemma3ForCausalLM":
+        pytest.skip("checked on Gemma 3")
     rows, batch = prompts()
-    other = c.replace(sliding_window=None, attention_pattern=None)
-    got = np.asarray(jf.DecoderOnlyLM(other).apply({"params": params}, jnp.asarray(batch[:1])))
+    other = jf.DecoderOnlyLM(model.config.replace(sliding_window=None, attention_pattern=None))
+    got = np.asarray(jax.jit(other.apply)({"params": params}, jnp.asarray(batch)))
     want = torch_logits(reference, rows[0])
     assert np.abs(got[0, :len(rows[0])] - want).max() > 1e-3 * np.abs(want).max()
 
@@ -172,10 +185,8 @@ def test_config_maps_the_blocks():
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    directory = str(tmp_path_factory.mktemp("bad"))
-    build("LlamaForCausalLM", directory)
-    return directory
+def llama_dir(saved):
+    return saved("LlamaForCausalLM")[0]
 
 
 def copy_of(directory, tmp_path):
@@ -204,9 +215,9 @@ def test_truncated_safetensors_is_refused_naming_the_file(llama_dir, tmp_path):
         load(directory)
 
 
-def test_missing_shard_is_refused_naming_it(tmp_path):
+def test_missing_shard_is_refused_naming_it(saved, tmp_path):
     directory = str(tmp_path / "sharded")
-    build("Qwen3ForCausalLM", directory, max_shard_size="20KB")
+    saved("Qwen3ForCausalLM")[1].save_pretrained(directory, max_shard_size="20KB")
     index = json.load(open(os.path.join(directory, "model.safetensors.index.json")))
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 1
@@ -249,3 +260,122 @@ def test_wrong_shaped_tensors_are_listed_together(llama_dir, tmp_path):
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.up_proj.weight",
                  "model.norm.weight"):
         assert name in message
+
+
+# -- the same models as GGUF files, written the way llama.cpp's converter writes them -----
+
+GGUF_ARCH = {"MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+             "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2",
+             "Gemma3ForCausalLM": "gemma3"}
+
+
+def converter_permute(w, heads):
+    """llama.cpp convert_hf_to_gguf.py's LlamaModel.permute (half-split -> pair rows)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+        w.shape)
+
+
+def write_gguf_like_llama_cpp(directory, arch, path, **extra_tensors):
+    """The directory's safetensors as llama.cpp's converter stores them for `arch`: names by
+    gguf's TensorNameMap, llama q/k rows permuted, Gemma norms stored as 1 + w."""
+    gguf = pytest.importorskip("gguf")
+    from safetensors.numpy import load_file
+
+    hp = json.load(open(os.path.join(directory, "config.json")))
+    layers, heads = hp["num_hidden_layers"], hp["num_attention_heads"]
+    head_dim = hp.get("head_dim") or hp["hidden_size"] // heads
+    names = gguf.get_tensor_name_map(
+        next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), layers)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(layers)
+    writer.add_context_length(hp["max_position_embeddings"])
+    writer.add_embedding_length(hp["hidden_size"])
+    writer.add_feed_forward_length(hp["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(hp["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(hp["rms_norm_eps"])
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    rope = hp["rope_parameters"]
+    writer.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
+    writer.add_vocab_size(hp["vocab_size"])
+    writer.add_bos_token_id(hp["bos_token_id"])
+    writer.add_eos_token_id(hp["eos_token_id"])
+    writer.add_pad_token_id(hp["pad_token_id"])
+    if arch.startswith("gemma"):
+        writer.add_sliding_window(hp["sliding_window"])
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(hp["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(hp["final_logit_softcapping"])
+    if arch == "gemma3":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["full_attention"]["factor"])
+        writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+        # the layer kinds (3 layers: llama.cpp's default period 6 would make all local)
+        writer.add_sliding_window_pattern([k == "sliding_attention" for k in hp["layer_types"]])
+    tensors = load_file(os.path.join(directory, "model.safetensors"))
+    for name, w in tensors.items():
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            w = converter_permute(w, heads if "q_proj" in name else hp["num_key_value_heads"])
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            w = w + 1
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")),
+                          np.ascontiguousarray(w, np.float32))
+    for name, w in extra_tensors.items():
+        writer.add_tensor(name, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+def test_gguf_of_the_model_gives_the_directorys_logits(loaded, tmp_path):
+    arch, _, model, params, _, directory = loaded
+    if arch not in GGUF_ARCH:
+        pytest.skip("Llama 3's rope scaling is refused in GGUF: test below")
+    g_model, g_params, tokenizer = load(write_gguf_like_llama_cpp(
+        directory, GGUF_ARCH[arch], tmp_path / "model.gguf"))
+    assert tokenizer is None  # none in the file
+    # What the file states as llama.cpp reads it: no window outside Gemma, the query scale
+    # 1/sqrt(head dim), the epsilon in float32.
+    want = model.config.replace(layer_norm_epsilon=float(np.float32(1e-6)))
+    if not arch.startswith("Gemma"):
+        want = want.replace(sliding_window=None, attention_pattern=None)
+    if arch == "Gemma3ForCausalLM":
+        want = want.replace(query_scale=16 ** -0.5)
+    assert g_model.config == want
+    assert jax.tree_util.tree_structure(g_params) == jax.tree_util.tree_structure(params)
+    for got, expected in zip(jax.tree_util.tree_leaves(g_params),
+                             jax.tree_util.tree_leaves(params)):
+        np.testing.assert_allclose(got, expected, atol=1e-6, err_msg=arch)  # 1 + w - 1
+    _, batch = prompts()
+    forward = jax.jit(g_model.apply)
+    got = np.asarray(forward({"params": g_params}, jnp.asarray(batch)))
+    expected = np.asarray(forward({"params": params}, jnp.asarray(batch)))
+    assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
+
+
+def test_gguf_llama3_rope_factors_are_refused_by_name(llama_dir, tmp_path):
+    path = write_gguf_like_llama_cpp(llama_dir, "llama", tmp_path / "llama3.gguf",
+                                     **{"rope_freqs.weight": np.ones(8, np.float32)})
+    with pytest.raises(ValueError, match="rope_freqs"):
+        load(path)
+
+
+def test_gguf_of_an_unknown_architecture_is_refused_at_once(llama_dir, tmp_path):
+    import time
+
+    path = write_gguf_like_llama_cpp(llama_dir, "llama", tmp_path / "m.gguf")
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    at = data.index(b"llama")  # general.architecture, the first metadata value
+    data[at:at + 5] = b"falcn"
+    data += bytes(50_000_000)  # a big file: the refusal must not read it
+    with open(path, "wb") as f:
+        f.write(data)
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="'falcn' is not supported"):
+        load(path)
+    assert time.perf_counter() - start < 0.5
