@@ -101,13 +101,14 @@ def saved(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=list(ARCHS))
 def loaded(request, saved):
-    """(arch, torch model, jaxformer model, params, tokenizer, its directory)."""
+    """(arch, torch model, jaxformer model, params, tokenizer, its directory, jitted
+    `model.apply`: compiled once per architecture)."""
     arch = request.param
     directory, reference = saved(arch)
     model, params, tokenizer = load(directory)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield arch, reference, model, params, tokenizer, directory
+    yield arch, reference, model, params, tokenizer, directory, jax.jit(model.apply)
     torch.set_num_threads(threads)
 
 
@@ -126,10 +127,10 @@ def torch_logits(reference, row):
 
 
 def test_logits_of_ragged_prompts_equal_transformers(loaded):
-    arch, reference, model, params, _, _ = loaded
+    arch, reference, model, params, _, _, forward = loaded
     rows, batch = prompts()
     assert model.config.sliding_window in (None, WINDOW)
-    got = np.asarray(jax.jit(model.apply)({"params": params}, jnp.asarray(batch)))
+    got = np.asarray(forward({"params": params}, jnp.asarray(batch)))
     for i, row in enumerate(rows):
         want = torch_logits(reference, row)
         error = np.abs(got[i, :len(row)] - want).max() / np.abs(want).max()
@@ -137,7 +138,7 @@ def test_logits_of_ragged_prompts_equal_transformers(loaded):
 
 
 def test_greedy_tokens_with_the_cache_equal_transformers_generate(loaded):
-    arch, reference, model, params, _, _ = loaded
+    arch, reference, model, params = loaded[:4]
     rows, batch = prompts()
     out = jf.generate(model, params, jnp.asarray(batch), max_new_tokens=N_NEW,
                       prompt_lengths=np.array(LENGTHS))
@@ -155,7 +156,7 @@ def test_the_blocks_matter(loaded):
     """Without its window the model is another one: the window and the layer pattern are
     really applied (on Gemma 3: local layers with their own RoPE base; the per-layer
     pattern in general is tests/nn/test_blocks_33.py's)."""
-    arch, reference, model, params, _, _ = loaded
+    arch, reference, model, params = loaded[:4]
     if arch != "Gemma3ForCausalLM":
         pytest.skip("checked on Gemma 3")
     rows, batch = prompts()
@@ -332,7 +333,7 @@ def write_gguf_like_llama_cpp(directory, arch, path, **extra_tensors):
 
 
 def test_gguf_of_the_model_gives_the_directorys_logits(loaded, tmp_path):
-    arch, _, model, params, _, directory = loaded
+    arch, _, model, params, _, directory, forward = loaded
     if arch not in GGUF_ARCH:
         pytest.skip("Llama 3's rope scaling is refused in GGUF: test below")
     g_model, g_params, tokenizer = load(write_gguf_like_llama_cpp(
@@ -350,8 +351,8 @@ def test_gguf_of_the_model_gives_the_directorys_logits(loaded, tmp_path):
     for got, expected in zip(jax.tree_util.tree_leaves(g_params),
                              jax.tree_util.tree_leaves(params)):
         np.testing.assert_allclose(got, expected, atol=1e-6, err_msg=arch)  # 1 + w - 1
+    # The file's parameters give the directory model's logits (its compiled forward pass).
     _, batch = prompts()
-    forward = jax.jit(g_model.apply)
     got = np.asarray(forward({"params": g_params}, jnp.asarray(batch)))
     expected = np.asarray(forward({"params": params}, jnp.asarray(batch)))
     assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
