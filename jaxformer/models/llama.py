@@ -182,7 +182,8 @@ def config_from_gguf(file: GGUFFile, *, rope: str = "half", dtype: str = "float3
         tie_output_embedding="output.weight" not in file.tensors,
         sliding_window=window, attention_pattern=pattern,
         pad_id=pad, bos_id=bos, eos_id=eos, dtype=dtype, **_rope_scaling(file, a))
-    fields["attention_biases"] = "qkv" if a == "qwen2" else ""
+    if a == "qwen2":
+        fields["attention_biases"] = "qkv"
     if a in ("qwen3", "gemma3"):
         fields["qk_norm"] = True
     if a in GEMMA:

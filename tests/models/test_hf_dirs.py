@@ -340,8 +340,9 @@ def test_gguf_of_the_model_gives_the_directorys_logits(loaded, tmp_path):
         directory, GGUF_ARCH[arch], tmp_path / "model.gguf"))
     assert tokenizer is None  # none in the file
     # What the file states as llama.cpp reads it: no window outside Gemma, the query scale
-    # 1/sqrt(head dim), the epsilon in float32.
-    want = model.config.replace(layer_norm_epsilon=float(np.float32(1e-6)))
+    # 1/sqrt(head dim), the epsilon in float32 (and no biases as the default, None).
+    want = model.config.replace(layer_norm_epsilon=float(np.float32(1e-6)),
+                                attention_biases=model.config.attention_biases or None)
     if not arch.startswith("Gemma"):
         want = want.replace(sliding_window=None, attention_pattern=None)
     if arch == "Gemma3ForCausalLM":
