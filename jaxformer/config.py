@@ -17,7 +17,7 @@ Activation = Literal["relu", "gelu", "gelu_tanh", "silu"]
 Positions = Literal["sinusoidal", "learned", "fixed", "none"]
 NormType = Literal["layernorm", "rmsnorm"]
 Rope = Literal["none", "half", "interleaved"]
-AttentionImpl = Literal["einsum", "jax"]
+AttentionImpl = Literal["einsum", "jax", "blockwise", "auto"]
 Remat = Literal["none", "full", "save_proj", "save_dots"]
 Precision = Literal["default", "mixed"]
 # RoPE frequency scaling kinds, as checkpoints name them (Hugging Face's `rope_type`).
@@ -33,7 +33,7 @@ _CHOICES = {
     "rope": ("none", "half", "interleaved"),
     "dtype": ("float32", "bfloat16", "float16"),
     "param_dtype": ("float32", "bfloat16", "float16"),
-    "attention_impl": ("einsum", "jax"),
+    "attention_impl": ("einsum", "jax", "blockwise", "auto"),
     "encoder_input": ("tokens", "embedded"),
     "remat": ("none", "full", "save_proj", "save_dots"),
     "precision": ("default", "mixed"),
@@ -189,7 +189,11 @@ class TransformerConfig(ConfigMixin):
     # "einsum": jaxformer's own attention (dropout on weights, weights sown for
     # inspection). "jax": jax.nn.dot_product_attention, which picks a fused
     # kernel (cuDNN flash attention on GPU) where one exists; no attention
-    # dropout and no sown weights.
+    # dropout and no sown weights. "blockwise": online softmax over key blocks
+    # (jaxformer.nn.blockwise), memory linear in length, masks as structure
+    # (MaskSpec); no attention dropout, no sown weights. "auto": picked per call
+    # at trace time by `jaxformer.nn.attention_select.resolved_attention_impl`
+    # (cuDNN on GPU where it applies, blockwise for long sequences, einsum else).
     attention_impl: AttentionImpl = "einsum"
     # Deep stacks (see layer_stack.py). scan_layers: each stack is one
     # `nn.scan`ned layer with stacked (L, ...) parameters `layers/...` instead
@@ -250,7 +254,8 @@ class TransformerConfig(ConfigMixin):
                  '"mixed" sets bfloat16 compute and float32 params itself: leave dtype and '
                  f"param_dtype at float32 (got {self.dtype}/{self.param_dtype})")
         _require(self.attention_impl == "einsum" or self.attention_dropout == 0.0,
-                 "attention_impl", '"jax" has no attention dropout: set attention_dropout=0')
+                 "attention_impl", f'"{self.attention_impl}" has no attention dropout: set '
+                 'attention_dropout=0 (or attention_impl="einsum")')
         _require(self.num_kv_heads is None or (
             isinstance(self.num_kv_heads, int) and self.num_kv_heads > 0
             and self.num_heads % self.num_kv_heads == 0), "num_kv_heads",
@@ -307,8 +312,8 @@ class TransformerConfig(ConfigMixin):
                  f"got {pattern!r}")
         _require(pattern is None or "L" not in pattern or self.sliding_window is not None,
                  "attention_pattern", 'has local layers ("L"): set sliding_window')
-        _require(self.attention_impl == "einsum" or self.attn_logit_softcapping is None,
-                 "attn_logit_softcapping", 'needs attention_impl="einsum" '
+        _require(self.attention_impl != "jax" or self.attn_logit_softcapping is None,
+                 "attn_logit_softcapping", 'needs attention_impl="einsum", "blockwise" or "auto" '
                  "(jax.nn.dot_product_attention has no soft cap)")
         _require(self.rope_scaling is None or self.rope_scaling in ROPE_SCALINGS,
                  "rope_scaling", f"{self.rope_scaling!r} is not implemented "

@@ -68,7 +68,7 @@ _MODEL_FLAGS = {"d_model": ("d_model",), "heads": ("num_heads",), "d_ff": ("d_ff
                 "dropout": ("attention_dropout", "residual_dropout", "embedding_dropout",
                             "ffn_dropout"),
                 "scan_layers": ("scan_layers",), "remat": ("remat",),
-                "precision": ("precision",)}
+                "precision": ("precision",), "attention_impl": ("attention_impl",)}
 _TRAIN_FLAGS = {"task": "task", "min_len": "min_len", "max_len": "max_len", "steps": "steps",
                 "batch": "batch_size", "lr": "learning_rate", "warmup": "warmup_steps",
                 "weight_decay": "weight_decay", "label_smoothing": "label_smoothing",
@@ -126,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--precision", choices=("default", "mixed"),
                        help="mixed: bfloat16 matmuls, float32 params, norms, logits and loss "
                             "(leave --dtype at float32)")
+    model.add_argument("--attention-impl", choices=("einsum", "jax", "blockwise", "auto"),
+                       help="blockwise: memory linear in --seq-len (long documents); auto: "
+                            "picked by backend and length (default einsum)")
     model.add_argument("--vocab", type=int, help="vocabulary incl. PAD/BOS/EOS (default 32)")
     data = train.add_argument_group("task and optimisation")
     data.add_argument("--task", choices=TASKS + ("lm",),

@@ -18,6 +18,13 @@ Grouped-query attention: keys and values have G = `config.kv_heads` heads,
 the queries as (B, G, H/G, T, K) (a free reshape) so each kv head is read
 once for its whole group, never repeated in memory.
 
+Masks are dense booleans (B|1, 1, T, S) or a `MaskSpec` (structure: causal,
+window, segment ids, ...). `attention_impl="blockwise"` runs
+`blockwise.blockwise_attention` on a MaskSpec, so no (T, S) array is built;
+"auto" picks per call (`attention_select.resolved_attention_impl`). A dense
+mask, or keys in parts (a cached decode step), take the dense path whatever
+the implementation: single-token decode steps stay dense.
+
 Rotary embeddings (`rope.py`) rotate queries and keys by their positions
 before the product; `kv(x, positions_BS)` stores rotated keys, so a cache
 holds them ready and a step rotates only its new query and key.
@@ -35,6 +42,9 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxformer.config import TransformerConfig
 from jaxformer.nn import tuning
+from jaxformer.nn.attention_select import jax_nn_mask_arguments, resolved_attention_impl
+from jaxformer.nn.blockwise import blockwise_attention
+from jaxformer.nn.mask_structure import MaskSpec, dense_mask
 from jaxformer.nn.tuning import apply_dropout
 from jaxformer.nn.axes import logical
 from jaxformer.nn.norms import layer_norm
@@ -47,6 +57,42 @@ class KV(NamedTuple):
 
     key: jnp.ndarray
     value: jnp.ndarray
+
+
+class LayerKindMask(NamedTuple):
+    """The self-attention mask of a scanned layer in a stack of mixed kinds: the
+    traced per-layer flag `is_local` picks `local` (with the window) or `global_`.
+    (A MaskSpec's window is static, so it cannot be selected with `jnp.where`.)"""
+
+    is_local: jnp.ndarray
+    local: MaskSpec
+    global_: MaskSpec
+
+
+def structured_attention(query_BHTK: jnp.ndarray, key_BGSK: jnp.ndarray,
+                         value_BGSK: jnp.ndarray, mask, config: TransformerConfig
+                         ) -> jnp.ndarray:
+    """Blockwise attention (B, H, T, K) under `mask` (None, a MaskSpec or a
+    `LayerKindMask`) with the config's query scale and logit soft cap."""
+    def run(spec):
+        return blockwise_attention(query_BHTK, key_BGSK, value_BGSK, spec,
+                                   logit_softcap=config.attn_logit_softcapping,
+                                   scale=config.query_scale)
+
+    if isinstance(mask, LayerKindMask):
+        return jax.lax.cond(mask.is_local, lambda: run(mask.local),
+                            lambda: run(mask.global_))
+    return run(mask)
+
+
+def densified(mask, num_queries: int, num_keys: int) -> Optional[jnp.ndarray]:
+    """`mask` as a dense boolean (B|1, 1, T, S) (None and dense arrays as they are)."""
+    if isinstance(mask, LayerKindMask):
+        return jnp.where(mask.is_local, dense_mask(mask.local, num_queries, num_keys),
+                         dense_mask(mask.global_, num_queries, num_keys))
+    if isinstance(mask, MaskSpec):
+        return dense_mask(mask, num_queries, num_keys)
+    return mask
 
 
 def dot_product_attention(
@@ -224,13 +270,18 @@ class MultiHeadAttention(nn.Module):
         self,
         inputs_q_BTD: jnp.ndarray,
         kv: KV,
-        mask: Optional[jnp.ndarray] = None,
+        mask=None,
         *,
         positions_BT: Optional[jnp.ndarray] = None,
         deterministic: bool = True,
         inv_freq=None,
     ) -> jnp.ndarray:
         """Attend from `inputs_q_BTD` to `kv`: (B, T, D) -> (B, T, D).
+
+        `mask`: None, a dense boolean (B|1, 1, T, S), a `MaskSpec` or a
+        `LayerKindMask`; structured masks run blockwise when the implementation
+        (`config.attention_impl`, "auto" resolved at trace time) is "blockwise",
+        and are densified for the dense path.
 
         Queries are rotated (if `rotary`) by `positions_BT`, default 0..T-1
         (with `inv_freq`, default this layer kind's frequencies).
@@ -243,17 +294,39 @@ class MultiHeadAttention(nn.Module):
         if self.config.qk_norm:
             query_BTHK = self._head_norm(self.query_norm, query_BTHK)
         query_BTHK = self._rotate(query_BTHK, positions_BT, inv_freq)
-        if self.config.attention_impl == "jax":  # (B, T, H, K); takes G < H kv heads
+        c = self.config
+        axis = kv_length_axis(c)
+        num_keys = sum(k.shape[axis] for k in (kv.key if isinstance(kv.key, tuple) else (kv.key,)))
+        num_queries = query_BTHK.shape[1]
+        if c.attention_impl == "jax":  # (B, T, H, K); takes G < H kv heads
             key, value = (jnp.concatenate(x, axis=1) if isinstance(x, tuple) else x
                           for x in kv)  # a cache in segments (past, chunk): one array
-            out_BTHK = jax.nn.dot_product_attention(query_BTHK, key, value, mask=mask,
-                                                    scale=self.config.query_scale)
+            args = jax_nn_mask_arguments(mask) if isinstance(mask, MaskSpec) else None
+            if args is None:
+                args = {"mask": densified(mask, num_queries, num_keys)}
+            out_BTHK = jax.nn.dot_product_attention(query_BTHK, key, value,
+                                                    scale=c.query_scale, **args)
             return checkpoint_name(self.out(out_BTHK), "out_proj")
-        rate = self.config.attention_dropout
+        structured = isinstance(mask, (MaskSpec, LayerKindMask)) or mask is None
+        in_parts = isinstance(kv.key, tuple)  # a cached step: the dense path
+        if structured and not in_parts:
+            spec = mask.global_ if isinstance(mask, LayerKindMask) else mask
+            impl = resolved_attention_impl(c, max(num_queries, num_keys), spec)
+            if impl == "cudnn" and not isinstance(mask, LayerKindMask):
+                out_BTHK = jax.nn.dot_product_attention(
+                    query_BTHK, _heads_major(kv.key), _heads_major(kv.value),
+                    scale=c.query_scale, implementation="cudnn", **jax_nn_mask_arguments(mask))
+                return checkpoint_name(self.out(out_BTHK), "out_proj")
+            if impl in ("blockwise", "cudnn"):
+                out_BHTK = structured_attention(_heads_major(query_BTHK), kv.key, kv.value,
+                                                mask, c)
+                return checkpoint_name(self.out(_heads_major(out_BHTK)), "out_proj")
+        rate = c.attention_dropout
         dropout_rng = None if deterministic or rate == 0.0 else self.make_rng("dropout")
         out_BHTK, weights_BHTS = dot_product_attention(
-            _heads_major(query_BTHK), kv.key, kv.value, mask, dropout_rate=rate,
-            dropout_rng=dropout_rng, dropout_mask=tuning.dropout_mask(self.config),
-            scale=self.config.query_scale, softcap=self.config.attn_logit_softcapping)
+            _heads_major(query_BTHK), kv.key, kv.value,
+            densified(mask, num_queries, num_keys), dropout_rate=rate,
+            dropout_rng=dropout_rng, dropout_mask=tuning.dropout_mask(c),
+            scale=c.query_scale, softcap=c.attn_logit_softcapping)
         self.sow("intermediates", "attention_weights", weights_BHTS)
         return checkpoint_name(self.out(_heads_major(out_BHTK)), "out_proj")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import jax
 import jax.numpy as jnp
 
 from jaxformer.nn.mask_structure import MaskSpec
@@ -79,3 +80,31 @@ def choose_attention_impl(platform: str, head_dim: int, dtype: Any,
     if platform in ("gpu", "cuda") and cudnn_supports(head_dim, dtype, mask):
         return "cudnn"
     return "blockwise" if seq_len >= BLOCKWISE_MIN_LENGTH else "dense"
+
+
+def resolved_attention_impl(config, length: int, mask: Optional[MaskSpec | jnp.ndarray] = None,
+                            platform: Optional[str] = None) -> str:
+    """The implementation a self-attention call of `config` runs at `length` tokens:
+    "einsum" (dense), "blockwise" or "cudnn" (`jax.nn.dot_product_attention`'s fused
+    kernel); "jax" when the config names it.
+
+    An explicit `config.attention_impl` is returned as is; "auto" applies
+    `choose_attention_impl` to this backend (`platform`, default the default
+    backend's), the config's head dim and compute dtype and `mask` (default the
+    LM's causal mask), at trace time. A soft cap rules cuDNN out (it has none).
+    Call it to see what a model will run; set `attention_impl` to override.
+    """
+    if config.attention_impl != "auto":
+        return config.attention_impl
+    platform = jax.default_backend() if platform is None else platform
+    mask = MaskSpec(causal=True) if mask is None else mask
+    choice = choose_attention_impl(platform, config.head_dim, config.compute_dtype, mask, length)
+    if choice == "cudnn" and config.attn_logit_softcapping is not None:
+        choice = "blockwise" if length >= BLOCKWISE_MIN_LENGTH else "dense"
+    return {"dense": "einsum"}.get(choice, choice)
+
+
+def uses_mask_spec(config) -> bool:
+    """Whether models of `config` describe their masks as a MaskSpec (never a dense
+    (B, 1, T, T) array): the implementations that can take one without densifying."""
+    return config.attention_impl in ("blockwise", "auto")

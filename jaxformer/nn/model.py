@@ -35,6 +35,8 @@ import jax.numpy as jnp
 
 from jaxformer.nn import checks, stack as layer_stack, stacking, tuning
 from jaxformer.nn.attention import KV, dense_init
+from jaxformer.nn.attention_select import uses_mask_spec
+from jaxformer.nn.mask_structure import MaskSpec
 from jaxformer.config import TransformerConfig
 from jaxformer.nn.layers import (DecoderLayer, EncoderLayer, PositionEmbedding, TokenEmbedding,
                               layer_norm)
@@ -188,11 +190,22 @@ def local_attention_mask(config: TransformerConfig, mask: Optional[jnp.ndarray],
                          query_slots_T: jnp.ndarray, key_slots_S: jnp.ndarray
                          ) -> Optional[jnp.ndarray]:
     """The sliding-window layers' mask: `mask` (the global layers') and the band
-    |query slot - key slot| < config.sliding_window; None without local layers."""
+    |query slot - key slot| < config.sliding_window; None without local layers.
+    A MaskSpec stays one (its `window`: slots are its index positions)."""
     if config.sliding_window is None:
         return None
+    if isinstance(mask, MaskSpec):
+        return mask.replace(window=config.sliding_window)
     band = sliding_window_mask(query_slots_T, key_slots_S, config.sliding_window)
     return band if mask is None else mask & band
+
+
+def lm_mask_spec(tokens_BT: jnp.ndarray, pad_id: int) -> MaskSpec:
+    """`decoder_self_mask` as structure: causal, and every query (segment 1) sees
+    only the keys that are not PAD (segment 1; PAD keys are segment 0)."""
+    visible_BT = (tokens_BT != pad_id).astype(jnp.int32)
+    return MaskSpec(causal=True, q_segment_ids=jnp.ones_like(visible_BT),
+                    kv_segment_ids=visible_BT)
 
 
 def _no_scanned_decoding(config: TransformerConfig) -> None:
@@ -330,13 +343,17 @@ class DecoderOnlyLM(nn.Module):
     def __call__(self, tokens_BT: jnp.ndarray, mask: Optional[jnp.ndarray] = None, *,
                  positions_BT: Optional[jnp.ndarray] = None,
                  deterministic: bool = True) -> jnp.ndarray:
-        """Next-token logits (B, T, V). `mask` defaults to causal & non-PAD."""
+        """Next-token logits (B, T, V). `mask` (dense (B|1, 1, T, T) or a MaskSpec)
+        defaults to causal & non-PAD: a MaskSpec under attention_impl "blockwise" or
+        "auto" (`lm_mask_spec`), so no (T, T) array is built."""
         c = self.config
         checks.check_tokens("tokens", tokens_BT, c.tgt_vocab_size, c.decoder_len)
         if mask is None:
-            mask = decoder_self_mask(tokens_BT, c.pad_id)
-        checks.check_mask("mask", mask, tokens_BT.shape[0], tokens_BT.shape[1],
-                          tokens_BT.shape[1], heads=c.num_heads)
+            mask = (lm_mask_spec(tokens_BT, c.pad_id) if uses_mask_spec(c)
+                    else decoder_self_mask(tokens_BT, c.pad_id))
+        if not isinstance(mask, MaskSpec):
+            checks.check_mask("mask", mask, tokens_BT.shape[0], tokens_BT.shape[1],
+                              tokens_BT.shape[1], heads=c.num_heads)
         logits_BTV, _ = self.decoder(tokens_BT, mask, positions_BT=positions_BT,
                                      deterministic=deterministic)
         return logits_BTV

@@ -40,7 +40,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxformer.nn.attention import KV
+from jaxformer.nn.attention import KV, LayerKindMask
+from jaxformer.nn.mask_structure import MaskSpec
 from jaxformer.config import TransformerConfig
 from jaxformer.nn.layers import DecoderLayer, EncoderLayer
 from jaxformer.nn.rope import layer_frequencies
@@ -61,9 +62,12 @@ def select_kind(config: TransformerConfig, local: bool, local_flag, mask, local_
     in a scan over mixed kinds, by the traced per-layer `local_flag`."""
     if local_flag is None:
         return (local_mask if local else mask), None
-    global_mask = True if mask is None else mask
     inv_freq = jnp.where(local_flag, layer_frequencies(config, True),
                          layer_frequencies(config, False))
+    if isinstance(local_mask, MaskSpec):  # static windows: the attention picks by cond
+        return LayerKindMask(local_flag, local_mask,
+                             MaskSpec() if mask is None else mask), inv_freq
+    global_mask = True if mask is None else mask
     return jnp.where(local_flag, local_mask, global_mask), inv_freq
 
 

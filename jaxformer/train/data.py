@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer.errors import FileFormatError, require_file
+from jaxformer.nn.mask_structure import MaskSpec
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # jaxformer's TransformerConfig defaults
 
@@ -233,6 +234,13 @@ def segment_mask(segments_BL) -> jnp.ndarray:
     return (same & jnp.tril(jnp.ones((length, length), bool)))[:, None]
 
 
+def segment_mask_spec(segments_BL) -> MaskSpec:
+    """`segment_mask` as structure (a MaskSpec, nothing (L, L) built): causal, same
+    segment, and PAD keys (segment 0) hidden: they get segment -1, which no query has."""
+    seg = jnp.asarray(segments_BL, jnp.int32)
+    return MaskSpec(causal=True, q_segment_ids=seg, kv_segment_ids=jnp.where(seg == 0, -1, seg))
+
+
 def pack_windows(tokens: np.ndarray, docs: np.ndarray, window_ids, seq_len: int) -> LMBatch:
     """LMBatch of the windows `window_ids` (see the module docstring) of a stream.
 
@@ -390,13 +398,16 @@ class TextData:
         key = (batch_size, seed, process_index, process_count)
         if key not in self._datasets:
             stream, seq_len = self._train_stream, self.seq_len
-            self._datasets[key] = (
+            dataset = (
                 grain.MapDataset.range(self.num_train_windows)
                 .shuffle(seed=seed)
                 .repeat()                                  # epoch e reshuffles with seed + e
                 .batch(batch_size // process_count,
-                       batch_fn=lambda ids: pack_windows(*stream, ids, seq_len))
-                .slice(slice(process_index, None, process_count)))
+                       batch_fn=lambda ids: pack_windows(*stream, ids, seq_len)))
+            # One process takes every batch (and grain cannot slice the endless
+            # dataset of batch size 1: its length overflows an index).
+            self._datasets[key] = dataset if process_count == 1 else dataset.slice(
+                slice(process_index, None, process_count))
         return self._datasets[key]
 
     def train_batch(self, step: int, batch_size: int, seed: int, *, process_index: int = 0,

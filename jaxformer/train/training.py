@@ -54,10 +54,11 @@ import numpy as np
 import optax
 
 from jaxformer.nn import checks, stacking
+from jaxformer.nn.attention_select import uses_mask_spec
 from jaxformer.parallel import partitioning
 from jaxformer.backends import cpu
 from jaxformer.config import ConfigMixin, TransformerConfig
-from jaxformer.train.data import LMBatch, TextData, segment_mask
+from jaxformer.train.data import LMBatch, TextData, segment_mask, segment_mask_spec
 from jaxformer.decode.api import greedy_decode
 from jaxformer.nn.model import DecoderOnlyLM, Transformer
 from jaxformer.nn.precision import check_backend as check_precision_backend
@@ -258,10 +259,14 @@ def model_logits(model, params, batch, *, deterministic: bool = True, rngs=None)
 
     A task `Batch` runs the encoder-decoder with teacher forcing; an `LMBatch`
     runs the decoder-only LM on packed windows: attention stays inside each
-    document (`data.segment_mask`) and positions restart with each document.
+    document (`data.segment_mask`; as a MaskSpec, `data.segment_mask_spec`, under
+    attention_impl "blockwise" or "auto": no (T, T) array) and positions restart
+    with each document.
     """
     if isinstance(batch, LMBatch):
-        logits_BTV = model.apply({"params": params}, batch.inputs, segment_mask(batch.segments),
+        mask = (segment_mask_spec if uses_mask_spec(model.config) else segment_mask)(
+            batch.segments)
+        logits_BTV = model.apply({"params": params}, batch.inputs, mask,
                                  positions_BT=batch.positions, deterministic=deterministic,
                                  rngs=rngs)
         return logits_BTV, batch.labels, batch.weights
