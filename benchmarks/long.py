@@ -1,4 +1,17 @@
-"""Long sequences, attention level: dense vs blockwise attention, memory and time per token.
+"""Long sequences: dense vs blockwise attention, memory and time per token, at the
+level of a whole train step (default) or of attention alone (`--level attention`).
+
+Train step (`--level train`): the decoder-only `lm` preset (4 Pre-LN layers, d_model
+192, 6 heads, bytes), batch 1, float32, one packed window of T tokens in 3
+documents; jitted loss + gradients + AdamW update, the mask handed as built by
+`jaxformer train --task lm`: dense (B, 1, T, T) `segment_mask` for
+attention_impl="einsum", a `segment_mask_spec` MaskSpec for "blockwise". Same
+figures as below; dense runs only under --dense-max-gib, T >= 65536 only with
+--run-64k (its compile and memory analysis always). JSON: temp_bytes_growth_1k_to_16k
+(blockwise), max_train_seq_len (longest T whose blockwise step compiled and ran),
+time_per_token_ratio_vs_dense_1k (dense time / blockwise time at 1k).
+
+Attention level (`--level attention`):
 
 Workload: batch 1, 4 heads, head dim 64, float32, causal, CPU. For each T the
 step is a jitted `value_and_grad` of sum(attention output) with respect to
@@ -45,6 +58,11 @@ import numpy as np
 from jaxformer.nn.attention import dot_product_attention
 from jaxformer.nn.blockwise import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, blockwise_attention
 from jaxformer.nn.mask_structure import MaskSpec, dense_mask
+import jaxformer as jf
+from jaxformer.config import PRESETS
+import optax
+from jaxformer.train.data import LMBatch
+from jaxformer.train.training import loss_and_metrics, model_logits
 
 HEADS, HEAD_DIM = 4, 64
 CAUSAL = MaskSpec(causal=True)
@@ -93,6 +111,70 @@ def tune(rounds: int) -> None:
         print(f"{name:>10}  {s * 1e3:8.1f} ms  dense/this {seconds['dense'] / s:5.2f}")
 
 
+def lm_batch(length: int) -> LMBatch:
+    """One packed window of `length` tokens: 3 documents (the last one runs to the end)."""
+    r = np.random.default_rng(0)
+    cuts = [length // 2, length // 2 + length // 3]
+    segments = np.searchsorted(cuts, np.arange(length), side="right").astype(np.int32) + 1
+    starts = np.concatenate([[0], cuts])[segments - 1]
+    tokens = r.integers(3, 259, length).astype(np.int32)
+    return LMBatch(inputs=tokens[None], labels=np.roll(tokens, -1)[None],
+                   weights=np.ones((1, length), np.float32),
+                   positions=(np.arange(length) - starts).astype(np.int32)[None],
+                   segments=segments[None])
+
+
+def train_step(impl: str, length: int):
+    """(compiled step(params, opt_state, batch) -> (params, opt_state, loss), its args)."""
+    config = PRESETS["lm"](max_len=length, attention_impl="einsum" if impl == "dense" else impl)
+    model = jf.DecoderOnlyLM(config)
+    optimizer = optax.adamw(1e-3)
+    batch = lm_batch(length)
+    params = jax.jit(model.init)(jax.random.PRNGKey(0), batch.inputs[:, :8])["params"]
+    opt_state = optimizer.init(params)
+
+    def step_fn(params, opt_state, batch):
+        def loss_fn(p):
+            logits, labels, weights = model_logits(model, p, batch)
+            return loss_and_metrics(logits, labels, pad_id=None, weights_BT=weights)[0]
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    args = (params, opt_state, jax.tree_util.tree_map(jnp.asarray, batch))
+    return jax.jit(step_fn).lower(*args).compile(), args
+
+
+def train_level(args) -> dict:
+    rows, max_len = {}, 0
+    print(f"{'T':>6} {'impl':>9} {'temp MiB':>10} {'us/token':>10} {'compile s':>10}")
+    for length in args.lengths:
+        compiled, temp, step_args = {}, {}, None
+        for impl in ("dense", "blockwise"):
+            if impl == "dense" and length > 16384:
+                continue  # hundreds of GiB of scores: not even compiled
+            start = time.perf_counter()
+            fn, step_args = train_step(impl, length)
+            compile_s = time.perf_counter() - start
+            temp[impl] = fn.memory_analysis().temp_size_in_bytes
+            rows[f"{impl}_{length}"] = dict(temp_bytes=temp[impl], compile_s=round(compile_s, 1))
+            if impl == "dense" and temp[impl] > args.dense_max_gib * 2 ** 30:
+                continue
+            if length < 65536 or args.run_64k:
+                compiled[impl] = fn
+        rounds = 3 if length <= 1024 else 2 if length <= 4096 else 1
+        seconds = time_rounds(compiled, step_args, rounds) if compiled else {}
+        if "blockwise" in seconds:
+            max_len = length
+        for impl in temp:
+            per_token = seconds[impl] / length * 1e6 if impl in seconds else None
+            rows[f"{impl}_{length}"]["us_per_token"] = per_token
+            shown = "-" if per_token is None else f"{per_token:10.1f}"
+            print(f"{length:>6} {impl:>9} {temp[impl] / 2 ** 20:>10.1f} {shown:>10} "
+                  f"{rows[f'{impl}_{length}']['compile_s']:>10}", flush=True)
+    return rows, max_len
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
@@ -100,10 +182,15 @@ def main(argv=None) -> dict:
                         help="run dense only if its temporaries fit under this")
     parser.add_argument("--run-64k", action="store_true", help="also time T >= 65536")
     parser.add_argument("--tune", action="store_true", help="time block sizes at 1k")
+    parser.add_argument("--level", choices=("train", "attention"), default="train")
     args = parser.parse_args(argv)
     if args.tune:
         tune(rounds=5)
         return {}
+    if args.level == "train":
+        rows, max_len = train_level(args)
+        return report(dict(rows=rows, level="train", block_q=DEFAULT_BLOCK_Q,
+                           block_k=DEFAULT_BLOCK_K, max_train_seq_len=max_len), rows)
     rows, max_len = {}, 0
     print(f"{'T':>6} {'impl':>9} {'temp MiB':>10} {'us/token':>10}")
     for length in args.lengths:
@@ -126,8 +213,12 @@ def main(argv=None) -> dict:
             rows[f"{impl}_{length}"] = dict(temp_bytes=temp[impl], us_per_token=per_token)
             shown = "-" if per_token is None else f"{per_token:10.1f}"
             print(f"{length:>6} {impl:>9} {temp[impl] / 2 ** 20:>10.1f} {shown:>10}", flush=True)
-    result = dict(rows=rows, block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K,
-                  max_attention_seq_len=max_len)
+    return report(dict(rows=rows, level="attention", block_q=DEFAULT_BLOCK_Q,
+                       block_k=DEFAULT_BLOCK_K, max_attention_seq_len=max_len), rows)
+
+
+def report(result: dict, rows: dict) -> dict:
+    """Add the growth and ratio keys to `result`, print it as one JSON line."""
     if "blockwise_1024" in rows and "blockwise_16384" in rows:
         result["temp_bytes_growth_1k_to_16k"] = round(
             rows["blockwise_16384"]["temp_bytes"] / rows["blockwise_1024"]["temp_bytes"], 2)
