@@ -152,13 +152,12 @@ def test_greedy_tokens_with_the_cache_equal_transformers_generate(loaded):
         assert n == len(want) or want[n - 1] == 1
 
 
-def test_the_blocks_matter(loaded):
+def test_the_blocks_matter(saved):
     """Without its window the model is another one: the window and the layer pattern are
     really applied (on Gemma 3: local layers with their own RoPE base; the per-layer
     pattern in general is tests/nn/test_blocks_33.py's)."""
-    arch, reference, model, params = loaded[:4]
-    if arch != "Gemma3ForCausalLM":
-        pytest.skip("checked on Gemma 3")
+    directory, reference = saved("Gemma3ForCausalLM")
+    model, params, _ = load(directory)
     rows, batch = prompts()
     other = jf.DecoderOnlyLM(model.config.replace(sliding_window=None, attention_pattern=None))
     got = np.asarray(jax.jit(other.apply)({"params": params}, jnp.asarray(batch)))
