@@ -241,7 +241,9 @@ MESHES = textwrap.dedent("""
     out["one"] = {"seq2seq": run(MODEL, TRAIN, one), "lm": run(LM, LM_TRAIN, one)}
     for spec in ("data=8", "fsdp=8", "data=2,fsdp=2,tensor=2", "fsdp=2,tensor=4"):
         mesh = partitioning.make_mesh(spec)
-        out[spec] = {"seq2seq": run(MODEL, TRAIN, mesh)}
+        # (compile time: pure data and pure fsdp are trained by the LM and by tests of
+        # train/ and parallel/; here their seq2seq state is only created and checked)
+        out[spec] = {"seq2seq": run(MODEL, TRAIN, mesh, steps=3 if "tensor" in spec else 0)}
         if spec in LM_MESHES:  # (compile time: the LM on the fsdp and tensor meshes)
             out[spec]["lm"] = run(LM, LM_TRAIN, mesh)
     fns = train_functions(jf.bench(), TrainConfig(max_len=10, batch_size=8),
@@ -270,7 +272,7 @@ def meshes():
 
 
 @pytest.mark.parametrize("spec, kind", [
-    ("data=8", "seq2seq"), ("fsdp=8", "seq2seq"), ("data=2,fsdp=2,tensor=2", "seq2seq"),
+    ("data=2,fsdp=2,tensor=2", "seq2seq"),
     ("fsdp=2,tensor=4", "seq2seq"), ("fsdp=8", "lm"), ("fsdp=2,tensor=4", "lm")])
 def test_meshes_train_like_one_device(meshes, spec, kind):
     """Encoder-decoder with dropout on every mesh; the scanned GQA LM on fsdp and tensor."""
@@ -291,8 +293,10 @@ def test_meshes_train_like_one_device(meshes, spec, kind):
     ("data=8", [32, 4, 8]), ("fsdp=8", [4, 4, 8]), ("data=2,fsdp=2,tensor=2", [16, 2, 8]),
     ("fsdp=2,tensor=4", [16, 1, 8])])
 def test_the_query_kernel_is_really_split(meshes, spec, block):
-    # query kernel (D=32, H=4, K=8): embed over fsdp, heads over tensor, after training.
+    # query kernel (D=32, H=4, K=8): embed over fsdp, heads over tensor (after training
+    # on the tensor meshes, as created on the others).
     query = "['decoder']['layers_0']['self_attn']['query']['kernel']"
+    assert meshes[spec]["seq2seq"]["in_shardings"]
     assert meshes[spec]["seq2seq"]["blocks"][query] == block
     assert meshes["one"]["seq2seq"]["blocks"][query] == [32, 4, 8]
 
