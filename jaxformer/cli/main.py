@@ -58,6 +58,7 @@ from typing import Optional, Sequence
 from jaxformer.cli import evaluate as evaluate_command
 from jaxformer.cli import transcribe as transcribe_command
 from jaxformer.cli.runs import has_checkpoint, language_model, load_run, read_run_config
+from jaxformer.cli.streaming import TextStream
 from jaxformer.cli.usage import UsageError
 
 # Flags that shape the model / the trajectory: on --resume they must agree with
@@ -614,16 +615,21 @@ def _generate_command(args) -> int:
     for text, prompt in zip(args.prompts, prompts):
         if not prompt:
             raise UsageError(f"prompt {text!r} encodes to no tokens")
+    # One prompt streams its text as the tokens come; a batch prints when it ends.
+    stream = None if args.json or len(prompts) > 1 else TextStream(
+        tokenizer, args.prompts[0], stop={model.config.eos_id, model.config.pad_id})
     started = time.perf_counter()
     new_ids = _continue_prompts(model, params, prompts, args.max_new_tokens,
                                 temperature=temperature, top_k=args.top_k, top_p=args.top_p,
-                                seed=args.seed)
+                                seed=args.seed, on_token=stream and stream.on_token)
     seconds = round(time.perf_counter() - started, 3)
     for prompt, ids in zip(args.prompts, new_ids):
         text = tokenizer.decode(ids)
         if args.json:
             print(json.dumps({"prompt": prompt, "ids": ids, "text": text,
                               "seconds": seconds}, ensure_ascii=False), flush=True)
+        elif stream is not None:
+            stream.finish(text)
         else:
             print(prompt + text, flush=True)
     return 0
@@ -716,10 +722,10 @@ def _show_examples(model, params, heldout, count: int) -> None:
 
 
 def _continue_prompts(model, params, prompts, max_new_tokens: int, *,
-                      temperature: float = 0.8, top_k=None, top_p=None, seed: int = 0
-                      ) -> list[list[int]]:
+                      temperature: float = 0.8, top_k=None, top_p=None, seed: int = 0,
+                      on_token=None) -> list[list[int]]:
     """Sampled (temperature 0: greedy) continuations of token prompts: the new ids,
-    up to and without EOS."""
+    up to and without EOS. `on_token`: as `jaxformer.decode.api.generate`'s."""
     import jax  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
 
@@ -736,7 +742,7 @@ def _continue_prompts(model, params, prompts, max_new_tokens: int, *,
     out = generate(model, params, batch, max_new_tokens=min(max_new_tokens, limit),
                    prompt_lengths=np.array([len(p) for p in prompts], np.int32),
                    rng=jax.random.PRNGKey(seed), temperature=temperature, top_k=top_k,
-                   top_p=top_p)
+                   top_p=top_p, on_token=on_token)
     tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
     return [[int(i) for i in row[:n] if i != model.config.eos_id]
             for row, n in zip(tokens, lengths)]

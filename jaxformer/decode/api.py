@@ -230,7 +230,7 @@ def greedy_decode_recompute(model: Transformer, params, src_BS, *, max_new_token
 
 def _lm_core(model: DecoderOnlyLM, params, prompt_BP, lengths_B, rng, *, max_new_tokens: int,
              select, loop: str, return_logits: bool, processors: tuple = (),
-             segments: int = 1) -> DecodeResult:
+             segments: int = 1, on_token=None) -> DecodeResult:
     c = model.config
     batch, width = prompt_BP.shape
     lengths = segment_lengths(max_new_tokens - 1, segments)
@@ -247,28 +247,29 @@ def _lm_core(model: DecoderOnlyLM, params, prompt_BP, lengths_B, rng, *, max_new
                        vocab_size=c.tgt_vocab_size if return_logits else None)
     # Every row's last prompt token sits in the last prompt slot after left alignment.
     state = advance(state, logits_BPV[:, -1], cache, select=select, eos_id=c.eos_id,
-                    pad_id=c.pad_id, processors=processors)
+                    pad_id=c.pad_id, processors=processors, on_token=on_token)
     state = decode_loop(cached_logits_fn(model, params), state, max_new_tokens - 1,
                         select=select, eos_id=c.eos_id, pad_id=c.pad_id, loop=loop,
-                        processors=processors, segments=segments, fold=cache_lib.fold)
+                        processors=processors, segments=segments, fold=cache_lib.fold,
+                        on_token=on_token)
     return state.result
 
 
 @decode_jit(static_argnames=("model", "max_new_tokens", "select", "loop", "return_logits",
-                             "processors", "segments"))
+                             "processors", "segments", "on_token"))
 def lm_program(model, params, prompt_BP, lengths_B, rng, *, max_new_tokens, select, loop,
-            return_logits, processors=(), segments=1):
+            return_logits, processors=(), segments=1, on_token=None):
     TRACE_COUNTS["lm"] += 1
     return _lm_core(model, params, prompt_BP, lengths_B, rng, max_new_tokens=max_new_tokens,
                     select=select, loop=loop, return_logits=return_logits,
-                    processors=processors, segments=segments)
+                    processors=processors, segments=segments, on_token=on_token)
 
 
 def generate(model: DecoderOnlyLM, params, prompt_BP, *, max_new_tokens: int,
              prompt_lengths=None, rng: Optional[jax.Array] = None, temperature: float = 0.0,
              top_k: Optional[int] = None, top_p: Optional[float] = None, loop: str = "scan",
              return_logits: bool = False, processors=None,
-             segments: Optional[int] = None) -> DecodeResult:
+             segments: Optional[int] = None, on_token=None) -> DecodeResult:
     """Continue right-padded prompts with a decoder-only LM: prefill once, then loop.
 
     Args:
@@ -281,6 +282,9 @@ def generate(model: DecoderOnlyLM, params, prompt_BP, *, max_new_tokens: int,
       temperature, top_k, top_p: as `sample`; temperature 0 (default) = greedy.
       loop, return_logits, processors, segments: as `greedy_decode` (step 0 = the first
         new token; the segments split the N - 1 steps after the prompt).
+      on_token: `on_token(step, token_B)`, called on the host with each step's picks
+        (numpy; PAD for finished rows) while the loop runs: streaming output. Not
+        under `vmap`; the function is part of the compilation key (reuse one).
     Returns:
       DecodeResult of the new tokens only (B, N).
     """
@@ -303,4 +307,4 @@ def generate(model: DecoderOnlyLM, params, prompt_BP, *, max_new_tokens: int,
                    jax.random.PRNGKey(0) if rng is None else rng,
                    max_new_tokens=int(max_new_tokens), select=select, loop=loop,
                    return_logits=return_logits, processors=procs,
-                   segments=segments_for(int(max_new_tokens) - 1, segments))
+                   segments=segments_for(int(max_new_tokens) - 1, segments), on_token=on_token)

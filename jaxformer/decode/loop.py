@@ -48,6 +48,8 @@ from jaxformer.nn import stacking
 TRACE_COUNTS: collections.Counter = collections.Counter()
 
 LogitsFn = Callable[[jnp.ndarray, Any, jnp.ndarray], tuple[jnp.ndarray, Any]]
+# on_token(step, token_B): numpy arrays, on the host, as each step's picks are made.
+OnToken = Callable[[Any, Any], None]
 
 def decode_jit(*, static_argnames: tuple[str, ...]):
     """`jax.jit` of a decode entry `fn(model, params, ...)` whose program first puts
@@ -166,18 +168,22 @@ def forced_prefix(state, token_B: jnp.ndarray) -> jnp.ndarray:
 
 def advance(state: DecodeState, logits_BV: jnp.ndarray, cache: Any, *,
             select: sampling.Selector, eos_id: int, pad_id: int,
-            processors: tuple = ()) -> DecodeState:
+            processors: tuple = (), on_token: Optional[OnToken] = None) -> DecodeState:
     """Pick the next token of every row from `logits_BV` and record it.
 
     The processors edit the logits first; a row inside its forced prefix takes
     the prefix token instead of the pick. Finished rows get PAD and keep their
     length; a row whose pick is EOS becomes finished (its length includes the EOS).
+    `on_token(step, token_B)` is called on the host with every pick, in step order
+    (`jax.debug.callback(ordered=True)`: not under `vmap`).
     """
     step = state.step
     logits_BV = processors_lib.apply(processors, logits_BV, step, state.tokens_BN)
     token_B = forced_prefix(state, select(logits_BV, jax.random.fold_in(state.rng, step)))
     token_B = jnp.where(state.finished_B, pad_id, token_B).astype(jnp.int32)
     tokens_BN = jax.lax.dynamic_update_slice(state.tokens_BN, token_B[:, None], (0, step))
+    if on_token is not None:
+        jax.debug.callback(on_token, step, token_B, ordered=True)
     logits_BNV = state.logits_BNV
     if logits_BNV is not None:
         logits_BNV = jax.lax.dynamic_update_slice(
@@ -213,7 +219,8 @@ def check_loop(loop) -> None:
 def decode_loop(logits_fn: LogitsFn, state: DecodeState, num_steps: int, *,
                 select: sampling.Selector = sampling.greedy, eos_id: int, pad_id: int,
                 loop: str = "scan", processors: tuple = (), segments: int = 1,
-                fold: Optional[Callable[[Any, int], Any]] = None) -> DecodeState:
+                fold: Optional[Callable[[Any, int], Any]] = None,
+                on_token: Optional[OnToken] = None) -> DecodeState:
     """Run `num_steps` (static) decode steps from `state`: feed, pick, record.
 
     Args:
@@ -228,12 +235,13 @@ def decode_loop(logits_fn: LogitsFn, state: DecodeState, num_steps: int, *,
         cache, `cache.fold`: each segment attends over the slots written so far
         instead of all of them). The cache must start with room for exactly the
         first segment. Same tokens; one compiled loop body per segment.
+      on_token: host callback of every pick (`advance`).
     """
 
     def body(state: DecodeState) -> DecodeState:
         logits_BV, cache = logits_fn(state.token_B, state.cache, state.step)
         return advance(state, logits_BV, cache, select=select, eos_id=eos_id, pad_id=pad_id,
-                       processors=processors)
+                       processors=processors, on_token=on_token)
 
     def run(state: DecodeState, steps: int) -> DecodeState:
         if loop == "scan":

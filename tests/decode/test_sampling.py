@@ -161,3 +161,17 @@ def test_lm_sampling_with_top_k_1_equals_lm_greedy():
     top1 = decoding.generate(model, params, prompt, max_new_tokens=5,
                              rng=jax.random.PRNGKey(0), temperature=0.8, top_k=1)
     np.testing.assert_array_equal(top1.tokens, greedy.tokens)
+
+
+@pytest.mark.parametrize("loop", ["scan", "while"])
+def test_on_token_streams_every_pick_in_step_order(loop):
+    """The host callback sees each step's picks as the jitted loop makes them: in step
+    order, equal to the returned tokens (PAD after EOS included)."""
+    seen = []
+    state = init_state(jnp.ones(3, jnp.int32), jnp.zeros((), jnp.int32), 5, pad_id=PAD)
+    out = jax.jit(functools.partial(
+        decode_loop, fake_logits_fn(SCRIPT), num_steps=5, eos_id=EOS, pad_id=PAD, loop=loop,
+        on_token=lambda step, token_B: seen.append((int(step), token_B.tolist()))))(state)
+    jax.effects_barrier()
+    assert [step for step, _ in seen] == list(range(5))
+    np.testing.assert_array_equal(np.array([t for _, t in seen]).T, out.tokens_BN)

@@ -256,6 +256,31 @@ def test_generate_run_reproduces_the_library_generate(lm_run, capsys):
     assert printed == want
 
 
+def test_generate_streams_one_prompt_as_its_tokens_come(lm_run, capsys, monkeypatch):
+    """One prompt: the text reaches stdout piece by piece from inside the decode loop
+    (a write per new character), and the whole line equals the batched command's."""
+    import io
+    import sys
+
+    out, _ = lm_run
+    command = ["generate", "--run", out, "--temperature", "0", "--max-new-tokens", "12"]
+    capsys.readouterr()
+    assert main(command + ["def f(", "import"]) == 0
+    batched = capsys.readouterr().out.splitlines()[0]
+    writes = []
+
+    class Recorder(io.StringIO):
+        def write(self, text):
+            writes.append(text)
+            return super().write(text)
+
+    monkeypatch.setattr(sys, "stdout", Recorder())
+    assert main(command + ["def f("]) == 0
+    assert "".join(writes) == batched + "\n"
+    pieces = [w for w in writes[1:-1] if w]  # between the prompt and the newline
+    assert len(pieces) == len(batched) - len("def f(")  # bytes: one character per step
+
+
 def test_decode_run_prints_the_greedy_decodes_of_a_copy_run(tmp_path, capsys):
     out = str(tmp_path / "copy")
     assert main(["train", "--preset", "tiny", "--layers", "1", "--max-len", "6", "--batch", "8",
