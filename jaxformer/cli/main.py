@@ -57,6 +57,7 @@ from typing import Optional, Sequence
 
 from jaxformer.cli import evaluate as evaluate_command
 from jaxformer.cli import transcribe as transcribe_command
+from jaxformer.cli.chat import chat_prompts, read_template
 from jaxformer.cli.runs import has_checkpoint, language_model, load_run, read_run_config
 from jaxformer.cli.streaming import TextStream
 from jaxformer.cli.usage import UsageError
@@ -208,6 +209,11 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--json", action="store_true",
                           help="one JSON line per prompt: prompt, ids (the new tokens), text, "
                                "seconds")
+    generate.add_argument("--chat", action="store_true",
+                          help="each prompt is a user message, formatted by the model's chat "
+                               "template (--model)")
+    generate.add_argument("--system", metavar="TEXT",
+                          help="with --chat: a system message before each prompt")
     _add_sampling_flags(generate, temperature=None)
     _add_compile_cache_flag(generate)
     generate.set_defaults(func=_generate_command)
@@ -608,22 +614,30 @@ def resume_mesh_spec(args, saved_spec: Optional[str]) -> Optional[str]:
 
 
 def _generate_command(args) -> int:
+    if args.system is not None and not args.chat:
+        raise UsageError("--system needs --chat")
+    template = read_template(args.model) if args.chat else None
     model, params, tokenizer = language_model(args.run, args.model)
     temperature = args.temperature if args.temperature is not None else (
         0.8 if args.run is not None else 0.0)
-    prompts = [tokenizer.encode_prompt(p).tolist() for p in args.prompts]
+    if args.chat:
+        prompts = chat_prompts(template, tokenizer, args.prompts, args.system)
+    else:
+        prompts = [tokenizer.encode_prompt(p).tolist() for p in args.prompts]
     for text, prompt in zip(args.prompts, prompts):
         if not prompt:
             raise UsageError(f"prompt {text!r} encodes to no tokens")
     # One prompt streams its text as the tokens come; a batch prints when it ends.
+    # A chat prints the replies alone.
+    shown = [""] * len(prompts) if args.chat else args.prompts
     stream = None if args.json or len(prompts) > 1 else TextStream(
-        tokenizer, args.prompts[0], stop={model.config.eos_id, model.config.pad_id})
+        tokenizer, shown[0], stop={model.config.eos_id, model.config.pad_id})
     started = time.perf_counter()
     new_ids = _continue_prompts(model, params, prompts, args.max_new_tokens,
                                 temperature=temperature, top_k=args.top_k, top_p=args.top_p,
                                 seed=args.seed, on_token=stream and stream.on_token)
     seconds = round(time.perf_counter() - started, 3)
-    for prompt, ids in zip(args.prompts, new_ids):
+    for prompt, ids, before in zip(args.prompts, new_ids, shown):
         text = tokenizer.decode(ids)
         if args.json:
             print(json.dumps({"prompt": prompt, "ids": ids, "text": text,
@@ -631,7 +645,7 @@ def _generate_command(args) -> int:
         elif stream is not None:
             stream.finish(text)
         else:
-            print(prompt + text, flush=True)
+            print(before + text, flush=True)
     return 0
 
 

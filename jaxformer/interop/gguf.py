@@ -89,9 +89,16 @@ def read_architecture(path, *, max_entries: int = 64) -> Optional[str]:
     """`general.architecture` from the first metadata entries, without parsing the rest
     of the file (the full parse of a large vocabulary takes seconds); None if it is
     not among the first `max_entries` (converters write it first)."""
+    return read_string_value(path, "general.architecture", max_entries=max_entries)
+
+
+def read_string_value(path, key: str, *, max_entries: Optional[int] = None) -> Optional[str]:
+    """The string metadata value `key` of a GGUF file (None if absent or not a string),
+    read by skipping over the entries before it without decoding them."""
     import struct  # noqa: PLC0415 - only here
 
     path = require_file(path, "GGUF file")
+    wanted = key.encode("utf-8")
     try:
         with open(path, "rb") as f:
             magic, _version, _tensors, count = struct.unpack("<4sIQQ", f.read(24))
@@ -116,10 +123,10 @@ def read_architecture(path, *, max_entries: int = 64) -> Optional[str]:
                 else:
                     f.seek(_SCALAR_BYTES[kind], 1)
 
-            for _ in range(min(count, max_entries)):
-                key = string()
+            for _ in range(count if max_entries is None else min(count, max_entries)):
+                name = string()
                 (kind,) = struct.unpack("<I", f.read(4))
-                if key == b"general.architecture" and kind == 8:
+                if name == wanted and kind == 8:
                     return string().decode("utf-8", "replace")
                 skip(kind)
     except (struct.error, KeyError, OSError, MemoryError) as error:

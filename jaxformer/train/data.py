@@ -158,6 +158,10 @@ class JSONTokenizer:
             return np.asarray(self._tok.encode(text, add_special_tokens=True).ids, np.int32)
         return np.concatenate([[self.bos_id], self.encode(text)]).astype(np.int32)
 
+    def token_text(self, token_id: int) -> str:
+        """The vocabulary entry of one id ("<|im_end|>"), or "" if there is none."""
+        return self._tok.id_to_token(int(token_id)) or ""
+
     def decode(self, ids) -> str:
         """Text of the ids, special tokens dropped."""
         ids = [int(i) for i in np.asarray(ids).reshape(-1)]

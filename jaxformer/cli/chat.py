@@ -1,0 +1,43 @@
+"""`jaxformer generate --chat`: each prompt as a user message in the model's chat template."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from jaxformer.cli.usage import UsageError
+
+
+def read_template(model_path: Optional[str]) -> str:
+    """The chat template of `--model` (read before the weights: a refusal is immediate)."""
+    from jaxformer.models.chat import chat_template  # noqa: PLC0415
+
+    if model_path is None:
+        raise UsageError("--chat needs --model: a checkpoint that ships a chat template")
+    try:
+        template = chat_template(model_path)
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+    if template is None:
+        raise UsageError(f"--chat: {model_path} has no chat template (tokenizer.chat_template "
+                         "in a GGUF file, chat_template in tokenizer_config.json)")
+    return template
+
+
+def chat_prompts(template: str, tokenizer, texts: list[str],
+                 system: Optional[str] = None) -> list[list[int]]:
+    """The ids of each text as a one-turn conversation ready for the assistant's reply,
+    the template writing the special tokens (none are added by the tokenizer)."""
+    from jaxformer.models.chat import render_chat  # noqa: PLC0415
+
+    specials = {f"{role}_token": tokenizer.token_text(getattr(tokenizer, f"{role}_id"))
+                for role in ("bos", "eos", "pad")}
+    prompts = []
+    for text in texts:
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": text}]
+        try:
+            rendered = render_chat(template, messages, **specials)
+        except (ValueError, ImportError) as error:
+            raise UsageError(f"--chat: {error}") from error
+        prompts.append(tokenizer.encode(rendered).tolist())
+    return prompts
