@@ -50,6 +50,7 @@ import numpy as np
 from jaxformer.config import TransformerConfig, llama
 from jaxformer.errors import FileFormatError, require_file
 from jaxformer.interop.flat import CheckpointMismatch, unflatten
+from jaxformer.interop.progress import tensor_bar
 from jaxformer.nn.model import DecoderOnlyLM
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
@@ -289,16 +290,22 @@ def check_tensors(checkpoint, config: TransformerConfig, arch: str) -> None:
         raise CheckpointMismatch(missing, unexpected, wrong)
 
 
-def params_from_hf(checkpoint, config: TransformerConfig, arch: str) -> dict:
-    """jaxformer `DecoderOnlyLM` parameters from an opened safetensors checkpoint."""
+def params_from_hf(checkpoint, config: TransformerConfig, arch: str, *,
+                   progress: Optional[bool] = None) -> dict:
+    """jaxformer `DecoderOnlyLM` parameters from an opened safetensors checkpoint.
+
+    `progress`: a bar on stderr per tensor read (None: if stderr is a terminal)."""
     check_tensors(checkpoint, config, arch)
     H, G, K, D = config.num_heads, config.kv_heads, config.head_dim, config.d_model
     dtype = config.params_dtype
     flat: dict[str, np.ndarray] = {}
+    bar = tensor_bar(len(expected_tensors(config, arch)),
+                     f"reading {os.path.basename(os.path.normpath(checkpoint.path))}", progress)
 
     def put(ours: str, theirs: str, transform=lambda w: w):
         flat[ours] = jnp.asarray(np.ascontiguousarray(transform(
             checkpoint.array(theirs).astype(np.float32))), dtype)
+        bar.update(1)
 
     put("embed/embedding", "model.embed_tokens.weight")
     put("decoder/final_norm/scale", "model.norm.weight")
@@ -333,6 +340,7 @@ def params_from_hf(checkpoint, config: TransformerConfig, arch: str) -> dict:
                 lambda w: w.T)
             if config.ffn_bias:
                 put(ours + f"ffn/{ours_ffn}/bias", theirs + f"mlp.{theirs_ffn}.bias")
+    bar.close()
     return unflatten(flat)
 
 
@@ -350,11 +358,14 @@ def tokenizer_from_dir(directory):
                               "it is damaged, or not a Hugging Face tokenizer.json") from error
 
 
-def load_hf(directory, *, dtype: str = "float32", max_len: Optional[int] = None):
+def load_hf(directory, *, dtype: str = "float32", max_len: Optional[int] = None,
+            progress: Optional[bool] = None):
     """(DecoderOnlyLM, params, tokenizers.Tokenizer or None) from a checkpoint directory.
 
     `max_len` caps the context (default: the config's max_position_embeddings).
     The config is mapped (and refused by name) before any tensor file is opened.
+    `progress`: a bar on stderr while tensors are read (None: if stderr is a
+    terminal; True / False force it on / off).
     """
     from jaxformer.interop.safetensors import read_safetensors  # noqa: PLC0415 - optional
 
@@ -362,5 +373,5 @@ def load_hf(directory, *, dtype: str = "float32", max_len: Optional[int] = None)
     config = config_from_hf(values, dtype=dtype, max_len=max_len)
     arch = values["architectures"][0]
     checkpoint = read_safetensors(directory)
-    params = params_from_hf(checkpoint, config, arch)
+    params = params_from_hf(checkpoint, config, arch, progress=progress)
     return DecoderOnlyLM(config), params, tokenizer_from_dir(directory)

@@ -60,6 +60,7 @@ rows, half rotation) does not (tested).
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import jax
@@ -69,6 +70,7 @@ import numpy as np
 from jaxformer.config import TransformerConfig, llama
 from jaxformer.interop.gguf import (GGUFFile, read_architecture, read_gguf,
                                     tokenizer_from_gguf)
+from jaxformer.interop.progress import tensor_bar
 from jaxformer.nn.model import DecoderOnlyLM
 from jaxformer.nn.rope import half_to_interleaved_rows
 
@@ -250,18 +252,22 @@ def _feature_order(arch: str, head_dim: int, rope: str) -> np.ndarray:
     return p if rope == "interleaved" else np.arange(head_dim)
 
 
-def params_from_gguf(file: GGUFFile, config: TransformerConfig) -> dict:
+def params_from_gguf(file: GGUFFile, config: TransformerConfig, *,
+                     progress: Optional[bool] = None) -> dict:
     """jaxformer `DecoderOnlyLM` parameters (float32 numpy -> `config.param_dtype`).
 
     Checks every tensor's shape against `config` first (`check_shapes`).
+    `progress`: a bar on stderr per tensor dequantized (None: if stderr is a terminal).
     """
     check_shapes(file, config)
     arch = file.architecture
     H, G, K, D = config.num_heads, config.kv_heads, config.head_dim, config.d_model
     order = _feature_order(arch, K, config.rope)
+    bar = tensor_bar(len(file.tensors), f"reading {os.path.basename(file.path)}", progress)
 
     def get(name):
         value = file.array(name)
+        bar.update(1)
         if arch in GEMMA and name.endswith("norm.weight"):
             value = value - 1.0  # the converter stored 1 + w
         return value
@@ -298,15 +304,19 @@ def params_from_gguf(file: GGUFFile, config: TransformerConfig) -> dict:
             layer["ffn_post_norm"] = {"scale": get(b + "post_ffw_norm.weight")}
         decoder[f"layers_{i}"] = layer
     params = {"embed": {"embedding": get("token_embd.weight")}, "decoder": decoder}
+    bar.close()
     return jax.tree_util.tree_map(lambda x: jnp.asarray(np.ascontiguousarray(x),
                                                         config.params_dtype), params)
 
 
-def load_gguf(path, *, rope: str = "half", dtype: str = "float32", max_len: int | None = None):
+def load_gguf(path, *, rope: str = "half", dtype: str = "float32", max_len: int | None = None,
+              progress: Optional[bool] = None):
     """(DecoderOnlyLM, params, tokenizers.Tokenizer or None) from a GGUF file.
 
     `max_len` caps the context (default: the file's context length). An
     unsupported architecture is refused from the first metadata entries.
+    `progress`: a bar on stderr while tensors are dequantized (None: if stderr
+    is a terminal; True / False force it on / off).
     """
     arch = read_architecture(path)
     if arch is not None:  # else the full parse below finds it (or its absence)
@@ -315,4 +325,4 @@ def load_gguf(path, *, rope: str = "half", dtype: str = "float32", max_len: int 
     config = config_from_gguf(file, rope=rope, dtype=dtype, max_len=max_len)
     tokenizer = (tokenizer_from_gguf(file) if "tokenizer.ggml.model" in file.metadata
                  else None)
-    return DecoderOnlyLM(config), params_from_gguf(file, config), tokenizer
+    return DecoderOnlyLM(config), params_from_gguf(file, config, progress=progress), tokenizer

@@ -187,3 +187,14 @@ def test_a_tensor_of_nan_is_refused_unless_asked(tmp_path, lm):
     with pytest.raises(FileFormatError, match="blk.1.ffn_up.weight.*NaN"):
         llama.load_gguf(path)
     assert np.isnan(read_gguf(path).array("blk.1.ffn_up.weight", check_finite=False)).all()
+
+
+@pytest.mark.parametrize("progress", [True, False])
+def test_a_bar_counts_the_tensors_read_unless_off(tmp_path, lm, capsys, progress):
+    """The bar is forced on or off (by default: on only when stderr is a terminal)."""
+    path = write_gguf(tmp_path / "tiny.gguf", gguf_tensors(lm[1], CONFIG))
+    capsys.readouterr()
+    llama.load_gguf(path, progress=progress)
+    err = capsys.readouterr().err
+    n = len(read_gguf(path).tensors)
+    assert (f"0/{n} " in err and "reading tiny.gguf" in err) if progress else err == ""

@@ -204,6 +204,15 @@ def edit_config(directory, **changes):
         json.dump(values, f)
 
 
+@pytest.mark.parametrize("progress", [True, False])
+def test_a_bar_counts_the_tensors_read_unless_off(llama_dir, capsys, progress):
+    capsys.readouterr()
+    _, params, _ = load(llama_dir, progress=progress)
+    err = capsys.readouterr().err
+    n = len(jax.tree_util.tree_leaves(params))
+    assert f"0/{n} " in err if progress else err == ""  # the total (leave=False clears the end)
+
+
 def test_truncated_safetensors_is_refused_naming_the_file(llama_dir, tmp_path):
     directory = copy_of(llama_dir, tmp_path)
     path = os.path.join(directory, "model.safetensors")
