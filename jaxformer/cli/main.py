@@ -215,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--system", metavar="TEXT",
                           help="with --chat: a system message before each prompt")
     _add_sampling_flags(generate, temperature=None)
+    generate.add_argument("--prefill-chunk", type=int, metavar="N",
+                          help="fill the KV cache N prompt tokens at a time (bounded memory "
+                               "for long prompts; default: the whole prompt in one pass)")
     _add_compile_cache_flag(generate)
     generate.set_defaults(func=_generate_command)
 
@@ -616,6 +619,8 @@ def resume_mesh_spec(args, saved_spec: Optional[str]) -> Optional[str]:
 def _generate_command(args) -> int:
     if args.system is not None and not args.chat:
         raise UsageError("--system needs --chat")
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
+        raise UsageError(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
     template = read_template(args.model) if args.chat else None
     model, params, tokenizer = language_model(args.run, args.model)
     temperature = args.temperature if args.temperature is not None else (
@@ -635,7 +640,8 @@ def _generate_command(args) -> int:
     started = time.perf_counter()
     new_ids = _continue_prompts(model, params, prompts, args.max_new_tokens,
                                 temperature=temperature, top_k=args.top_k, top_p=args.top_p,
-                                seed=args.seed, on_token=stream and stream.on_token)
+                                seed=args.seed, on_token=stream and stream.on_token,
+                                prefill_chunk=args.prefill_chunk)
     seconds = round(time.perf_counter() - started, 3)
     for prompt, ids, before in zip(args.prompts, new_ids, shown):
         text = tokenizer.decode(ids)
@@ -737,7 +743,7 @@ def _show_examples(model, params, heldout, count: int) -> None:
 
 def _continue_prompts(model, params, prompts, max_new_tokens: int, *,
                       temperature: float = 0.8, top_k=None, top_p=None, seed: int = 0,
-                      on_token=None) -> list[list[int]]:
+                      on_token=None, prefill_chunk=None) -> list[list[int]]:
     """Sampled (temperature 0: greedy) continuations of token prompts: the new ids,
     up to and without EOS. `on_token`: as `jaxformer.decode.api.generate`'s."""
     import jax  # noqa: PLC0415
@@ -756,7 +762,7 @@ def _continue_prompts(model, params, prompts, max_new_tokens: int, *,
     out = generate(model, params, batch, max_new_tokens=min(max_new_tokens, limit),
                    prompt_lengths=np.array([len(p) for p in prompts], np.int32),
                    rng=jax.random.PRNGKey(seed), temperature=temperature, top_k=top_k,
-                   top_p=top_p, on_token=on_token)
+                   top_p=top_p, on_token=on_token, prefill_chunk=prefill_chunk)
     tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
     return [[int(i) for i in row[:n] if i != model.config.eos_id]
             for row, n in zip(tokens, lengths)]

@@ -45,7 +45,8 @@ from jaxformer.decode import cache as cache_lib
 from jaxformer.nn import checks, stacking
 from jaxformer.decode import processors as processors_lib, sampling
 from jaxformer.decode.inputs import (check_encdec, check_max_new_tokens,
-                                     check_prompt, check_rng, decodable, left_align)
+                                     check_prefill_chunk, check_prompt, check_rng, decodable,
+                                     left_align)
 # DecodeResult and DecodeState are the entry points' result and carry;
 # TRACE_COUNTS counts their traces.
 from jaxformer.decode.loop import (TRACE_COUNTS, DecodeResult, DecodeState, advance, check_loop,
@@ -230,23 +231,24 @@ def greedy_decode_recompute(model: Transformer, params, src_BS, *, max_new_token
 
 def _lm_core(model: DecoderOnlyLM, params, prompt_BP, lengths_B, rng, *, max_new_tokens: int,
              select, loop: str, return_logits: bool, processors: tuple = (),
-             segments: int = 1, on_token=None) -> DecodeResult:
+             segments: int = 1, prefill_chunk: Optional[int] = None,
+             on_token=None) -> DecodeResult:
     c = model.config
     batch, width = prompt_BP.shape
     lengths = segment_lengths(max_new_tokens - 1, segments)
     chunked = len(lengths) > 1  # then the prompt fills the past, the loop its chunks
     cache = cache_lib.init_cache(c, batch, width if chunked else width + max_new_tokens - 1)
     cache = cache.replace(start_B=(width - lengths_B).astype(jnp.int32))
-    # Prefill: the whole (left-aligned) prompt in one parallel pass.
-    logits_BPV, cache = cache_lib.cached_forward(
-        model, params, cache, left_align(prompt_BP, lengths_B, c.pad_id))
+    # Prefill: the (left-aligned) prompt in one parallel pass, or chunk by chunk.
+    last_BV, cache = cache_lib.prefill(model, params, cache,
+                                       left_align(prompt_BP, lengths_B, c.pad_id), prefill_chunk)
     if chunked:
         cache = cache_lib.fold(cache, lengths[0])
     state = init_state(jnp.full((batch,), c.pad_id, jnp.int32), cache, max_new_tokens,
                        pad_id=c.pad_id, rng=rng,
                        vocab_size=c.tgt_vocab_size if return_logits else None)
     # Every row's last prompt token sits in the last prompt slot after left alignment.
-    state = advance(state, logits_BPV[:, -1], cache, select=select, eos_id=c.eos_id,
+    state = advance(state, last_BV, cache, select=select, eos_id=c.eos_id,
                     pad_id=c.pad_id, processors=processors, on_token=on_token)
     state = decode_loop(cached_logits_fn(model, params), state, max_new_tokens - 1,
                         select=select, eos_id=c.eos_id, pad_id=c.pad_id, loop=loop,
@@ -256,20 +258,22 @@ def _lm_core(model: DecoderOnlyLM, params, prompt_BP, lengths_B, rng, *, max_new
 
 
 @decode_jit(static_argnames=("model", "max_new_tokens", "select", "loop", "return_logits",
-                             "processors", "segments", "on_token"))
+                             "processors", "segments", "prefill_chunk", "on_token"))
 def lm_program(model, params, prompt_BP, lengths_B, rng, *, max_new_tokens, select, loop,
-            return_logits, processors=(), segments=1, on_token=None):
+            return_logits, processors=(), segments=1, prefill_chunk=None, on_token=None):
     TRACE_COUNTS["lm"] += 1
     return _lm_core(model, params, prompt_BP, lengths_B, rng, max_new_tokens=max_new_tokens,
                     select=select, loop=loop, return_logits=return_logits,
-                    processors=processors, segments=segments, on_token=on_token)
+                    processors=processors, segments=segments, prefill_chunk=prefill_chunk,
+                    on_token=on_token)
 
 
 def generate(model: DecoderOnlyLM, params, prompt_BP, *, max_new_tokens: int,
              prompt_lengths=None, rng: Optional[jax.Array] = None, temperature: float = 0.0,
              top_k: Optional[int] = None, top_p: Optional[float] = None, loop: str = "scan",
              return_logits: bool = False, processors=None,
-             segments: Optional[int] = None, on_token=None) -> DecodeResult:
+             segments: Optional[int] = None,
+             prefill_chunk: Optional[int] = None, on_token=None) -> DecodeResult:
     """Continue right-padded prompts with a decoder-only LM: prefill once, then loop.
 
     Args:
@@ -282,6 +286,9 @@ def generate(model: DecoderOnlyLM, params, prompt_BP, *, max_new_tokens: int,
       temperature, top_k, top_p: as `sample`; temperature 0 (default) = greedy.
       loop, return_logits, processors, segments: as `greedy_decode` (step 0 = the first
         new token; the segments split the N - 1 steps after the prompt).
+      prefill_chunk: C >= 1 fills the cache C prompt tokens at a time
+        (`cache.prefill`): the prefill's attention temporaries are O(C x (P + N))
+        instead of O(P^2). Default None: the whole prompt in one pass.
       on_token: `on_token(step, token_B)`, called on the host with each step's picks
         (numpy; PAD for finished rows) while the loop runs: streaming output. Not
         under `vmap`; the function is part of the compilation key (reuse one).
@@ -302,9 +309,12 @@ def generate(model: DecoderOnlyLM, params, prompt_BP, *, max_new_tokens: int,
                          f"prompt width {width} + {max_new_tokens} new tokens - 1 exceeds "
                          f"the decoder's max_len={c.decoder_len}")
     check_loop(loop)
+    check_prefill_chunk(prefill_chunk)
     return lm_program(*decodable(model, params), jnp.asarray(prompt, jnp.int32),
                    jnp.asarray(lengths, jnp.int32),
                    jax.random.PRNGKey(0) if rng is None else rng,
                    max_new_tokens=int(max_new_tokens), select=select, loop=loop,
                    return_logits=return_logits, processors=procs,
-                   segments=segments_for(int(max_new_tokens) - 1, segments), on_token=on_token)
+                   segments=segments_for(int(max_new_tokens) - 1, segments),
+                   prefill_chunk=None if prefill_chunk is None else int(prefill_chunk),
+                   on_token=on_token)

@@ -263,6 +263,37 @@ def cached_forward(model, params, cache: DecodeCache,
     return logits_BTV, cache.replace(self_kv=self_kv, index=cache.index + num_queries)
 
 
+def prefill(model, params, cache: DecodeCache, tokens_BP: jnp.ndarray,
+            chunk: Optional[int] = None) -> tuple[jnp.ndarray, DecodeCache]:
+    """Feed a prompt (B, P) into the cache, `chunk` tokens per call (None: one call).
+
+    Each call's queries attend over the cache (C x T_max scores) instead of
+    the prompt over itself (P x P), so a long prompt's temporaries are bounded
+    by the chunk. A first call takes the P mod C leading tokens, then a
+    `lax.scan` feeds the C-token chunks (one compiled body). Results equal one
+    pass up to float rounding: every query sees the same keys.
+
+    Returns:
+      (the logits (B, V) float32 of the last prompt token, the filled cache).
+    """
+    width = tokens_BP.shape[1]
+    if chunk is None or chunk >= width:
+        logits_BPV, cache = cached_forward(model, params, cache, tokens_BP)
+        return logits_BPV[:, -1], cache
+    lead, count = width % chunk, width // chunk
+    if lead:
+        _, cache = cached_forward(model, params, cache, tokens_BP[:, :lead])
+    chunks_NBC = jnp.moveaxis(tokens_BP[:, lead:].reshape(tokens_BP.shape[0], count, chunk),
+                              1, 0)
+
+    def step(cache, tokens_BC):
+        logits_BCV, cache = cached_forward(model, params, cache, tokens_BC)
+        return cache, logits_BCV[:, -1]
+
+    cache, last_NBV = jax.lax.scan(step, cache, chunks_NBC)
+    return last_NBV[-1], cache
+
+
 def fold(cache: DecodeCache, chunk_len: int) -> DecodeCache:
     """The cache with its current chunk moved into the past and an empty chunk of
     `chunk_len` slots after it (one copy of the keys/values written so far).

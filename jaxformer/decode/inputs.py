@@ -55,6 +55,17 @@ def check_max_new_tokens(max_new_tokens, limit: int, what: str) -> None:
         raise ValueError(f"max_new_tokens={max_new_tokens} is too long: {what}")
 
 
+def check_prefill_chunk(prefill_chunk) -> None:
+    """None, or an int >= 1 (prompt tokens per prefill call)."""
+    if prefill_chunk is None:
+        return
+    if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, (int, np.integer)):
+        raise TypeError(f"prefill_chunk must be an int or None, got "
+                        f"{type(prefill_chunk).__name__}")
+    if prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+
+
 def check_prefix(prefix_BP, prefix_lengths, *, batch: int, vocab_size: int,
                  max_new_tokens: int, max_len: int):
     """Host check of a forced decoder prefix -> (prefix (B, P) int32, lengths (B,) int32),

@@ -370,6 +370,8 @@ def test_generate_and_eval_refuse_bad_sources_in_one_line(finished_run, tmp_path
          "no such checkpoint directory or GGUF file"),
         (["eval", "--run", finished_run[0], "--data", str(text)], "needs a --task lm run"),
         (["generate", "--model", str(tmp_path), "hello"], "config.json"),
+        (["generate", "--model", str(tmp_path), "--prefill-chunk", "0", "hello"],
+         "--prefill-chunk must be >= 1"),
         (["eval", "--model", str(tmp_path), "--data", str(text), "--batch", "0"],
          "--batch must be positive"),
     ]
