@@ -11,6 +11,12 @@ figures as below; dense runs only under --dense-max-gib, T >= 65536 only with
 (blockwise), max_train_seq_len (longest T whose blockwise step compiled and ran),
 time_per_token_ratio_vs_dense_1k (dense time / blockwise time at 1k).
 
+Prefill (with the train level): the peak temporary bytes of the compiled prefill
+of a --prefill-length prompt (default 16384) into a KV cache of as many slots
+(`decode.cache.prefill`), one pass over the prompt vs chunks of --prefill-chunk
+tokens (default 1024); compiled only, never run. JSON:
+prefill_chunked_peak_bytes_ratio (chunked over one-pass).
+
 Attention level (`--level attention`):
 
 Workload: batch 1, 4 heads, head dim 64, float32, causal, CPU. For each T the
@@ -60,6 +66,7 @@ from jaxformer.nn.blockwise import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, blockwise_a
 from jaxformer.nn.mask_structure import MaskSpec, dense_mask
 import jaxformer as jf
 from jaxformer.config import PRESETS
+from jaxformer.decode import cache as cache_lib
 import optax
 from jaxformer.train.data import LMBatch
 from jaxformer.train.training import loss_and_metrics, model_logits
@@ -145,6 +152,33 @@ def train_step(impl: str, length: int):
     return jax.jit(step_fn).lower(*args).compile(), args
 
 
+def prefill_temp_bytes(length: int, chunk) -> int:
+    """Peak temporary bytes of the compiled prefill of `length` prompt tokens into a cache
+    of `length` slots (lm preset, batch 1, f32), in chunks of `chunk` (None: one pass)."""
+    config = PRESETS["lm"](max_len=length)
+    model = jf.DecoderOnlyLM(config)
+    params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0),
+                                               jnp.zeros((1, 8), jnp.int32))["params"])
+
+    def fill(params, tokens_BP):
+        cache = cache_lib.init_cache(config, 1, length)
+        return cache_lib.prefill(model, params, cache, tokens_BP, chunk)
+
+    compiled = jax.jit(fill).lower(params, jax.ShapeDtypeStruct((1, length), jnp.int32)).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def prefill_level(args) -> dict:
+    """{"prefill": per-setting bytes, "prefill_chunked_peak_bytes_ratio": chunked / one pass}."""
+    one = prefill_temp_bytes(args.prefill_length, None)
+    chunked = prefill_temp_bytes(args.prefill_length, args.prefill_chunk)
+    print(f"prefill of {args.prefill_length} tokens: temp MiB one pass {one / 2 ** 20:.1f}, "
+          f"chunks of {args.prefill_chunk} {chunked / 2 ** 20:.1f}", flush=True)
+    return {"prefill": dict(length=args.prefill_length, chunk=args.prefill_chunk,
+                            one_pass_temp_bytes=one, chunked_temp_bytes=chunked),
+            "prefill_chunked_peak_bytes_ratio": round(chunked / one, 4)}
+
+
 def train_level(args) -> dict:
     rows, max_len = {}, 0
     print(f"{'T':>6} {'impl':>9} {'temp MiB':>10} {'us/token':>10} {'compile s':>10}")
@@ -183,14 +217,18 @@ def main(argv=None) -> dict:
     parser.add_argument("--run-64k", action="store_true", help="also time T >= 65536")
     parser.add_argument("--tune", action="store_true", help="time block sizes at 1k")
     parser.add_argument("--level", choices=("train", "attention"), default="train")
+    parser.add_argument("--prefill-length", type=int, default=16384,
+                        help="prompt tokens of the prefill measurement (0: skip it)")
+    parser.add_argument("--prefill-chunk", type=int, default=1024)
     args = parser.parse_args(argv)
     if args.tune:
         tune(rounds=5)
         return {}
     if args.level == "train":
         rows, max_len = train_level(args)
+        prefill = prefill_level(args) if args.prefill_length else {}
         return report(dict(rows=rows, level="train", block_q=DEFAULT_BLOCK_Q,
-                           block_k=DEFAULT_BLOCK_K, max_train_seq_len=max_len), rows)
+                           block_k=DEFAULT_BLOCK_K, max_train_seq_len=max_len, **prefill), rows)
     rows, max_len = {}, 0
     print(f"{'T':>6} {'impl':>9} {'temp MiB':>10} {'us/token':>10}")
     for length in args.lengths:
