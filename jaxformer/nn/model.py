@@ -203,9 +203,17 @@ def local_attention_mask(config: TransformerConfig, mask: Optional[jnp.ndarray],
 def lm_mask_spec(tokens_BT: jnp.ndarray, pad_id: int) -> MaskSpec:
     """`decoder_self_mask` as structure: causal, and every query (segment 1) sees
     only the keys that are not PAD (segment 1; PAD keys are segment 0)."""
-    visible_BT = (tokens_BT != pad_id).astype(jnp.int32)
-    return MaskSpec(causal=True, q_segment_ids=jnp.ones_like(visible_BT),
-                    kv_segment_ids=visible_BT)
+    spec = key_padding_spec(tokens_BT != pad_id, tokens_BT.shape[1])
+    return MaskSpec(causal=True, q_segment_ids=spec.q_segment_ids,
+                    kv_segment_ids=spec.kv_segment_ids)
+
+
+def key_padding_spec(visible_BS: jnp.ndarray, num_queries: int) -> MaskSpec:
+    """A (B, 1, 1, S) padding mask as structure, for `num_queries` queries: every query
+    (segment 1) sees the keys marked visible (segment 1; hidden keys are segment 0)."""
+    visible_BS = visible_BS.astype(jnp.int32)
+    return MaskSpec(q_segment_ids=jnp.ones((visible_BS.shape[0], num_queries), jnp.int32),
+                    kv_segment_ids=visible_BS)
 
 
 def _no_scanned_decoding(config: TransformerConfig) -> None:
@@ -220,6 +228,12 @@ def _default_src_mask(src, pad_id: int) -> Optional[jnp.ndarray]:
     return padding_mask(src, pad_id) if jnp.issubdtype(src.dtype, jnp.integer) else None
 
 
+def _check_mask(name: str, mask, batch: int, queries: int, keys: int, heads: int) -> None:
+    """`checks.check_mask` for dense masks; a MaskSpec is structure, checked when built."""
+    if not isinstance(mask, MaskSpec):
+        checks.check_mask(name, mask, batch, queries, keys, heads=heads)
+
+
 def check_variables_layout(config: TransformerConfig, variables) -> None:
     """ValueError naming the converter when `variables["params"]` hold the other layer
     layout than `config.scan_layers` (Flax's own error is a page of scope traces)."""
@@ -231,9 +245,13 @@ def check_variables_layout(config: TransformerConfig, variables) -> None:
 class Transformer(nn.Module):
     """The encoder-decoder Transformer of "Attention Is All You Need" (seed 001).
 
-    Masks are boolean, True = may attend (see `jaxformer.nn.masks`). When omitted
-    they are derived from `config.pad_id`: the source mask hides PAD keys
-    (B, 1, 1, S), the target mask is causal and hides PAD keys (B, 1, T, T).
+    Masks are boolean, True = may attend (see `jaxformer.nn.masks`), or MaskSpecs.
+    When omitted they are derived from `config.pad_id`: the source mask hides PAD
+    keys (B, 1, 1, S), the target mask is causal and hides PAD keys (B, 1, T, T).
+    Under attention_impl "blockwise" or "auto" these defaults are MaskSpecs
+    (`key_padding_spec`, `lm_mask_spec`) for the encoder's self-attention, the
+    decoder's self-attention and (in `__call__`) the cross-attention, so no (T, S)
+    array is built and the blockwise path applies.
 
     An input stem (`stem`, any Flax module, e.g. `stems.ConvStem` over audio
     features) maps the raw source (B, S_in, C) to (B, S, D) before the encoder;
@@ -275,8 +293,10 @@ class Transformer(nn.Module):
             checks.check_tokens("src", src, c.src_vocab_size, c.encoder_len)
         if src_mask is None:
             src_mask = _default_src_mask(src, c.pad_id)
-        checks.check_mask("src_mask", src_mask, src.shape[0], src.shape[1], src.shape[1],
-                          heads=c.num_heads)
+            if src_mask is not None and uses_mask_spec(c):
+                src_mask = key_padding_spec(src != c.pad_id, src.shape[1])
+        _check_mask("src_mask", src_mask, src.shape[0], src.shape[1], src.shape[1],
+                    heads=c.num_heads)
         return self.encoder(src, src_mask, deterministic=deterministic)
 
     def cross_kv(self, memory_BSD: jnp.ndarray) -> tuple[KV, ...]:
@@ -288,19 +308,21 @@ class Transformer(nn.Module):
                *, deterministic: bool = True) -> jnp.ndarray:
         """tgt (B, T) ids attending to memory (B, S, D) -> logits (B, T, V_tgt).
 
-        `src_mask` (B, 1, 1|T, S) hides memory positions (PAD); without it all
-        memory is visible. `tgt_mask` defaults to causal & non-PAD.
+        `src_mask` (B, 1, 1|T, S) or a MaskSpec hides memory positions (PAD);
+        without it all memory is visible. `tgt_mask` defaults to causal & non-PAD
+        (a MaskSpec under attention_impl "blockwise" / "auto").
         """
         c = self.config
         checks.check_tokens("tgt", tgt, c.tgt_vocab_size, c.decoder_len)
         checks.check_embedded("memory", memory_BSD, c.d_model, max_len=None)
         checks.check_same_batch(tgt=tgt, memory=memory_BSD)
         if tgt_mask is None:
-            tgt_mask = decoder_self_mask(tgt, c.pad_id)
-        checks.check_mask("tgt_mask", tgt_mask, tgt.shape[0], tgt.shape[1], tgt.shape[1],
-                          heads=c.num_heads)
-        checks.check_mask("src_mask", src_mask, tgt.shape[0], tgt.shape[1], memory_BSD.shape[1],
-                          heads=c.num_heads)
+            tgt_mask = (lm_mask_spec(tgt, c.pad_id) if uses_mask_spec(c)
+                        else decoder_self_mask(tgt, c.pad_id))
+        _check_mask("tgt_mask", tgt_mask, tgt.shape[0], tgt.shape[1], tgt.shape[1],
+                    heads=c.num_heads)
+        _check_mask("src_mask", src_mask, tgt.shape[0], tgt.shape[1], memory_BSD.shape[1],
+                    heads=c.num_heads)
         cross = memory_BSD if c.scan_layers else self.decoder.cross_kv(memory_BSD)
         logits_BTV, _ = self.decoder(tgt, tgt_mask, cross, src_mask, deterministic=deterministic)
         return logits_BTV
@@ -315,10 +337,18 @@ class Transformer(nn.Module):
                           "ids (batch, length) or embedded (batch, length, d_model)")
         checks.check_rank("tgt", tgt, 2, "(batch, length)")
         checks.check_same_batch(src=src, tgt=tgt)
-        if src_mask is None:
-            src_mask = _default_src_mask(src, self.config.pad_id)
+        c = self.config
+        cross_mask = None
+        if src_mask is None and jnp.issubdtype(src.dtype, jnp.integer) and uses_mask_spec(c):
+            # One visibility, two shapes: S encoder queries, T decoder queries.
+            visible_BS = src != c.pad_id
+            src_mask = key_padding_spec(visible_BS, src.shape[1])
+            cross_mask = key_padding_spec(visible_BS, tgt.shape[1])
+        elif src_mask is None:
+            src_mask = _default_src_mask(src, c.pad_id)
         memory_BSD = self.encode(src, src_mask, deterministic=deterministic)
-        return self.decode(tgt, memory_BSD, src_mask, tgt_mask, deterministic=deterministic)
+        return self.decode(tgt, memory_BSD, src_mask if cross_mask is None else cross_mask,
+                           tgt_mask, deterministic=deterministic)
 
 
 class DecoderOnlyLM(nn.Module):
