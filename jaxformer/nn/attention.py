@@ -21,7 +21,8 @@ once for its whole group, never repeated in memory.
 Masks are dense booleans (B|1, 1, T, S) or a `MaskSpec` (structure: causal,
 window, segment ids, ...). `attention_impl="blockwise"` runs
 `blockwise.blockwise_attention` on a MaskSpec, so no (T, S) array is built;
-"auto" picks per call (`attention_select.resolved_attention_impl`). A dense
+"auto" picks per call (`attention_select.resolved_attention_impl`): cuDNN on GPU,
+Pallas splash on TPU (`splash.py`) where their constraints hold. A dense
 mask, or keys in parts (a cached decode step), take the dense path whatever
 the implementation: single-token decode steps stay dense.
 
@@ -45,6 +46,7 @@ from jaxformer.nn import tuning
 from jaxformer.nn.attention_select import jax_nn_mask_arguments, resolved_attention_impl
 from jaxformer.nn.blockwise import blockwise_attention
 from jaxformer.nn.mask_structure import MaskSpec, dense_mask
+from jaxformer.nn.splash import splash_attention
 from jaxformer.nn.tuning import apply_dropout
 from jaxformer.nn.axes import logical
 from jaxformer.nn.norms import layer_norm
@@ -311,13 +313,19 @@ class MultiHeadAttention(nn.Module):
         in_parts = isinstance(kv.key, tuple)  # a cached step: the dense path
         if structured and not in_parts:
             spec = mask.global_ if isinstance(mask, LayerKindMask) else mask
-            impl = resolved_attention_impl(c, max(num_queries, num_keys), spec)
+            impl = resolved_attention_impl(c, max(num_queries, num_keys), spec,
+                                           shape=(num_queries, num_keys))
+            if impl == "splash" and not isinstance(mask, LayerKindMask):
+                out_BHTK = splash_attention(_heads_major(query_BTHK), kv.key, kv.value, mask,
+                                            scale=c.query_scale,
+                                            logit_softcap=c.attn_logit_softcapping)
+                return checkpoint_name(self.out(_heads_major(out_BHTK)), "out_proj")
             if impl == "cudnn" and not isinstance(mask, LayerKindMask):
                 out_BTHK = jax.nn.dot_product_attention(
                     query_BTHK, _heads_major(kv.key), _heads_major(kv.value),
                     scale=c.query_scale, implementation="cudnn", **jax_nn_mask_arguments(mask))
                 return checkpoint_name(self.out(out_BTHK), "out_proj")
-            if impl in ("blockwise", "cudnn"):
+            if impl in ("blockwise", "cudnn", "splash"):
                 out_BHTK = structured_attention(_heads_major(query_BTHK), kv.key, kv.value,
                                                 mask, c)
                 return checkpoint_name(self.out(_heads_major(out_BHTK)), "out_proj")

@@ -11,18 +11,28 @@ can be overridden by naming an implementation.
                takes as structure: causal, a causal sliding window, key / query
                lengths (`jax_nn_mask_arguments`). Segment ids, prefixes, explicit
                positions and query offsets have no cuDNN form through `jax.nn`.
+  "splash"     Pallas splash attention (`splash.splash_attention`): TPUs, float32 /
+               bfloat16, head dim a multiple of 128, T and S multiples of 128 (its
+               blocks), and a mask of causal / window / segment-id structure only
+               (`splash_supports`).
   "blockwise"  `blockwise.blockwise_attention`: memory linear in length, any MaskSpec;
                from `BLOCKWISE_MIN_LENGTH` on.
   "dense"      `attention.dot_product_attention`: short sequences, and masks given as
                dense boolean arrays (arbitrary patterns).
 
-Forward-mode AD: dense and blockwise support `jax.jvp`; cuDNN's kernel has a
-custom VJP only (jax.nn), so forward mode needs "blockwise" or "dense" there.
+Forward-mode AD: dense and blockwise support `jax.jvp`; cuDNN's and splash's
+kernels have a custom VJP only, so forward mode needs "blockwise" or "einsum" there.
+
+The platform is the default backend's, or, while tracing inside
+`target_platform(p)`, `p`: a program lowered for another platform
+(`.lower(lowering_platforms=("tpu",))` on a CPU host) then picks that platform's kernel.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+import contextvars
+from typing import Any, Iterator, Optional
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +44,36 @@ from jaxformer.nn.mask_structure import MaskSpec
 BLOCKWISE_MIN_LENGTH = 1024
 CUDNN_MAX_HEAD_DIM = 128
 CUDNN_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+SPLASH_BLOCK = 128  # the splash kernel's default blocks and its lane width
+SPLASH_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+_TARGET_PLATFORM: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar(
+    "jaxformer_target_platform", default=None)
+
+
+@contextlib.contextmanager
+def target_platform(platform: str) -> Iterator[None]:
+    """Trace "auto" attention for `platform` ("cpu", "cuda", "tpu") instead of the
+    default backend: for programs lowered for another platform than this host's.
+    The platform is not part of `jax.jit`'s cache key: trace a fresh jit inside."""
+    token = _TARGET_PLATFORM.set(platform)
+    try:
+        yield
+    finally:
+        _TARGET_PLATFORM.reset(token)
+
+
+def splash_supports(head_dim: int, dtype: Any, mask: Optional[MaskSpec], num_queries: int,
+                    num_keys: int) -> bool:
+    """Whether Pallas splash attention takes this call: float32 / bfloat16, head dim and
+    lengths multiples of `SPLASH_BLOCK`, and a mask it expresses (causal, window, segment
+    ids; not lengths, prefixes, explicit positions or a query offset)."""
+    if mask is not None and (mask.has_positions or mask.prefix_length is not None
+                             or mask.kv_lengths is not None or mask.q_lengths is not None
+                             or not (isinstance(mask.q_offset, int) and mask.q_offset == 0)):
+        return False
+    return (jnp.dtype(dtype) in SPLASH_DTYPES and head_dim % SPLASH_BLOCK == 0
+            and num_queries % SPLASH_BLOCK == 0 and num_keys % SPLASH_BLOCK == 0)
 
 
 def jax_nn_mask_arguments(mask: Optional[MaskSpec]) -> Optional[dict[str, Any]]:
@@ -65,8 +105,9 @@ def cudnn_supports(head_dim: int, dtype: Any, mask: Optional[MaskSpec]) -> bool:
 
 
 def choose_attention_impl(platform: str, head_dim: int, dtype: Any,
-                          mask: Optional[MaskSpec | jnp.ndarray], seq_len: int) -> str:
-    """"cudnn", "blockwise" or "dense" for this call (module docstring).
+                          mask: Optional[MaskSpec | jnp.ndarray], seq_len: int,
+                          shape: Optional[tuple[int, int]] = None) -> str:
+    """"cudnn", "splash", "blockwise" or "dense" for this call (module docstring).
 
     Args:
       platform: `jax.devices()[0].platform` or a lowering platform: "cpu", "gpu",
@@ -74,31 +115,40 @@ def choose_attention_impl(platform: str, head_dim: int, dtype: Any,
       head_dim, dtype: of the queries.
       mask: a MaskSpec, a dense boolean mask (arbitrary pattern: "dense"), or None.
       seq_len: the longer of the query and key lengths.
+      shape: (T, S), the query and key lengths (default both `seq_len`).
     """
     if mask is not None and not isinstance(mask, MaskSpec):
         return "dense"  # an arbitrary pattern only the dense path takes
     if platform in ("gpu", "cuda") and cudnn_supports(head_dim, dtype, mask):
         return "cudnn"
+    if platform == "tpu" and splash_supports(head_dim, dtype, mask,
+                                             *(shape or (seq_len, seq_len))):
+        return "splash"
     return "blockwise" if seq_len >= BLOCKWISE_MIN_LENGTH else "dense"
 
 
 def resolved_attention_impl(config, length: int, mask: Optional[MaskSpec | jnp.ndarray] = None,
-                            platform: Optional[str] = None) -> str:
+                            platform: Optional[str] = None,
+                            shape: Optional[tuple[int, int]] = None) -> str:
     """The implementation a self-attention call of `config` runs at `length` tokens:
-    "einsum" (dense), "blockwise" or "cudnn" (`jax.nn.dot_product_attention`'s fused
-    kernel); "jax" when the config names it.
+    "einsum" (dense), "blockwise", "cudnn" (`jax.nn.dot_product_attention`'s fused
+    kernel) or "splash" (Pallas, TPU); "jax" when the config names it.
 
     An explicit `config.attention_impl` is returned as is; "auto" applies
-    `choose_attention_impl` to this backend (`platform`, default the default
-    backend's), the config's head dim and compute dtype and `mask` (default the
-    LM's causal mask), at trace time. A soft cap rules cuDNN out (it has none).
-    Call it to see what a model will run; set `attention_impl` to override.
+    `choose_attention_impl` to this backend (`platform`, default the
+    `target_platform` being traced for, else the default backend's), the config's
+    head dim and compute dtype and `mask` (default the LM's causal mask), at trace
+    time; `shape` (T, S) when queries and keys differ in length. A soft cap rules
+    cuDNN out (it has none). Call it to see what a model will run; set
+    `attention_impl` to override.
     """
     if config.attention_impl != "auto":
         return config.attention_impl
-    platform = jax.default_backend() if platform is None else platform
+    if platform is None:
+        platform = _TARGET_PLATFORM.get() or jax.default_backend()
     mask = MaskSpec(causal=True) if mask is None else mask
-    choice = choose_attention_impl(platform, config.head_dim, config.compute_dtype, mask, length)
+    choice = choose_attention_impl(platform, config.head_dim, config.compute_dtype, mask, length,
+                                   shape)
     if choice == "cudnn" and config.attn_logit_softcapping is not None:
         choice = "blockwise" if length >= BLOCKWISE_MIN_LENGTH else "dense"
     return {"dense": "einsum"}.get(choice, choice)
