@@ -163,6 +163,9 @@ class TransformerConfig(ConfigMixin):
     attention_biases: Optional[str] = None
     ffn_bias: bool = True
     output_bias: bool = True  # bias of decoder/out_proj (when not tied)
+    # With tie_output_embedding: a bias (V,) added to the tied logits,
+    # decoder/logits_bias (Marian's final_logits_bias).
+    tied_output_bias: bool = False
     # Multiply token embeddings by sqrt(d_model) (paper, seeds 000/002).
     scale_embeddings: bool = True
     # "param": the table's rows times sqrt(d_model), then cast to the compute dtype;
@@ -181,6 +184,10 @@ class TransformerConfig(ConfigMixin):
     # Whisper: encoder 1500 frames, decoder 448 tokens.
     encoder_max_len: Optional[int] = None
     decoder_max_len: Optional[int] = None
+    # The encoder-decoder's default target mask: causal and PAD keys hidden (True),
+    # or causal only (False: Hugging Face's seq2seq models, whose decoding may start
+    # with PAD: Marian's decoder_start_token_id is its pad_token_id, bos_id == pad_id).
+    mask_decoder_pad: bool = True
     pad_id: int = 0
     bos_id: int = 1
     eos_id: int = 2
@@ -246,7 +253,7 @@ class TransformerConfig(ConfigMixin):
         for name, choices in _CHOICES.items():
             _require(getattr(self, name) in choices, name,
                      f"must be one of {choices}, got {getattr(self, name)!r}")
-        for name in ("scan_layers", "cpu_tuning"):
+        for name in ("scan_layers", "cpu_tuning", "tied_output_bias", "mask_decoder_pad"):
             _require(isinstance(getattr(self, name), bool), name,
                      f"must be a bool, got {getattr(self, name)!r}")
         _require(self.precision != "mixed" or (self.dtype, self.param_dtype)
@@ -273,9 +280,12 @@ class TransformerConfig(ConfigMixin):
                      f"{value} is outside the vocabularies "
                      f"(src {self.src_vocab_size}, tgt {self.tgt_vocab_size})")
         # PAD may be EOS (many tokenizers reuse it): decoding never reads a token
-        # after EOS. BOS must differ from both: it starts every decode.
-        _require(self.bos_id not in (self.pad_id, self.eos_id), "pad_id",
-                 f"pad/bos/eos ids: BOS must differ from PAD and EOS (PAD may equal EOS), "
+        # after EOS. BOS must differ from both: it starts every decode (it may be PAD
+        # when the decoder's mask does not hide PAD keys: mask_decoder_pad=False).
+        _require(self.bos_id != self.eos_id and (self.bos_id != self.pad_id
+                                                 or not self.mask_decoder_pad), "pad_id",
+                 f"pad/bos/eos ids: BOS must differ from PAD and EOS (PAD may equal EOS; BOS "
+                 f"may equal PAD with mask_decoder_pad=False), "
                  f"got {self.pad_id}/{self.bos_id}/{self.eos_id}")
         _require(self.attention_biases is None or (
             isinstance(self.attention_biases, str)

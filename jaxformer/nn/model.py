@@ -14,6 +14,7 @@ Parameter pytree of a `Transformer` (list-of-layers layout, names mirror modules
     decoder/layers_{i}/{self_attn, cross_attn, ffn, *_norm}/...
     decoder/final_norm/...
     decoder/out_proj/{kernel (D,V), bias (V,)}   unless tie_output_embedding
+    decoder/logits_bias (V,)             if tie_output_embedding and tied_output_bias
 
 Biases exist iff attention_bias (per projection: attention_biases) / ffn_bias / output_bias.
 
@@ -40,7 +41,7 @@ from jaxformer.nn.mask_structure import MaskSpec
 from jaxformer.config import TransformerConfig
 from jaxformer.nn.layers import (DecoderLayer, EncoderLayer, PositionEmbedding, TokenEmbedding,
                               layer_norm)
-from jaxformer.nn.masks import decoder_self_mask, padding_mask, sliding_window_mask
+from jaxformer.nn.masks import causal_mask, decoder_self_mask, padding_mask, sliding_window_mask
 from jaxformer.nn.axes import logical
 
 
@@ -103,6 +104,10 @@ class Decoder(nn.Module):
                            for i in range(c.num_decoder_layers)]
         if c.use_final_norm:
             self.final_norm = layer_norm(c)
+        if c.tie_output_embedding and c.tied_output_bias:
+            self.logits_bias = self.param("logits_bias", logical(nn.initializers.zeros,
+                                                                 ("vocab",)),
+                                          (c.tgt_vocab_size,), c.params_dtype)
         if not c.tie_output_embedding:
             # norm_dtype: logits are computed in float32 under precision="mixed".
             self.out_proj = nn.Dense(c.tgt_vocab_size, dtype=c.norm_dtype,
@@ -177,6 +182,8 @@ class Decoder(nn.Module):
             y_BTD = self.final_norm(y_BTD)
         if self.config.tie_output_embedding:
             logits_BTV = self.embed.attend(y_BTD.astype(self.config.norm_dtype))
+            if self.config.tied_output_bias:
+                logits_BTV = logits_BTV + self.logits_bias.astype(logits_BTV.dtype)
         else:
             logits_BTV = self.out_proj(y_BTD)
         logits_BTV = logits_BTV.astype(jnp.float32)
@@ -247,11 +254,12 @@ class Transformer(nn.Module):
 
     Masks are boolean, True = may attend (see `jaxformer.nn.masks`), or MaskSpecs.
     When omitted they are derived from `config.pad_id`: the source mask hides PAD
-    keys (B, 1, 1, S), the target mask is causal and hides PAD keys (B, 1, T, T).
-    Under attention_impl "blockwise" or "auto" these defaults are MaskSpecs
-    (`key_padding_spec`, `lm_mask_spec`) for the encoder's self-attention, the
-    decoder's self-attention and (in `__call__`) the cross-attention, so no (T, S)
-    array is built and the blockwise path applies.
+    keys (B, 1, 1, S), the target mask is causal and hides PAD keys (B, 1, T, T)
+    (causal only with `config.mask_decoder_pad=False`). Under attention_impl
+    "blockwise" or "auto" these defaults are MaskSpecs (`key_padding_spec`,
+    `lm_mask_spec`) for the encoder's self-attention, the decoder's self-attention
+    and (in `__call__`) the cross-attention, so no (T, S) array is built and the
+    blockwise path applies.
 
     An input stem (`stem`, any Flax module, e.g. `stems.ConvStem` over audio
     features) maps the raw source (B, S_in, C) to (B, S, D) before the encoder;
@@ -317,8 +325,12 @@ class Transformer(nn.Module):
         checks.check_embedded("memory", memory_BSD, c.d_model, max_len=None)
         checks.check_same_batch(tgt=tgt, memory=memory_BSD)
         if tgt_mask is None:
-            tgt_mask = (lm_mask_spec(tgt, c.pad_id) if uses_mask_spec(c)
-                        else decoder_self_mask(tgt, c.pad_id))
+            if uses_mask_spec(c):
+                tgt_mask = (lm_mask_spec(tgt, c.pad_id) if c.mask_decoder_pad
+                            else MaskSpec(causal=True))
+            else:
+                tgt_mask = (decoder_self_mask(tgt, c.pad_id) if c.mask_decoder_pad
+                            else causal_mask(tgt.shape[1]))
         _check_mask("tgt_mask", tgt_mask, tgt.shape[0], tgt.shape[1], tgt.shape[1],
                     heads=c.num_heads)
         _check_mask("src_mask", src_mask, tgt.shape[0], tgt.shape[1], memory_BSD.shape[1],
