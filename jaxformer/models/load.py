@@ -1,12 +1,15 @@
-"""One entry point for pretrained language models: `load(path)`.
+"""One entry point for pretrained models: `load(path)`.
 
     from jaxformer.models import load
     model, params, tokenizer = load("path/to/Qwen3-0.6B")       # a Hugging Face directory
     model, params, tokenizer = load("SmolLM2-135M.Q4_1.gguf")   # a GGUF file
+    model, params, tokenizer = load("path/to/whisper-tiny")     # an encoder-decoder
 
-A directory is read as a Hugging Face checkpoint (`config.json` + safetensors,
-`jaxformer.models.hf`); a file as GGUF (`jaxformer.models.llama`). The readers
-are imported on first use, so `import jaxformer.models` stays light.
+A directory is read as a Hugging Face checkpoint (`config.json` + safetensors),
+dispatched by `architectures[0]`: the decoder-only LMs (`jaxformer.models.hf`)
+and the encoder-decoders Whisper and Marian (`jaxformer.models.hf_encdec`);
+a file as GGUF (`jaxformer.models.llama`). The readers are imported on first
+use, so `import jaxformer.models` stays light.
 """
 
 from __future__ import annotations
@@ -16,21 +19,35 @@ from typing import Optional
 
 from jaxformer.errors import FileFormatError
 
+ENCODER_DECODER = ("WhisperForConditionalGeneration", "MarianMTModel")
+
 
 def load(path, *, dtype: str = "float32", max_len: Optional[int] = None,
          progress: Optional[bool] = None):
-    """(DecoderOnlyLM, params, tokenizer) from a checkpoint directory or a .gguf file.
+    """(model, params, tokenizer) from a checkpoint directory or a .gguf file.
 
-    `max_len` caps the context (default: the checkpoint's). The tokenizer is a
-    `tokenizers.Tokenizer` (None for a directory without `tokenizer.json`).
-    `progress`: a tqdm bar on stderr, one step per tensor read (None: only if
-    stderr is a terminal; True / False force it on / off).
+    The model is a `DecoderOnlyLM`, or a `Transformer` for an encoder-decoder
+    directory. `max_len` caps a decoder-only LM's context (default: the
+    checkpoint's; encoder-decoders keep their position tables' lengths). The
+    tokenizer is a `tokenizers.Tokenizer` (None for a directory without
+    `tokenizer.json`, e.g. Marian's SentencePiece files). `progress`: a tqdm bar
+    on stderr, one step per tensor read (None: only if stderr is a terminal;
+    True / False force it on / off).
     """
     path = os.fspath(path)
     if os.path.isdir(path):
-        from jaxformer.models.hf import load_hf  # noqa: PLC0415 - optional readers
+        from jaxformer.models import hf  # noqa: PLC0415 - optional readers
 
-        return load_hf(path, dtype=dtype, max_len=max_len, progress=progress)
+        values = hf.read_config(path)
+        arch = (values.get("architectures") or ["<missing>"])[0]
+        if arch in ENCODER_DECODER:
+            from jaxformer.models.hf_encdec import load_hf_encdec  # noqa: PLC0415
+
+            return load_hf_encdec(path, dtype=dtype, values=values)
+        if arch not in hf.ARCHITECTURES:
+            raise ValueError(f"config.json architectures[0]={arch!r} is not supported by "
+                             f"jaxformer (supported: {', '.join(hf.ARCHITECTURES + ENCODER_DECODER)})")
+        return hf.load_hf(path, dtype=dtype, max_len=max_len, progress=progress)
     if os.path.isfile(path):
         from jaxformer.models.llama import load_gguf  # noqa: PLC0415 - optional readers
 

@@ -52,11 +52,42 @@ class Whisper:
 
 
 def load(model_dir: str, dtype: str = "float32") -> Whisper:
-    """A CTranslate2 Whisper folder (`model.bin`, `vocabulary.txt`, `config.json`)."""
+    """A CTranslate2 Whisper folder (`model.bin`, `vocabulary.txt`, `config.json`), or a
+    Hugging Face WhisperForConditionalGeneration directory (`config.json`,
+    safetensors, `tokenizer.json`; the suppressed tokens of `generation_config.json`)."""
+    if not os.path.exists(os.path.join(model_dir, "model.bin")) and os.path.exists(
+            os.path.join(model_dir, "config.json")) and "architectures" in whisper.special_ids(
+                model_dir):
+        return load_hf(model_dir, dtype)
     model, params, vocab = whisper.load_ct2(model_dir, dtype)
     special = whisper.special_ids(model_dir)
     return Whisper(model, params, tuple(vocab), tuple(special["suppress_ids"]),
                    tuple(special["suppress_ids_begin"]), whisper.tokens_of(vocab).multilingual)
+
+
+def load_hf(model_dir: str, dtype: str = "float32") -> Whisper:
+    """A Hugging Face WhisperForConditionalGeneration directory (`hf_encdec`)."""
+    from jaxformer.errors import FileFormatError  # noqa: PLC0415
+    from jaxformer.models import hf_encdec  # noqa: PLC0415 - optional readers
+
+    values = hf_encdec.read_config(model_dir)
+    if values.get("architectures", [None])[0] != hf_encdec.WHISPER:
+        raise ValueError(f"{model_dir}: config.json architectures={values.get('architectures')}"
+                         f", not {hf_encdec.WHISPER}")
+    if int(values.get("num_mel_bins", 80)) != whisper.N_MELS or int(
+            values.get("max_source_positions", 1500)) * 2 != WINDOW_FRAMES:
+        raise ValueError(f"{model_dir}: transcription reads {whisper.N_MELS} mel bins over "
+                         f"{WINDOW_FRAMES} frames; config.json has num_mel_bins="
+                         f"{values.get('num_mel_bins')}, max_source_positions="
+                         f"{values.get('max_source_positions')}")
+    model, params, tokenizer = hf_encdec.load_hf_encdec(model_dir, dtype=dtype, values=values)
+    if tokenizer is None:
+        raise FileFormatError(os.path.join(model_dir, "tokenizer.json"), "is missing",
+                              "transcription needs the Whisper vocabulary")
+    vocab = hf_encdec.vocabulary(tokenizer)
+    suppress, begin = hf_encdec.suppress_ids(model_dir)
+    return Whisper(model, params, tuple(vocab), suppress, begin,
+                   whisper.tokens_of(vocab).multilingual)
 
 
 @dataclasses.dataclass(frozen=True)

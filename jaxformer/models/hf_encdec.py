@@ -1,0 +1,316 @@
+"""Hugging Face encoder-decoder directories (`config.json` + safetensors) as a `Transformer`.
+
+    model, params, tokenizer = load_hf_encdec("path/to/whisper-tiny")
+    model, params, tokenizer = load_hf_encdec("path/to/opus-mt-en-de")
+
+Two architectures, both BART-style layers and both config choices of the
+encoder-decoder `Transformer` (no new layers):
+
+    WhisperForConditionalGeneration   Pre-LN with final norms, GELU, the conv stem
+                                      (`stems.ConvStem`) over num_mel_bins features,
+                                      fixed position tables from the file, no key
+                                      bias, tied output; the model `whisper.load_ct2`
+                                      builds from CTranslate2 files
+    MarianMTModel                     Post-LN, swish (silu), one shared embedding
+                                      table times sqrt(d_model), sinusoids with the
+                                      sines in the first half and the cosines in the
+                                      second (a fixed table computed here), tied output
+                                      plus final_logits_bias (`tied_output_bias`),
+                                      decoding starts with PAD (`mask_decoder_pad=False`)
+
+As for the decoder-only directories (`jaxformer.models.hf`), the config is
+mapped, and an unsupported value refused by name, before any tensor file is
+opened; then every missing, unexpected or wrong-shaped tensor is listed in one
+`CheckpointMismatch` from the files' headers.
+
+Tensor names (torch Linear (out, in) -> jaxformer), per layer i of either stack:
+
+    model.{encoder,decoder}.layers.i.self_attn.{q,k,v}_proj   .../self_attn/{query,key,value}
+    model.{encoder,decoder}.layers.i.self_attn.out_proj       .../self_attn/out
+    model.decoder.layers.i.encoder_attn.*                     decoder/layers_i/cross_attn/*
+    *.self_attn_layer_norm / encoder_attn_layer_norm          self_attn_norm / cross_attn_norm
+    *.fc1 / fc2 / final_layer_norm                            ffn/wi / ffn/wo / ffn_norm
+    model.encoder.conv{1,2} (D, C, 3)       (Whisper)         stem/conv_{0,1}/kernel (3, C, D)
+    model.{encoder,decoder}.embed_positions (Whisper)         {encoder,decoder}/positions
+    model.decoder.embed_tokens (Whisper)                      tgt_embed/embedding
+    model.{encoder,decoder}.layer_norm (Whisper)              {encoder,decoder}/final_norm
+    model.shared (Marian)                                     src_embed/embedding (shared)
+    final_logits_bias (1, V) (Marian)                         decoder/logits_bias (V,)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxformer.config import TransformerConfig
+from jaxformer.interop.flat import CheckpointMismatch, load_flat
+from jaxformer.models.hf import ACTIVATIONS, read_config, tokenizer_from_dir
+from jaxformer.nn.model import Transformer
+from jaxformer.nn.stems import ConvStem
+
+WHISPER, MARIAN = "WhisperForConditionalGeneration", "MarianMTModel"
+ARCHITECTURES = (WHISPER, MARIAN)
+# Keys whose non-default value changes the function in a way jaxformer does not implement.
+_REFUSED = {
+    WHISPER: {"scale_embedding": (None, False)},
+    # Marian-NMT's pre-norm and embedding-norm options (transformers' Marian has neither).
+    MARIAN: {"normalize_before": (None, False), "normalize_embedding": (None, False),
+             "share_encoder_decoder_embeddings": (None, True)},
+}
+
+
+def _unsupported(arch: str, key: str, value, why: str = "") -> ValueError:
+    return ValueError(f"{arch}: config.json {key}={value!r} is not supported by jaxformer"
+                      + (f" ({why})" if why else ""))
+
+
+def _one_per_model(arch: str, values: dict, key: str) -> int:
+    """encoder_{key} == decoder_{key} (jaxformer has one value for both stacks)."""
+    encoder, decoder = values.get(f"encoder_{key}"), values.get(f"decoder_{key}")
+    if encoder is None or decoder is None:
+        raise ValueError(f"{arch}: config.json needs encoder_{key} and decoder_{key}")
+    if encoder != decoder:
+        raise _unsupported(arch, f"decoder_{key}", decoder,
+                           f"jaxformer needs it equal to encoder_{key}={encoder}")
+    return int(encoder)
+
+
+def config_from_hf_encdec(values: dict, *, dtype: str = "float32") -> TransformerConfig:
+    """The `TransformerConfig` of a Whisper or Marian `config.json` dict; ValueError
+    naming an unknown architecture or an unsupported value."""
+    arch = (values.get("architectures") or ["<missing>"])[0]
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"config.json architectures[0]={arch!r} is not an encoder-decoder "
+                         f"jaxformer supports ({', '.join(ARCHITECTURES)})")
+    for key, allowed in _REFUSED[arch].items():
+        if values.get(key) not in allowed:
+            raise _unsupported(arch, key, values[key])
+    act = values.get("activation_function", "gelu")
+    if act not in ACTIVATIONS:
+        raise _unsupported(arch, "activation_function", act,
+                           f"implemented: {', '.join(ACTIVATIONS)}")
+    for key in ("d_model", "vocab_size", "encoder_layers", "decoder_layers"):
+        if values.get(key) is None:
+            raise ValueError(f"{arch}: config.json has no {key!r}")
+    vocab = int(values["vocab_size"])
+    fields: dict[str, Any] = dict(
+        src_vocab_size=vocab, tgt_vocab_size=vocab, d_model=int(values["d_model"]),
+        num_heads=_one_per_model(arch, values, "attention_heads"),
+        d_ff=_one_per_model(arch, values, "ffn_dim"),
+        num_encoder_layers=int(values["encoder_layers"]),
+        num_decoder_layers=int(values["decoder_layers"]), activation=ACTIVATIONS[act],
+        layer_norm_epsilon=1e-5, tie_output_embedding=True,
+        encoder_positions="fixed", decoder_positions="fixed", dtype=dtype)
+    start = values.get("decoder_start_token_id")
+    if arch == WHISPER:
+        encoder_len, decoder_len = (int(values.get("max_source_positions", 1500)),
+                                    int(values.get("max_target_positions", 448)))
+        eos = int(values.get("eos_token_id", 50256))
+        fields.update(
+            max_len=max(encoder_len, decoder_len), encoder_max_len=encoder_len,
+            decoder_max_len=decoder_len, norm="pre", attention_biases="qvo",
+            scale_embeddings=False, encoder_input="embedded",
+            pad_id=int(values.get("pad_token_id", eos)), eos_id=eos,
+            bos_id=int(start if start is not None else values.get("bos_token_id", 50257)))
+    else:
+        decoder_vocab = values.get("decoder_vocab_size")
+        if decoder_vocab is not None and int(decoder_vocab) != vocab:
+            raise _unsupported(arch, "decoder_vocab_size", decoder_vocab,
+                               f"jaxformer shares one table: needs vocab_size={vocab}")
+        pad = int(values.get("pad_token_id", vocab - 1))
+        fields.update(
+            max_len=int(values.get("max_position_embeddings", 1024)), norm="post",
+            scale_embeddings=bool(values.get("scale_embedding", False)),
+            share_embeddings=True, tied_output_bias=True, mask_decoder_pad=False,
+            pad_id=pad, eos_id=int(values.get("eos_token_id", 0)),
+            bos_id=int(start if start is not None else pad))
+    return TransformerConfig(**fields)
+
+
+def marian_positions(length: int, d_model: int) -> np.ndarray:
+    """(length, D): Marian's sinusoids, sin(p * w_i) in the first ceil(D/2) columns and
+    cos(p * w_i) after them, w_i = 10000^(-2i/D) (computed in float64, as
+    transformers does)."""
+    position = np.arange(length, dtype=np.float64)[:, None]
+    angle = position / np.power(10000.0, 2 * (np.arange(d_model) // 2) / d_model)
+    return np.concatenate([np.sin(angle[:, 0::2]), np.cos(angle[:, 1::2])],
+                          axis=1).astype(np.float32)
+
+
+def expected_tensors(config: TransformerConfig, arch: str, mel_bins: int = 0
+                     ) -> dict[str, tuple[int, ...]]:
+    """Hugging Face tensor name -> shape that `config` implies for `arch`."""
+    D, F, V = config.d_model, config.d_ff, config.tgt_vocab_size
+    shapes: dict[str, tuple[int, ...]] = {}
+
+    def attention(prefix, key_bias):
+        for part in ("q", "k", "v", "out"):
+            name = f"{prefix}.{part}_proj" if part != "out" else f"{prefix}.out_proj"
+            shapes[name + ".weight"] = (D, D)
+            if part != "k" or key_bias:
+                shapes[name + ".bias"] = (D,)
+
+    def norm(name):
+        shapes.update({name + ".weight": (D,), name + ".bias": (D,)})
+
+    key_bias = config.has_attention_bias("k")
+    for stack, count in (("encoder", config.num_encoder_layers),
+                         ("decoder", config.num_decoder_layers)):
+        for i in range(count):
+            p = f"model.{stack}.layers.{i}."
+            attention(p + "self_attn", key_bias)
+            norm(p + "self_attn_layer_norm")
+            if stack == "decoder":
+                attention(p + "encoder_attn", key_bias)
+                norm(p + "encoder_attn_layer_norm")
+            shapes.update({p + "fc1.weight": (F, D), p + "fc1.bias": (F,),
+                           p + "fc2.weight": (D, F), p + "fc2.bias": (D,)})
+            norm(p + "final_layer_norm")
+    if arch == WHISPER:
+        shapes.update({"model.encoder.conv1.weight": (D, mel_bins, 3),
+                       "model.encoder.conv1.bias": (D,),
+                       "model.encoder.conv2.weight": (D, D, 3), "model.encoder.conv2.bias": (D,),
+                       "model.encoder.embed_positions.weight": (config.encoder_len, D),
+                       "model.decoder.embed_positions.weight": (config.decoder_len, D),
+                       "model.decoder.embed_tokens.weight": (V, D)})
+        norm("model.encoder.layer_norm")
+        norm("model.decoder.layer_norm")
+    else:
+        shapes.update({"model.shared.weight": (V, D), "final_logits_bias": (1, V)})
+    return shapes
+
+
+def _ignored(name: str, arch: str) -> bool:
+    """Tensors a checkpoint may carry that change nothing: the tied output head, and
+    Marian's copies of the shared table and its computed sinusoid tables."""
+    if name in ("proj_out.weight", "lm_head.weight"):
+        return True
+    return arch == MARIAN and name in (
+        "model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight",
+        "model.encoder.embed_positions.weight", "model.decoder.embed_positions.weight")
+
+
+def check_tensors(checkpoint, config: TransformerConfig, arch: str, mel_bins: int = 0) -> None:
+    """CheckpointMismatch listing every missing, unexpected and wrong-shaped tensor,
+    from the files' headers (no tensor is read)."""
+    want = expected_tensors(config, arch, mel_bins)
+    have = {n: s for n, s in checkpoint.shapes.items() if not _ignored(n, arch)}
+    missing = sorted(set(want) - set(have))
+    unexpected = sorted(set(have) - set(want))
+    wrong = {n: (have[n], want[n]) for n in sorted(set(want) & set(have)) if have[n] != want[n]}
+    if missing or unexpected or wrong:
+        raise CheckpointMismatch(missing, unexpected, wrong)
+
+
+def flat_from_hf(checkpoint, config: TransformerConfig, arch: str) -> dict[str, np.ndarray]:
+    """The checkpoint's tensors in jaxformer's flat names and layouts (float32)."""
+    D, H, K = config.d_model, config.num_heads, config.head_dim
+    flat: dict[str, np.ndarray] = {}
+
+    def get(name):
+        return checkpoint.array(name).astype(np.float32)
+
+    def attention(ours, theirs):
+        for part, letter in (("query", "q"), ("key", "k"), ("value", "v")):
+            flat[f"{ours}/{part}/kernel"] = get(f"{theirs}.{letter}_proj.weight").T.reshape(D, H, K)
+            if config.has_attention_bias(letter):
+                flat[f"{ours}/{part}/bias"] = get(f"{theirs}.{letter}_proj.bias").reshape(H, K)
+        flat[f"{ours}/out/kernel"] = get(f"{theirs}.out_proj.weight").T.reshape(H, K, D)
+        flat[f"{ours}/out/bias"] = get(f"{theirs}.out_proj.bias")
+
+    def norm(ours, theirs):
+        flat[f"{ours}/scale"], flat[f"{ours}/bias"] = get(theirs + ".weight"), get(theirs + ".bias")
+
+    for stack, count in (("encoder", config.num_encoder_layers),
+                         ("decoder", config.num_decoder_layers)):
+        for i in range(count):
+            ours, theirs = f"{stack}/layers_{i}/", f"model.{stack}.layers.{i}."
+            attention(ours + "self_attn", theirs + "self_attn")
+            norm(ours + "self_attn_norm", theirs + "self_attn_layer_norm")
+            if stack == "decoder":
+                attention(ours + "cross_attn", theirs + "encoder_attn")
+                norm(ours + "cross_attn_norm", theirs + "encoder_attn_layer_norm")
+            for ffn, fc in (("wi", "fc1"), ("wo", "fc2")):
+                flat[ours + f"ffn/{ffn}/kernel"] = get(theirs + f"{fc}.weight").T
+                flat[ours + f"ffn/{ffn}/bias"] = get(theirs + f"{fc}.bias")
+            norm(ours + "ffn_norm", theirs + "final_layer_norm")
+    if arch == WHISPER:
+        for i in range(2):
+            conv = f"model.encoder.conv{i + 1}"
+            flat[f"stem/conv_{i}/kernel"] = get(conv + ".weight").transpose(2, 1, 0)
+            flat[f"stem/conv_{i}/bias"] = get(conv + ".bias")
+        for stack in ("encoder", "decoder"):
+            flat[f"{stack}/positions/embedding"] = get(f"model.{stack}.embed_positions.weight")
+            norm(f"{stack}/final_norm", f"model.{stack}.layer_norm")
+        flat["tgt_embed/embedding"] = get("model.decoder.embed_tokens.weight")
+    else:
+        flat["src_embed/embedding"] = get("model.shared.weight")
+        flat["decoder/logits_bias"] = get("final_logits_bias").reshape(-1)
+        table = marian_positions(config.max_len, D)
+        flat["encoder/positions/embedding"] = flat["decoder/positions/embedding"] = table
+    return flat
+
+
+def build(config: TransformerConfig, arch: str) -> Transformer:
+    """The `Transformer` of `config` (with Whisper's conv stem)."""
+    return Transformer(config, stem=ConvStem(config) if arch == WHISPER else None)
+
+
+def load_hf_encdec(directory, *, dtype: str = "float32", values: Optional[dict] = None):
+    """(Transformer, params, tokenizers.Tokenizer or None) from a Whisper or Marian
+    checkpoint directory (`values`: its config.json, if already read).
+
+    Whisper's source is log-mel features (B, 2 * max_source_positions, num_mel_bins)
+    through the conv stem; Marian's is token ids. The tokenizer is the directory's
+    `tokenizer.json`; Marian directories carry SentencePiece files (`source.spm`,
+    `target.spm`, read by transformers' MarianTokenizer) and no tokenizer.json, so
+    their tokenizer is None: encode with MarianTokenizer and pass the ids.
+    """
+    from jaxformer.interop.safetensors import read_safetensors  # noqa: PLC0415 - optional
+
+    values = read_config(directory) if values is None else values
+    config = config_from_hf_encdec(values, dtype=dtype)
+    arch = values["architectures"][0]
+    mel_bins = int(values.get("num_mel_bins", 80)) if arch == WHISPER else 0
+    checkpoint = read_safetensors(directory)
+    check_tensors(checkpoint, config, arch, mel_bins)
+    model = build(config, arch)
+    ids = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    src = (jax.ShapeDtypeStruct((1, 2 * config.encoder_len, mel_bins), jnp.float32)
+           if arch == WHISPER else ids)
+    params = load_flat(model, flat_from_hf(checkpoint, config, arch), src, ids)
+    return model, params, tokenizer_from_dir(directory)
+
+
+# -- Whisper's decoding conventions from a directory ------------------------------------
+
+
+def vocabulary(tokenizer) -> list[str]:
+    """Token strings by id (added special tokens included) of a Whisper `tokenizer.json`,
+    the form `whisper.tokens_of` and CTranslate2's vocabulary.txt have."""
+    by_id = {i: token for token, i in tokenizer.get_vocab(with_added_tokens=True).items()}
+    missing = [i for i in range(len(by_id)) if i not in by_id]
+    if missing:
+        raise ValueError(f"tokenizer.json: ids {missing[:5]} have no token (ids must be 0..N-1)")
+    return [by_id[i] for i in range(len(by_id))]
+
+
+def suppress_ids(directory) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(suppress_tokens, begin_suppress_tokens) of `generation_config.json` (where
+    transformers keeps them), else of `config.json`; empty where neither has them."""
+    found: dict = {}
+    for name in ("config.json", "generation_config.json"):  # the latter wins
+        path = os.path.join(os.fspath(directory), name)
+        if os.path.exists(path):
+            with open(path) as f:
+                values = json.load(f)
+            found.update({k: v for k, v in values.items() if v is not None and k in (
+                "suppress_tokens", "begin_suppress_tokens")})
+    return (tuple(int(i) for i in found.get("suppress_tokens", ())),
+            tuple(int(i) for i in found.get("begin_suppress_tokens", ())))
