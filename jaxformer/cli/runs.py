@@ -82,6 +82,10 @@ def language_model(run_dir=None, model_path=None):
                          ) from error
     except ValueError as error:  # FileFormatError, unsupported architectures and values
         raise UsageError(str(error)) from error
+    if not isinstance(model, DecoderOnlyLM):
+        raise UsageError(f"--model {model_path}: an encoder-decoder "
+                         f"({type(model).__name__}); this command takes a decoder-only LM "
+                         "(a Whisper directory: jaxformer transcribe)")
     if tokenizer is None:
         raise UsageError(f"--model {model_path}: no tokenizer.json beside the weights")
     c = model.config

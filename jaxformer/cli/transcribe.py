@@ -5,7 +5,8 @@
     jaxformer transcribe --model DIR talk.wav --timestamps --format srt
 
 DIR is a CTranslate2 Whisper folder (`model.bin`, `vocabulary.txt`,
-`config.json`). Any WAV sample rate and channel count; audio longer than 30 s
+`config.json`) or a Hugging Face Whisper directory (`config.json`,
+safetensors, `tokenizer.json`). Any WAV sample rate and channel count; audio longer than 30 s
 is decoded in windows; every file is read and every option checked before the
 model loads.
 """
@@ -25,12 +26,12 @@ def add_parser(commands, add_common_flags) -> None:
     """Register the subcommand on `commands` (argparse subparsers)."""
     parser = commands.add_parser(
         "transcribe", help="speech to text with a Whisper model",
-        description="Transcribe (or translate to English) WAV files with a CTranslate2 "
-                    "Whisper folder: any sample rate and channel count, any length.")
+        description="Transcribe (or translate to English) WAV files with a Whisper "
+                    "model (CTranslate2 or Hugging Face directory): any sample rate and channel count, any length.")
     parser.add_argument("audio", nargs="+", metavar="AUDIO", help="WAV files")
     parser.add_argument("--model", required=True, metavar="DIR",
                         help="a CTranslate2 Whisper folder (model.bin, vocabulary.txt, "
-                             "config.json)")
+                             "config.json) or a Hugging Face Whisper directory")
     parser.add_argument("--language", default="auto",
                         help='"auto" (detected per file) or a code such as "en" (default auto)')
     parser.add_argument("--task", choices=("transcribe", "translate"), default="transcribe")
@@ -55,7 +56,8 @@ def run(args) -> int:
         raise UsageError("--format srt needs --timestamps")
     if not os.path.isdir(args.model):
         raise UsageError(f"--model {args.model}: not a directory (a CTranslate2 Whisper "
-                              "folder with model.bin, vocabulary.txt and config.json)")
+                              "folder with model.bin, vocabulary.txt and config.json, or a "
+                              "Hugging Face Whisper directory)")
     try:
         samples = [audio_lib.read_wav(path) for path in args.audio]  # all checked first
         w = transcribe.load(args.model)

@@ -1,9 +1,9 @@
 """Per-model configurations and weight mappings built from jaxformer's blocks (no new layers).
 
-`load(path)`: a Hugging Face checkpoint directory or a GGUF file -> (model, params,
-tokenizer).
+`load(path)`: a Hugging Face checkpoint directory (decoder-only, Whisper or Marian)
+or a GGUF file -> (model, params, tokenizer).
 """
 
 from jaxformer.models.load import load
 
-__all__ = ["audio", "hf", "llama", "load", "transcribe", "whisper"]
+__all__ = ["audio", "hf", "hf_encdec", "llama", "load", "transcribe", "whisper"]

@@ -1,7 +1,7 @@
 """Audio to text with Whisper: any WAV, any length, language detection, translation,
 segment timestamps, and SRT/JSON/text output.
 
-    w = transcribe.load(model_dir)                      # a CTranslate2 Whisper folder
+    w = transcribe.load(model_dir)      # a CTranslate2 Whisper folder or a Hugging Face one
     result = transcribe.transcribe(w, "talk.wav", timestamps=True)
     result.text, result.language, result.language_probability, result.segments
     print(transcribe.srt(result.segments))
