@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +50,7 @@ import numpy as np
 
 from jaxformer.config import TransformerConfig
 from jaxformer.interop.flat import CheckpointMismatch, load_flat
+from jaxformer.models import whisper
 from jaxformer.models.hf import ACTIVATIONS, read_config, tokenizer_from_dir
 from jaxformer.nn.model import Transformer
 from jaxformer.nn.stems import ConvStem
@@ -98,39 +99,37 @@ def config_from_hf_encdec(values: dict, *, dtype: str = "float32") -> Transforme
     for key in ("d_model", "vocab_size", "encoder_layers", "decoder_layers"):
         if values.get(key) is None:
             raise ValueError(f"{arch}: config.json has no {key!r}")
-    vocab = int(values["vocab_size"])
-    fields: dict[str, Any] = dict(
-        src_vocab_size=vocab, tgt_vocab_size=vocab, d_model=int(values["d_model"]),
-        num_heads=_one_per_model(arch, values, "attention_heads"),
-        d_ff=_one_per_model(arch, values, "ffn_dim"),
-        num_encoder_layers=int(values["encoder_layers"]),
-        num_decoder_layers=int(values["decoder_layers"]), activation=ACTIVATIONS[act],
-        layer_norm_epsilon=1e-5, tie_output_embedding=True,
-        encoder_positions="fixed", decoder_positions="fixed", dtype=dtype)
+    vocab, d_model = int(values["vocab_size"]), int(values["d_model"])
+    heads, d_ff = (_one_per_model(arch, values, "attention_heads"),
+                   _one_per_model(arch, values, "ffn_dim"))
+    layers = int(values["encoder_layers"]), int(values["decoder_layers"])
     start = values.get("decoder_start_token_id")
     if arch == WHISPER:
-        encoder_len, decoder_len = (int(values.get("max_source_positions", 1500)),
-                                    int(values.get("max_target_positions", 448)))
+        if act != "gelu":
+            raise _unsupported(arch, "activation_function", act, "Whisper's stem uses gelu")
         eos = int(values.get("eos_token_id", 50256))
-        fields.update(
-            max_len=max(encoder_len, decoder_len), encoder_max_len=encoder_len,
-            decoder_max_len=decoder_len, norm="pre", attention_biases="qvo",
-            scale_embeddings=False, encoder_input="embedded",
+        return whisper.whisper_config(
+            vocab_size=vocab, d_model=d_model, num_heads=heads, d_ff=d_ff,
+            encoder_layers=layers[0], decoder_layers=layers[1],
+            encoder_len=int(values.get("max_source_positions", 1500)),
+            decoder_len=int(values.get("max_target_positions", 448)),
             pad_id=int(values.get("pad_token_id", eos)), eos_id=eos,
-            bos_id=int(start if start is not None else values.get("bos_token_id", 50257)))
-    else:
-        decoder_vocab = values.get("decoder_vocab_size")
-        if decoder_vocab is not None and int(decoder_vocab) != vocab:
-            raise _unsupported(arch, "decoder_vocab_size", decoder_vocab,
-                               f"jaxformer shares one table: needs vocab_size={vocab}")
-        pad = int(values.get("pad_token_id", vocab - 1))
-        fields.update(
-            max_len=int(values.get("max_position_embeddings", 1024)), norm="post",
-            scale_embeddings=bool(values.get("scale_embedding", False)),
-            share_embeddings=True, tied_output_bias=True, mask_decoder_pad=False,
-            pad_id=pad, eos_id=int(values.get("eos_token_id", 0)),
-            bos_id=int(start if start is not None else pad))
-    return TransformerConfig(**fields)
+            bos_id=int(start if start is not None else values.get("bos_token_id", 50257)),
+            dtype=dtype)
+    decoder_vocab = values.get("decoder_vocab_size")
+    if decoder_vocab is not None and int(decoder_vocab) != vocab:
+        raise _unsupported(arch, "decoder_vocab_size", decoder_vocab,
+                           f"jaxformer shares one table: needs vocab_size={vocab}")
+    pad = int(values.get("pad_token_id", vocab - 1))
+    return TransformerConfig(
+        src_vocab_size=vocab, tgt_vocab_size=vocab, d_model=d_model, num_heads=heads,
+        d_ff=d_ff, num_encoder_layers=layers[0], num_decoder_layers=layers[1],
+        max_len=int(values.get("max_position_embeddings", 1024)), norm="post",
+        activation=ACTIVATIONS[act], encoder_positions="fixed", decoder_positions="fixed",
+        scale_embeddings=bool(values.get("scale_embedding", False)), share_embeddings=True,
+        tie_output_embedding=True, tied_output_bias=True, mask_decoder_pad=False,
+        pad_id=pad, eos_id=int(values.get("eos_token_id", 0)),
+        bos_id=int(start if start is not None else pad), dtype=dtype)
 
 
 def marian_positions(length: int, d_model: int) -> np.ndarray:

@@ -45,8 +45,9 @@ def load(path, *, dtype: str = "float32", max_len: Optional[int] = None,
 
             return load_hf_encdec(path, dtype=dtype, values=values)
         if arch not in hf.ARCHITECTURES:
+            supported = ", ".join(hf.ARCHITECTURES + ENCODER_DECODER)
             raise ValueError(f"config.json architectures[0]={arch!r} is not supported by "
-                             f"jaxformer (supported: {', '.join(hf.ARCHITECTURES + ENCODER_DECODER)})")
+                             f"jaxformer (supported: {supported})")
         return hf.load_hf(path, dtype=dtype, max_len=max_len, progress=progress)
     if os.path.isfile(path):
         from jaxformer.models.llama import load_gguf  # noqa: PLC0415 - optional readers

@@ -43,29 +43,39 @@ N_MELS = 80
 N_FRAMES = 3000  # 30 s at a 10 ms hop
 
 
+def whisper_config(*, vocab_size: int, d_model: int, num_heads: int, d_ff: int, encoder_layers: int,
+                   decoder_layers: int, encoder_len: int, decoder_len: int, pad_id: int,
+                   bos_id: int, eos_id: int, dtype: str = "float32") -> TransformerConfig:
+    """Whisper's `TransformerConfig` of the given sizes (both file formats build it)."""
+    return TransformerConfig(
+        src_vocab_size=vocab_size, tgt_vocab_size=vocab_size, d_model=d_model,
+        num_heads=num_heads, d_ff=d_ff, num_encoder_layers=encoder_layers,
+        num_decoder_layers=decoder_layers, max_len=decoder_len,
+        encoder_max_len=encoder_len, decoder_max_len=decoder_len,
+        norm="pre", activation="gelu", encoder_positions="fixed", decoder_positions="fixed",
+        attention_biases="qvo", scale_embeddings=False, tie_output_embedding=True,
+        encoder_input="embedded", pad_id=pad_id, eos_id=eos_id, bos_id=bos_id,
+        dtype=dtype, param_dtype="float32")
+
+
 def config_from_ct2(model: ct2.Ct2Model, vocab: list[str], dtype: str = "float32"
                     ) -> TransformerConfig:
     """The config a CTranslate2 WhisperSpec file describes."""
     v = model.variables
     if model.spec != "WhisperSpec":
         raise ValueError(f"not a Whisper file: spec {model.spec!r}")
-    d_model = v["encoder/conv1/weight"].shape[0]
     layers = {stack: len({n.split("/")[1] for n in v
                           if re.fullmatch(rf"{stack}/layer_\d+/.*", n)})
               for stack in ("encoder", "decoder")}
     ids = {token: i for i, token in enumerate(vocab)}
     eos = ids["<|endoftext|>"]
-    return TransformerConfig(
-        src_vocab_size=len(vocab), tgt_vocab_size=len(vocab), d_model=d_model,
+    return whisper_config(
+        vocab_size=len(vocab), d_model=v["encoder/conv1/weight"].shape[0],
         num_heads=int(v["encoder/num_heads"]), d_ff=v["encoder/layer_0/ffn/linear_0/weight"].shape[0],
-        num_encoder_layers=layers["encoder"], num_decoder_layers=layers["decoder"],
-        max_len=v["decoder/position_encodings/encodings"].shape[0],
-        encoder_max_len=v["encoder/position_encodings/encodings"].shape[0],
-        decoder_max_len=v["decoder/position_encodings/encodings"].shape[0],
-        norm="pre", activation="gelu", encoder_positions="fixed", decoder_positions="fixed",
-        attention_biases="qvo", scale_embeddings=False, tie_output_embedding=True,
-        encoder_input="embedded", pad_id=eos, eos_id=eos, bos_id=ids["<|startoftranscript|>"],
-        dtype=dtype, param_dtype="float32")
+        encoder_layers=layers["encoder"], decoder_layers=layers["decoder"],
+        encoder_len=v["encoder/position_encodings/encodings"].shape[0],
+        decoder_len=v["decoder/position_encodings/encodings"].shape[0],
+        pad_id=eos, eos_id=eos, bos_id=ids["<|startoftranscript|>"], dtype=dtype)
 
 
 def _norm(v, name):
