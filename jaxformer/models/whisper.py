@@ -71,7 +71,8 @@ def config_from_ct2(model: ct2.Ct2Model, vocab: list[str], dtype: str = "float32
     eos = ids["<|endoftext|>"]
     return whisper_config(
         vocab_size=len(vocab), d_model=v["encoder/conv1/weight"].shape[0],
-        num_heads=int(v["encoder/num_heads"]), d_ff=v["encoder/layer_0/ffn/linear_0/weight"].shape[0],
+        num_heads=int(v["encoder/num_heads"]),
+        d_ff=v["encoder/layer_0/ffn/linear_0/weight"].shape[0],
         encoder_layers=layers["encoder"], decoder_layers=layers["decoder"],
         encoder_len=v["encoder/position_encodings/encodings"].shape[0],
         decoder_len=v["decoder/position_encodings/encodings"].shape[0],
