@@ -6,4 +6,5 @@ or a GGUF file -> (model, params, tokenizer).
 
 from jaxformer.models.load import load
 
-__all__ = ["audio", "hf", "hf_encdec", "llama", "load", "transcribe", "whisper"]
+__all__ = ["audio", "chat", "hf", "hf_encdec", "hf_export", "llama", "load", "transcribe",
+           "whisper"]

@@ -30,6 +30,7 @@ pytest.importorskip("tokenizers", reason="needs the `llm` extra")
 
 from jaxformer.interop.flat import CheckpointMismatch  # noqa: E402
 from jaxformer.models import hf  # noqa: E402
+from jaxformer.models.hf_export import save_hf  # noqa: E402
 
 VOCAB, WINDOW, N_NEW = 128, 4, 16
 LENGTHS = (11, 6, 14)  # ragged, all but one longer than the window
@@ -150,6 +151,26 @@ def test_greedy_tokens_with_the_cache_equal_transformers_generate(loaded):
         n = int(out.lengths[i])
         np.testing.assert_array_equal(np.asarray(out.tokens[i, :n]), want[:n], err_msg=arch)
         assert n == len(want) or want[n - 1] == 1
+
+
+def test_export_gives_transformers_and_jaxformer_the_same_model(loaded, tmp_path):
+    """`save_hf` is the loader's inverse: transformers reads the written directory as the
+    original model (logits to 1e-5), and jaxformer reads back the same config, params and
+    tokenizer."""
+    arch, reference, model, params, tokenizer = loaded[:5]
+    out = save_hf(model.config, params, tmp_path / "export", tokenizer=tokenizer)
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(exported).__name__ == arch
+    rows, _ = prompts()
+    for row in rows:
+        want, got = torch_logits(reference, row), torch_logits(exported, row)
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), arch
+    again, again_params, again_tokenizer = load(out)
+    assert again.config == model.config
+    assert jax.tree_util.tree_structure(again_params) == jax.tree_util.tree_structure(params)
+    for a, b in zip(jax.tree_util.tree_leaves(again_params), jax.tree_util.tree_leaves(params)):
+        np.testing.assert_array_equal(a, b)
+    assert again_tokenizer.encode("w3 w17 w99").ids == [3, 17, 99]
 
 
 def test_the_blocks_matter(saved):
