@@ -11,6 +11,7 @@
     jaxformer generate --model SmolLM2.gguf "The capital of France is"   # a pretrained LM
     jaxformer eval --model SmolLM2.gguf --data 'texts/*.txt'   # loss, perplexity, bits/byte
     jaxformer transcribe --model DIR talk.wav        # speech to text (jaxformer.cli.transcribe)
+    jaxformer export --run runs/lm --out my-lm-hf    # a Hugging Face directory (cli.export)
 
 A run directory (`--out`, default runs/<task>-<norm>-<time>) holds:
 
@@ -56,6 +57,7 @@ import traceback
 from typing import Optional, Sequence
 
 from jaxformer.cli import evaluate as evaluate_command
+from jaxformer.cli import export as export_command
 from jaxformer.cli import transcribe as transcribe_command
 from jaxformer.cli.chat import chat_prompts, read_template
 from jaxformer.cli.runs import has_checkpoint, language_model, load_run, read_run_config
@@ -234,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     decode.set_defaults(func=_decode_command)
     evaluate_command.add_parser(commands, _add_compile_cache_flag)
     transcribe_command.add_parser(commands, _add_compile_cache_flag)
+    export_command.add_parser(commands, _add_compile_cache_flag)
     return parser
 
 

@@ -296,15 +296,19 @@ def _tokenizer_config(tokenizer, config: TransformerConfig) -> dict:
             raise ValueError(f"the tokenizer has no token for {role} id {i} "
                              f"(TransformerConfig.{role[:3]}_id)")
         names[role] = token
+    # Text spelling a special token stays text where the tokenizer says so (runs trained
+    # here: jaxformer.train.data.JSONTokenizer); transformers reads that from here.
     return {"tokenizer_class": "PreTrainedTokenizerFast",
-            "model_max_length": config.decoder_len, **names}
+            "model_max_length": config.decoder_len,
+            "split_special_tokens": bool(tokenizer.encode_special_tokens), **names}
 
 
 def save_hf(model_config: TransformerConfig, params, out_dir, *, tokenizer=None,
             architecture: Optional[str] = None, dtype: Optional[str] = None) -> str:
     """Write `params` of a `DecoderOnlyLM(model_config)` as a Hugging Face directory.
 
-    `tokenizer`: a `tokenizers.Tokenizer` (written as tokenizer.json) or None.
+    `tokenizer`: a `tokenizers.Tokenizer` (written as tokenizer.json) or None; its
+    `encode_special_tokens` is kept as `split_special_tokens` in tokenizer_config.json.
     `architecture`: e.g. "Qwen2ForCausalLM" (default: `architecture_of(model_config)`).
     `dtype`: "float32", "bfloat16" or "float16" for the tensors (default: the params').
     Returns `out_dir`. ValueError (nothing written) for a config the architecture
@@ -344,7 +348,11 @@ def save_hf(model_config: TransformerConfig, params, out_dir, *, tokenizer=None,
             tokenizer.save(os.path.join(staging, "tokenizer.json"))
         save_file(tensors, os.path.join(staging, "model.safetensors"),
                   metadata={"format": "pt"})
-        os.chmod(staging, 0o755)  # mkdtemp's 0700 -> an ordinary directory
+        umask = os.umask(0)
+        os.umask(umask)
+        for name in os.listdir(staging):  # the user's default permissions, not 0600
+            os.chmod(os.path.join(staging, name), 0o666 & ~umask)
+        os.chmod(staging, 0o777 & ~umask)  # (mkdtemp's is 0700)
         os.rename(staging, out_dir)  # fails if out_dir was filled meanwhile
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -217,3 +217,36 @@ def test_cli_eval_equals_transformers_loss(smollm2, hf_model, tmp_path, monkeypa
     np.testing.assert_allclose(got["loss"], want, rtol=1e-4)
     np.testing.assert_allclose(got["bits_per_byte"],
                                want * (len(ids) - 1) / np.log(2) / len(text.encode()), rtol=1e-4)
+
+
+def test_cli_export_gives_transformers_the_models_logits_and_tokens(smollm2, jaxformer_greedy,
+                                                                   prompts, tmp_path,
+                                                                   monkeypatch, capsys):
+    """`jaxformer export --model FILE --out DIR`: transformers reads DIR (safetensors,
+    config, tokenizer.json) as the model jaxformer runs: each prompt's next-token logits
+    within 1e-5 of jaxformer's, and AutoTokenizer's ids are the file's tokenizer's. The
+    file's load is the session's (`models.load` patched, as above)."""
+    transformers = pytest.importorskip("transformers", reason="needs the `llm` extra")
+    import torch
+
+    import jaxformer.models
+    from jaxformer.cli.main import main
+
+    model, params, tokenizer, path = smollm2
+    monkeypatch.setattr(jaxformer.models, "load", lambda p: (model, params, tokenizer))
+    out = str(tmp_path / "smollm2-hf")
+    assert main(["export", "--model", path, "--out", out]) == 0
+    assert "LlamaForCausalLM" in capsys.readouterr().out
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    for text in PROMPTS + ["héllo wörld 日本語"]:
+        assert hf_tokenizer.encode(text) == tokenizer.encode(text).ids
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for row, (ids, n) in enumerate(zip(*prompts)):
+            want = np.asarray(jaxformer_greedy.logits[row, 0])
+            got = hf_next_logits(exported, ids[:n])
+            assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), row
+    finally:
+        torch.set_num_threads(threads)

@@ -334,6 +334,16 @@ def test_empty_and_tiny_corpora_are_refused(tmp_path, capsys):
         assert not out.exists()
 
 
+def test_export_refuses_a_run_no_hugging_face_architecture_expresses(tmp_path, lm_run, capsys):
+    """The presets of `train --task lm` (LayerNorm, sinusoidal positions) have no Hugging
+    Face causal-LM form: refused naming the field, before the checkpoint is read."""
+    out = tmp_path / "hf"
+    assert main(["export", "--run", lm_run[0], "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "TransformerConfig.norm_type='layernorm'" in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
 def test_commands_refuse_a_run_without_checkpoint(tmp_path, lm_run, capsys):
     assert main(["generate", "--run", str(tmp_path), "x"]) == 2
     assert "config.json does not exist" in capsys.readouterr().err

@@ -1,0 +1,125 @@
+"""`jaxformer export`: a language model written as a Hugging Face directory.
+
+    jaxformer export --run runs/lm --out my-lm-hf          # the latest checkpoint of a run
+    jaxformer export --model SmolLM2.gguf --out smollm2-hf  # a GGUF file (or HF directory)
+
+The directory (`config.json`, `model.safetensors`, tokenizer files) loads in
+`transformers.AutoModelForCausalLM` / `AutoTokenizer` as the same model
+(`jaxformer.models.hf_export.save_hf`). The architecture is the one the
+model's blocks name; a model no supported architecture expresses (e.g. the
+LayerNorm + learned-position `lm` preset of `train --task lm`) is refused
+naming the field before its checkpoint is read. `--out` must not exist or be
+empty: nothing is overwritten.
+"""
+
+from __future__ import annotations
+
+import os
+
+from jaxformer.cli.usage import UsageError
+
+
+def add_parser(commands, add_common_flags) -> None:
+    """Register the subcommand on `commands` (argparse subparsers)."""
+    from jaxformer.models.hf import ARCHITECTURES  # noqa: PLC0415 - no file readers
+
+    parser = commands.add_parser(
+        "export", help="write a language model as a Hugging Face directory",
+        description="Write the latest checkpoint of a --task lm run (--run) or a pretrained "
+                    "model (--model: a GGUF file or a Hugging Face directory) as a Hugging "
+                    "Face checkpoint directory that transformers loads.")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--run", help="the run directory (--out of train)")
+    source.add_argument("--model", metavar="PATH",
+                        help="a GGUF file or a Hugging Face checkpoint directory")
+    parser.add_argument("--out", required=True, metavar="HF_DIR",
+                        help="the directory to write (must not exist, or be empty)")
+    parser.add_argument("--architecture", choices=ARCHITECTURES,
+                        help="the transformers class (default: the one the model's blocks "
+                             "name)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                        help="tensor dtype (default: the parameters')")
+    add_common_flags(parser)
+    parser.set_defaults(func=run)
+
+
+def plain_params(model_config, train_config, params):
+    """The parameters of `DecoderOnlyLM(model_config)` that a run's checkpoint stands for:
+    the one place where a run's training-time parameters become the model's (adapters
+    merged here)."""
+    del model_config, train_config
+    return params
+
+
+def run_tokenizer(train_config, model_config):
+    """The run's tokenizer as a `tokenizers.Tokenizer` that starts every text with BOS (as
+    the run saw its documents): bytes, or its --tokenizer file."""
+    from jaxformer.models.hf_export import byte_tokenizer, with_bos  # noqa: PLC0415
+
+    if train_config.tokenizer is None:
+        tokenizer = byte_tokenizer()
+    else:
+        from jaxformer.train.data import JSONTokenizer  # noqa: PLC0415
+
+        try:  # the same checks as training: the file is there and has pad/bos/eos
+            JSONTokenizer(train_config.tokenizer)
+        except ValueError as error:
+            raise UsageError(f"the run's tokenizer: {error}") from error
+        import tokenizers  # noqa: PLC0415 - optional
+
+        tokenizer = tokenizers.Tokenizer.from_file(train_config.tokenizer)
+    tokenizer = with_bos(tokenizer, model_config.bos_id)
+    tokenizer.encode_special_tokens = True  # text spelling "<pad>" is text, as in training
+    return tokenizer
+
+
+def _check_out(out: str) -> None:
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise UsageError(f"--out {out} already exists and is not empty: choose a new "
+                         "directory (nothing is overwritten)")
+
+
+def run(args) -> int:
+    from jaxformer.interop.flat import flatten  # noqa: PLC0415
+    from jaxformer.models.hf_export import (architecture_of, check_exportable,  # noqa: PLC0415
+                                            save_hf)
+
+    _check_out(args.out)
+    if args.run is not None:
+        from jaxformer.cli.runs import load_run, read_run_config  # noqa: PLC0415
+
+        model_config, train_config, _ = read_run_config(args.run)
+        if train_config.task != "lm":
+            raise UsageError(f"{args.run} is a {train_config.task} run; export needs a "
+                             "--task lm run")
+        arch = args.architecture or architecture_of(model_config)
+        try:  # before the checkpoint is read
+            check_exportable(model_config, arch)
+        except ValueError as error:
+            raise UsageError(f"--run {args.run}: {error}") from error
+        tokenizer = run_tokenizer(train_config, model_config)
+        model_config, train_config, params = load_run(args.run, "lm")
+        params = plain_params(model_config, train_config, params)
+    else:
+        from jaxformer import models  # noqa: PLC0415
+
+        try:
+            model, params, tokenizer = models.load(args.model)
+        except ImportError as error:
+            raise UsageError(f"--model {args.model}: {error} (pip install 'jaxformer[llm]')"
+                             ) from error
+        except ValueError as error:  # FileFormatError, unsupported architectures and values
+            raise UsageError(str(error)) from error
+        model_config = model.config
+        arch = args.architecture or architecture_of(model_config)
+    try:
+        out = save_hf(model_config, params, args.out, tokenizer=tokenizer, architecture=arch,
+                      dtype=args.dtype)
+    except ImportError as error:
+        raise UsageError(f"{error} (pip install 'jaxformer[llm]')") from error
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+    count = sum(int(v.size) for v in flatten(params).values())
+    print(f"jaxformer export: {arch}, {count:,} parameters"
+          f"{'' if tokenizer is not None else ', no tokenizer'} -> {out}", flush=True)
+    return 0
