@@ -14,6 +14,7 @@ empty: nothing is overwritten.
 
 from __future__ import annotations
 
+import json
 import os
 
 from jaxformer.cli.usage import UsageError
@@ -73,6 +74,21 @@ def run_tokenizer(train_config, model_config):
     return tokenizer
 
 
+def source_chat_template(path):
+    """The chat template of a Hugging Face directory's tokenizer_config.json, or None.
+    (A GGUF file's `tokenizer.chat_template` is not carried over: reading it means
+    parsing the whole file again.)"""
+    config = os.path.join(os.fspath(path), "tokenizer_config.json")
+    if not os.path.isfile(config):
+        return None
+    try:
+        with open(config) as f:
+            template = json.load(f).get("chat_template")
+    except (OSError, ValueError, AttributeError):
+        return None  # a damaged file: the weights and tokenizer.json still export
+    return template if isinstance(template, str) else None
+
+
 def _check_out(out: str) -> None:
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise UsageError(f"--out {out} already exists and is not empty: choose a new "
@@ -85,6 +101,7 @@ def run(args) -> int:
                                             save_hf)
 
     _check_out(args.out)
+    chat_template = None
     if args.run is not None:
         from jaxformer.cli.runs import load_run, read_run_config  # noqa: PLC0415
 
@@ -112,9 +129,10 @@ def run(args) -> int:
             raise UsageError(str(error)) from error
         model_config = model.config
         arch = args.architecture or architecture_of(model_config)
+        chat_template = source_chat_template(args.model)
     try:
         out = save_hf(model_config, params, args.out, tokenizer=tokenizer, architecture=arch,
-                      dtype=args.dtype)
+                      dtype=args.dtype, chat_template=chat_template)
     except ImportError as error:
         raise UsageError(f"{error} (pip install 'jaxformer[llm]')") from error
     except ValueError as error:

@@ -42,9 +42,16 @@ def load_run(run_dir: str, task_kind: str):
     directory = os.path.join(run_dir, "checkpoints")
     if not os.path.isdir(directory) or not has_checkpoint(directory):
         raise UsageError(f"no checkpoint in {directory}")
+    import jax  # noqa: PLC0415
+
+    # The state's shapes without computing it (an init would compile the optimizer's).
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    target = jax.tree_util.tree_map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device),
+        jax.eval_shape(train_functions(model_config, train_config).init, 0))
     try:
         with Checkpoints(directory, create=False) as checkpoints:
-            state = checkpoints.restore(train_functions(model_config, train_config).init(0))
+            state = checkpoints.restore(target)
     except CheckpointError as error:
         raise UsageError(str(error)) from error
     return model_config, train_config, state.params

@@ -287,7 +287,7 @@ def with_bos(tokenizer, bos_id: int):
     return copy
 
 
-def _tokenizer_config(tokenizer, config: TransformerConfig) -> dict:
+def _tokenizer_config(tokenizer, config: TransformerConfig, chat_template=None) -> dict:
     names = {}
     for role, i in (("pad_token", config.pad_id), ("bos_token", config.bos_id),
                     ("eos_token", config.eos_id)):
@@ -298,19 +298,24 @@ def _tokenizer_config(tokenizer, config: TransformerConfig) -> dict:
         names[role] = token
     # Text spelling a special token stays text where the tokenizer says so (runs trained
     # here: jaxformer.train.data.JSONTokenizer); transformers reads that from here.
-    return {"tokenizer_class": "PreTrainedTokenizerFast",
-            "model_max_length": config.decoder_len,
-            "split_special_tokens": bool(tokenizer.encode_special_tokens), **names}
+    values = {"tokenizer_class": "PreTrainedTokenizerFast",
+              "model_max_length": config.decoder_len,
+              "split_special_tokens": bool(tokenizer.encode_special_tokens), **names}
+    if chat_template is not None:
+        values["chat_template"] = chat_template
+    return values
 
 
 def save_hf(model_config: TransformerConfig, params, out_dir, *, tokenizer=None,
-            architecture: Optional[str] = None, dtype: Optional[str] = None) -> str:
+            architecture: Optional[str] = None, dtype: Optional[str] = None,
+            chat_template: Optional[str] = None) -> str:
     """Write `params` of a `DecoderOnlyLM(model_config)` as a Hugging Face directory.
 
     `tokenizer`: a `tokenizers.Tokenizer` (written as tokenizer.json) or None; its
     `encode_special_tokens` is kept as `split_special_tokens` in tokenizer_config.json.
     `architecture`: e.g. "Qwen2ForCausalLM" (default: `architecture_of(model_config)`).
     `dtype`: "float32", "bfloat16" or "float16" for the tensors (default: the params').
+    `chat_template`: a Jinja chat template for tokenizer_config.json (`apply_chat_template`).
     Returns `out_dir`. ValueError (nothing written) for a config the architecture
     cannot express, params of another config, or an `out_dir` that is not empty.
     """
@@ -333,7 +338,8 @@ def save_hf(model_config: TransformerConfig, params, out_dir, *, tokenizer=None,
                                         "eos_token_id": model_config.eos_id,
                                         "pad_token_id": model_config.pad_id}}
     if tokenizer is not None:
-        files["tokenizer_config.json"] = _tokenizer_config(tokenizer, model_config)
+        files["tokenizer_config.json"] = _tokenizer_config(tokenizer, model_config,
+                                                           chat_template)
     from safetensors.numpy import save_file  # noqa: PLC0415 - optional
 
     parent = os.path.dirname(out_dir)

@@ -60,7 +60,9 @@ def llama_run(tmp_path_factory):
         json.dump({"preset": None, "model": config.to_dict(), "train": train.to_dict()}, f)
     model = jf.DecoderOnlyLM(config)
     params = numpy_params(model, TOKENS)
-    state = train_functions(config, train).init(0).replace(params=params)
+    abstract = jax.eval_shape(train_functions(config, train).init, 0)  # nothing compiled
+    state = jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype), abstract).replace(
+        params=params)
     with Checkpoints(os.path.join(out, "checkpoints")) as checkpoints:
         checkpoints.save(2, state)
     return out, model, params
@@ -78,7 +80,7 @@ def test_a_run_exports_to_transformers_with_its_logits_and_tokens(llama_run, tmp
     assert tokenizer.encode(TEXT) == ids.tolist()
     assert tokenizer.decode(ids, skip_special_tokens=True) == TEXT
     name, want = torch_logits(out, ids)
-    got = np.asarray(model.apply({"params": params}, jnp.asarray(ids[None]))[0])
+    got = np.asarray(jax.jit(model.apply)({"params": params}, jnp.asarray(ids[None]))[0])
     assert name == "LlamaForCausalLM"
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
@@ -105,6 +107,29 @@ def test_interleaved_rope_is_written_half_split_and_bfloat16_on_request(make_lm,
         np.testing.assert_array_equal(bf16[key], value.astype(bf16[key].dtype))
     with open(os.path.join(tmp_path / "bf16", "config.json")) as f:
         assert json.load(f)["dtype"] == "bfloat16"
+
+
+def test_a_hugging_face_directory_exports_to_the_same_tensors_and_chat_template(llama_run,
+                                                                                tmp_path):
+    """`export --model DIR` of a directory `save_hf` wrote (from scanned-layout params):
+    the same tensors, and its chat template carried into tokenizer_config.json."""
+    from safetensors.numpy import load_file
+
+    from jaxformer.models.hf_export import byte_tokenizer
+
+    _, model, params = llama_run
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    first = save_hf(model.config, params, tmp_path / "first", tokenizer=byte_tokenizer(),
+                    chat_template=template)
+    second = str(tmp_path / "second")
+    assert main(["export", "--model", first, "--out", second]) == 0
+    want, got = (load_file(os.path.join(d, "model.safetensors")) for d in (first, second))
+    assert sorted(got) == sorted(want)
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key])
+    tokenizer = transformers.AutoTokenizer.from_pretrained(second)
+    chat = [{"role": "user", "content": "hi"}]
+    assert tokenizer.apply_chat_template(chat, tokenize=False) == "[user] hi\n"
 
 
 @pytest.mark.parametrize("config,arch", [
