@@ -90,7 +90,9 @@ def source_chat_template(path):
 
 
 def _check_out(out: str) -> None:
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UsageError(f"--out {out} is a file, not a directory")
+    if os.path.isdir(out) and os.listdir(out):
         raise UsageError(f"--out {out} already exists and is not empty: choose a new "
                          "directory (nothing is overwritten)")
 
@@ -137,6 +139,8 @@ def run(args) -> int:
         raise UsageError(f"{error} (pip install 'jaxformer[llm]')") from error
     except ValueError as error:
         raise UsageError(str(error)) from error
+    except OSError as error:  # an unwritable place, a full disk: nothing is left behind
+        raise UsageError(f"--out {args.out}: {error}") from error
     count = sum(int(v.size) for v in flatten(params).values())
     print(f"jaxformer export: {arch}, {count:,} parameters"
           f"{'' if tokenizer is not None else ', no tokenizer'} -> {out}", flush=True)

@@ -324,9 +324,9 @@ def save_hf(model_config: TransformerConfig, params, out_dir, *, tokenizer=None,
         raise ValueError(f"{out_dir} already exists and is not empty: choose a new directory "
                          "(nothing is overwritten)")
     arch = architecture or architecture_of(model_config)
-    if dtype is None:
-        leaves = [np.asarray(v).dtype for v in flatten(params).values()]
-        dtype = str(leaves[0]) if leaves else "float32"
+    if dtype is None:  # the embedding table's (no array is copied to find it)
+        table = flatten(params).get("embed/embedding")
+        dtype = "float32" if table is None else np.dtype(table.dtype).name
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype {dtype!r}: exportable float32, bfloat16, float16")
     import ml_dtypes  # noqa: PLC0415 - numpy's bfloat16 (a JAX dependency)
