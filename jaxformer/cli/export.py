@@ -14,7 +14,6 @@ empty: nothing is overwritten.
 
 from __future__ import annotations
 
-import json
 import os
 
 from jaxformer.cli.usage import UsageError
@@ -74,21 +73,6 @@ def run_tokenizer(train_config, model_config):
     return tokenizer
 
 
-def source_chat_template(path):
-    """The chat template of a Hugging Face directory's tokenizer_config.json, or None.
-    (A GGUF file's `tokenizer.chat_template` is not carried over: reading it means
-    parsing the whole file again.)"""
-    config = os.path.join(os.fspath(path), "tokenizer_config.json")
-    if not os.path.isfile(config):
-        return None
-    try:
-        with open(config) as f:
-            template = json.load(f).get("chat_template")
-    except (OSError, ValueError, AttributeError):
-        return None  # a damaged file: the weights and tokenizer.json still export
-    return template if isinstance(template, str) else None
-
-
 def _check_out(out: str) -> None:
     if os.path.exists(out) and not os.path.isdir(out):
         raise UsageError(f"--out {out} is a file, not a directory")
@@ -121,6 +105,7 @@ def run(args) -> int:
         params = plain_params(model_config, train_config, params)
     else:
         from jaxformer import models  # noqa: PLC0415
+        from jaxformer.models.chat import chat_template as read_chat_template  # noqa: PLC0415
 
         try:
             model, params, tokenizer = models.load(args.model)
@@ -131,7 +116,10 @@ def run(args) -> int:
             raise UsageError(str(error)) from error
         model_config = model.config
         arch = args.architecture or architecture_of(model_config)
-        chat_template = source_chat_template(args.model)
+        try:
+            chat_template = read_chat_template(args.model)
+        except ValueError:
+            chat_template = None  # a damaged tokenizer_config.json: weights and tokenizer still export
     try:
         out = save_hf(model_config, params, args.out, tokenizer=tokenizer, architecture=arch,
                       dtype=args.dtype, chat_template=chat_template)

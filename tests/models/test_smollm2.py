@@ -233,6 +233,7 @@ def test_cli_export_gives_transformers_the_models_logits_and_tokens(smollm2, jax
     from jaxformer.cli.main import main
 
     model, params, tokenizer, path = smollm2
+    real_load = jaxformer.models.load
     monkeypatch.setattr(jaxformer.models, "load", lambda p: (model, params, tokenizer))
     out = str(tmp_path / "smollm2-hf")
     assert main(["export", "--model", path, "--out", out]) == 0
@@ -250,3 +251,20 @@ def test_cli_export_gives_transformers_the_models_logits_and_tokens(smollm2, jax
             assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), row
     finally:
         torch.set_num_threads(threads)
+    # The other reader of the same weights: the exported directory through jaxformer's
+    # Hugging Face path holds the GGUF path's parameters exactly, and the chat template.
+    from jaxformer.models.chat import chat_template, render_chat
+
+    again, again_params, _ = real_load(out, max_len=model.config.max_len)
+    c = model.config  # the readers spell "no attention biases" differently
+    assert again.config.replace(attention_bias=c.attention_bias,
+                                attention_biases=c.attention_biases) == c
+    assert [again.config.has_attention_bias(p) for p in "qkvo"] == [False] * 4
+    for (key, a), b in zip(jax.tree_util.tree_leaves_with_path(params),
+                           jax.tree_util.tree_leaves(again_params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(key))
+    messages = [{"role": "user", "content": "What is 12 times 7?"}]
+    assert chat_template(out) == chat_template(path)
+    assert hf_tokenizer.apply_chat_template(messages, tokenize=False,
+                                            add_generation_prompt=True) == render_chat(
+        chat_template(path), messages)
