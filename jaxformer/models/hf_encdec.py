@@ -49,9 +49,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer.config import TransformerConfig
-from jaxformer.interop.flat import CheckpointMismatch, load_flat
+from jaxformer.interop.flat import load_flat
 from jaxformer.models import whisper
-from jaxformer.models.hf import ACTIVATIONS, read_config, tokenizer_from_dir
+from jaxformer.models.hf import ACTIVATIONS, check_shapes, read_config, tokenizer_from_dir
 from jaxformer.nn.model import Transformer
 from jaxformer.nn.stems import ConvStem
 
@@ -198,13 +198,8 @@ def _ignored(name: str, arch: str) -> bool:
 def check_tensors(checkpoint, config: TransformerConfig, arch: str, mel_bins: int = 0) -> None:
     """CheckpointMismatch listing every missing, unexpected and wrong-shaped tensor,
     from the files' headers (no tensor is read)."""
-    want = expected_tensors(config, arch, mel_bins)
-    have = {n: s for n, s in checkpoint.shapes.items() if not _ignored(n, arch)}
-    missing = sorted(set(want) - set(have))
-    unexpected = sorted(set(have) - set(want))
-    wrong = {n: (have[n], want[n]) for n in sorted(set(want) & set(have)) if have[n] != want[n]}
-    if missing or unexpected or wrong:
-        raise CheckpointMismatch(missing, unexpected, wrong)
+    check_shapes(expected_tensors(config, arch, mel_bins),
+                 {n: s for n, s in checkpoint.shapes.items() if not _ignored(n, arch)})
 
 
 def flat_from_hf(checkpoint, config: TransformerConfig, arch: str) -> dict[str, np.ndarray]:

@@ -12,7 +12,6 @@ refused naming the file, field or tensors.
 
 import json
 import os
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -210,21 +209,6 @@ def llama_dir(saved):
     return saved("LlamaForCausalLM")[0]
 
 
-def copy_of(directory, tmp_path):
-    target = str(tmp_path / "copy")
-    shutil.copytree(directory, target)
-    return target
-
-
-def edit_config(directory, **changes):
-    path = os.path.join(directory, "config.json")
-    with open(path) as f:
-        values = json.load(f)
-    values.update(changes)
-    with open(path, "w") as f:
-        json.dump(values, f)
-
-
 @pytest.mark.parametrize("progress", [True, False])
 def test_a_bar_counts_the_tensors_read_unless_off(llama_dir, capsys, progress):
     capsys.readouterr()
@@ -234,8 +218,8 @@ def test_a_bar_counts_the_tensors_read_unless_off(llama_dir, capsys, progress):
     assert f"0/{n} " in err if progress else err == ""  # the total (leave=False clears the end)
 
 
-def test_truncated_safetensors_is_refused_naming_the_file(llama_dir, tmp_path):
-    directory = copy_of(llama_dir, tmp_path)
+def test_truncated_safetensors_is_refused_naming_the_file(llama_dir, hf_dir_copy):
+    directory = hf_dir_copy(llama_dir)
     path = os.path.join(directory, "model.safetensors")
     with open(path, "rb") as f:
         data = f.read()
@@ -265,19 +249,18 @@ def test_missing_shard_is_refused_naming_it(saved, tmp_path):
     (dict(hidden_act="relu2"), "hidden_act"),
     (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
 ])
-def test_unsupported_config_is_refused_before_any_tensor_is_read(llama_dir, tmp_path, changes,
-                                                                 field):
-    directory = copy_of(llama_dir, tmp_path)
-    edit_config(directory, **changes)
+def test_unsupported_config_is_refused_before_any_tensor_is_read(llama_dir, hf_dir_copy,
+                                                                 changes, field):
+    directory = hf_dir_copy(llama_dir, **changes)
     os.remove(os.path.join(directory, "model.safetensors"))  # never reached
     with pytest.raises(ValueError, match=field):
         load(directory)
 
 
-def test_wrong_shaped_tensors_are_listed_together(llama_dir, tmp_path):
+def test_wrong_shaped_tensors_are_listed_together(llama_dir, hf_dir_copy):
     from safetensors.numpy import load_file, save_file
 
-    directory = copy_of(llama_dir, tmp_path)
+    directory = hf_dir_copy(llama_dir)
     path = os.path.join(directory, "model.safetensors")
     tensors = load_file(path)
     tensors["model.layers.0.self_attn.q_proj.weight"] = np.zeros((8, 32), np.float32)

