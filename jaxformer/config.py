@@ -40,6 +40,11 @@ _CHOICES = {
 }
 
 
+# LoRA adapters (`jaxformer.nn.lora`): the projections `lora_targets` may name.
+# q/k/v/o: attention; gate/up/down: the FFN's gate, wi and wo (gate needs gated_ffn).
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
 # Fields of earlier versions, read and ignored (they changed no result): run
 # directories and checkpoints saved with them still load.
 LEGACY_FIELDS = ("kernel_grad",)
@@ -219,8 +224,20 @@ class TransformerConfig(ConfigMixin):
     # model) and dropout masks drawn once. Same values up to rounding; gated by
     # lax.platform_dependent, so GPU and TPU programs never contain them.
     cpu_tuning: bool = False
+    # LoRA (jaxformer.nn.lora): lora_rank > 0 adds low-rank adapters (A random, B zero,
+    # so an untrained adapter changes nothing) to the projections named in
+    # lora_targets (LORA_TARGETS; default q and v, PEFT's default for Llama-style
+    # models); their output is scaled by lora_alpha / lora_rank (None: alpha = rank).
+    # Training such a model trains only the adapters (jaxformer.train.training).
+    lora_rank: int = 0
+    lora_alpha: Optional[float] = None
+    lora_targets: tuple = ("q", "v")
 
     def __post_init__(self):
+        targets = self.lora_targets  # "q,v" (CLI) or a list (JSON): a hashable tuple
+        if isinstance(targets, str):
+            targets = tuple(t.strip() for t in targets.split(",") if t.strip())
+        object.__setattr__(self, "lora_targets", tuple(targets))
         _require(self.head_dim is None or (isinstance(self.head_dim, int)
                                            and self.head_dim > 0), "head_dim",
                  f"must be None or a positive int, got {self.head_dim!r}")
@@ -272,6 +289,7 @@ class TransformerConfig(ConfigMixin):
                  f"needs an even head dim (rotated in pairs), got head_dim={self.head_dim}")
         _require(self.rope_theta > 0, "rope_theta", f"must be positive, got {self.rope_theta!r}")
         self._check_blocks()
+        self._check_lora()
         _require(self.layer_norm_epsilon > 0, "layer_norm_epsilon",
                  f"must be positive, got {self.layer_norm_epsilon!r}")
         for name in ("pad_id", "bos_id", "eos_id"):
@@ -337,6 +355,29 @@ class TransformerConfig(ConfigMixin):
             "rope_high_freq_factor and a positive rope_original_max_len, got "
             f"{self.rope_low_freq_factor}, {self.rope_high_freq_factor}, "
             f"{self.rope_original_max_len}")
+
+    def _check_lora(self) -> None:
+        _require(isinstance(self.lora_rank, int) and not isinstance(self.lora_rank, bool)
+                 and self.lora_rank >= 0, "lora_rank",
+                 f"must be a non-negative int (0: no adapters), got {self.lora_rank!r}")
+        _require(self.lora_alpha is None or (isinstance(self.lora_alpha, (int, float))
+                                             and self.lora_alpha > 0), "lora_alpha",
+                 f"must be None or a positive number, got {self.lora_alpha!r}")
+        valid = LORA_TARGETS if self.gated_ffn else tuple(t for t in LORA_TARGETS
+                                                          if t != "gate")
+        for target in self.lora_targets:
+            _require(target in valid, "lora_targets",
+                     f"{target!r} is not a projection of this model; valid: {', '.join(valid)}")
+        _require(len(set(self.lora_targets)) == len(self.lora_targets) and
+                 (self.lora_targets or not self.lora_rank), "lora_targets",
+                 f"must name distinct projections (at least one with lora_rank > 0), "
+                 f"got {self.lora_targets!r}")
+
+    @property
+    def lora_scale(self) -> float:
+        """The factor of the adapters' output: lora_alpha / lora_rank."""
+        alpha = self.lora_rank if self.lora_alpha is None else self.lora_alpha
+        return alpha / self.lora_rank if self.lora_rank else 0.0
 
     def replace(self, **changes):
         if self._derived_head_dim and "head_dim" not in changes:

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxformer.config import TransformerConfig
-from jaxformer.nn import tuning
+from jaxformer.nn import lora, tuning
 from jaxformer.nn.attention_select import jax_nn_mask_arguments, resolved_attention_impl
 from jaxformer.nn.blockwise import blockwise_attention
 from jaxformer.nn.mask_structure import MaskSpec, dense_mask
@@ -232,6 +232,14 @@ class MultiHeadAttention(nn.Module):
         if c.qk_norm:
             self.query_norm = layer_norm(c)
             self.key_norm = layer_norm(c)
+        heads = ((c.num_heads, c.head_dim), ("heads", "kv"))
+        kv_heads = ((c.kv_heads, c.head_dim), ("kv_heads", "kv"))
+        embed = ((c.d_model,), ("embed",))
+        for name, (ins, in_names), (outs, out_names) in (
+                ("query", embed, heads), ("key", embed, kv_heads), ("value", embed, kv_heads),
+                ("out", heads, embed)):
+            if lora.targets(c, name):  # `config.lora_targets`: an adapter beside the kernel
+                setattr(self, name + lora.SUFFIX, lora.LoRA(c, ins, outs, in_names, out_names))
 
     def _rotate(self, x_BTHK: jnp.ndarray, positions_BT: Optional[jnp.ndarray],
                 inv_freq=None) -> jnp.ndarray:
@@ -261,8 +269,8 @@ class MultiHeadAttention(nn.Module):
         `inv_freq` (default: this layer kind's frequencies).
         """
         # checkpoint_name: what config.remat="save_proj" keeps (identity otherwise).
-        key_BSGK = checkpoint_name(self.key(inputs_BSD), "key_proj")
-        value_BSGK = checkpoint_name(self.value(inputs_BSD), "value_proj")
+        key_BSGK = checkpoint_name(lora.apply(self, "key", inputs_BSD), "key_proj")
+        value_BSGK = checkpoint_name(lora.apply(self, "value", inputs_BSD), "value_proj")
         if self.config.qk_norm:
             key_BSGK = self._head_norm(self.key_norm, key_BSGK)
         return KV(self._layout(self._rotate(key_BSGK, positions_BS, inv_freq)),
@@ -292,7 +300,7 @@ class MultiHeadAttention(nn.Module):
         collection as `attention_weights`: pass `mutable="intermediates"` to
         `apply` to get them (see `model.attention_weights`).
         """
-        query_BTHK = checkpoint_name(self.query(inputs_q_BTD), "query_proj")
+        query_BTHK = checkpoint_name(lora.apply(self, "query", inputs_q_BTD), "query_proj")
         if self.config.qk_norm:
             query_BTHK = self._head_norm(self.query_norm, query_BTHK)
         query_BTHK = self._rotate(query_BTHK, positions_BT, inv_freq)
@@ -308,7 +316,7 @@ class MultiHeadAttention(nn.Module):
                 args = {"mask": densified(mask, num_queries, num_keys)}
             out_BTHK = jax.nn.dot_product_attention(query_BTHK, key, value,
                                                     scale=c.query_scale, **args)
-            return checkpoint_name(self.out(out_BTHK), "out_proj")
+            return checkpoint_name(lora.apply(self, "out", out_BTHK), "out_proj")
         structured = isinstance(mask, (MaskSpec, LayerKindMask)) or mask is None
         in_parts = isinstance(kv.key, tuple)  # a cached step: the dense path
         if structured and not in_parts:
@@ -324,11 +332,11 @@ class MultiHeadAttention(nn.Module):
                 out_BTHK = jax.nn.dot_product_attention(
                     query_BTHK, _heads_major(kv.key), _heads_major(kv.value),
                     scale=c.query_scale, implementation="cudnn", **jax_nn_mask_arguments(mask))
-                return checkpoint_name(self.out(out_BTHK), "out_proj")
+                return checkpoint_name(lora.apply(self, "out", out_BTHK), "out_proj")
             if impl in ("blockwise", "cudnn", "splash"):
                 out_BHTK = structured_attention(_heads_major(query_BTHK), kv.key, kv.value,
                                                 mask, c)
-                return checkpoint_name(self.out(_heads_major(out_BHTK)), "out_proj")
+                return checkpoint_name(lora.apply(self, "out", _heads_major(out_BHTK)), "out_proj")
         rate = c.attention_dropout
         dropout_rng = None if deterministic or rate == 0.0 else self.make_rng("dropout")
         out_BHTK, weights_BHTS = dot_product_attention(
@@ -337,4 +345,4 @@ class MultiHeadAttention(nn.Module):
             dropout_rng=dropout_rng, dropout_mask=tuning.dropout_mask(c),
             scale=c.query_scale, softcap=c.attn_logit_softcapping)
         self.sow("intermediates", "attention_weights", weights_BHTS)
-        return checkpoint_name(self.out(_heads_major(out_BHTK)), "out_proj")
+        return checkpoint_name(lora.apply(self, "out", _heads_major(out_BHTK)), "out_proj")

@@ -26,7 +26,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxformer.nn.attention import KV, MultiHeadAttention, dense_init, kv_length_axis
 from jaxformer.config import TransformerConfig
-from jaxformer.nn import tuning
+from jaxformer.nn import lora, tuning
 from jaxformer.nn.axes import ACTIVATION_BTD, constrain, logical
 from jaxformer.nn.norms import layer_norm
 
@@ -152,16 +152,25 @@ class FeedForward(nn.Module):
         down = nn.Dense(c.d_model, kernel_init=logical(dense_init(), ("mlp", "embed")),
                         bias_init=logical(nn.initializers.zeros, ("embed",)), name="wo",
                         **common)
+
+        def project(dense, x, ins, outs):  # + its LoRA adapter if `config.lora_targets` it
+            y = dense(x)
+            if lora.targets(c, dense.name):
+                y = y + lora.LoRA(c, (x.shape[-1],), (dense.features,), ins, outs,
+                                  name=dense.name + lora.SUFFIX)(x).astype(y.dtype)
+            return y
+
+        mlp_in = (("embed",), ("mlp",))
         # checkpoint_name: what config.remat="save_proj" keeps (identity otherwise).
         if c.gated_ffn:
-            gate_BTF = checkpoint_name(up(name="gate")(x_BTD), "ffn_gate")
-            up_BTF = checkpoint_name(up(name="wi")(x_BTD), "ffn_wi")
+            gate_BTF = checkpoint_name(project(up(name="gate"), x_BTD, *mlp_in), "ffn_gate")
+            up_BTF = checkpoint_name(project(up(name="wi"), x_BTD, *mlp_in), "ffn_wi")
             h_BTF = activation_fn(c.activation)(gate_BTF) * up_BTF
         else:
             h_BTF = activation_fn(c.activation)(
-                checkpoint_name(up(name="wi")(x_BTD), "ffn_wi"))
+                checkpoint_name(project(up(name="wi"), x_BTD, *mlp_in), "ffn_wi"))
         h_BTF = tuning.dropout(c, c.ffn_dropout)(h_BTF, deterministic=deterministic)
-        return checkpoint_name(down(h_BTF), "ffn_wo")
+        return checkpoint_name(project(down, h_BTF, ("mlp",), ("embed",)), "ffn_wo")
 
 
 def _residual(config: TransformerConfig, norm: nn.Module, dropout: nn.Module,

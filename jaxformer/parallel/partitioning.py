@@ -25,6 +25,7 @@ Shapes of the parameters (see `model.py` for the whole tree)::
     ffn wi / gate (D, F), wo (F, D)  ("embed", "mlp"), ("mlp", "embed")
     out_proj (D, V)                  ("embed", "vocab")
     scanned stacks                   ("layers", ...) in front
+    LoRA adapter a (*in, r), b (r, *out)   the kernel's names, "lora" for r
 
 `model.init` still returns plain arrays: the names are attached only while
 `logical_specs` traces the model (abstractly, `jax.eval_shape`), so the
@@ -75,6 +76,7 @@ LOGICAL_AXIS_RULES: tuple = (
     ("kv", None),
     ("norm", None),
     ("layers", None),
+    ("lora", None),  # the rank of a LoRA adapter (jaxformer.nn.lora)
     ("conv_width", None),
     ("conv_in", None),
 )

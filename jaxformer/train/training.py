@@ -5,6 +5,7 @@ Pieces, each usable on its own::
     loss_and_metrics(logits_BTV, labels_BT, pad_id)  cross-entropy ignoring PAD
     label_pad_id(config, weights_BT)                 what is PAD (None: PAD is EOS, weights mask)
     make_optimizer(tc)                               AdamW + warmup/cosine + clipping
+    trainable_params(config, params)                 what the optimizer sees (LoRA: adapters)
     create_train_state(model, tx, seed, ...)         TrainState(step, params, opt_state, rng)
     train_state_shardings(model, tx, shapes, mesh)   where each leaf of the state lives
     make_train_step(model, tx, ...)                  jitted, donates the state
@@ -28,6 +29,13 @@ parameters and each optimizer moment split by the logical-axis rules over the
 mesh's "fsdp" / "tensor" axes, the batch over "data" x "fsdp". On a mesh of
 "data" alone (the default) everything is replicated: plain data parallelism.
 The train step is jitted with the same in/out shardings and donates the state.
+
+Fine-tuning: `fit(..., init_params=...)` starts from given (pretrained)
+parameters instead of random ones. With `config.lora_rank > 0` only the LoRA
+adapters train (`jaxformer.nn.lora`): `TrainState.params` holds the whole tree
+(base and adapters), `TrainState.opt_state` is the optimizer state of the
+adapters alone (`trainable_params`), the step differentiates the loss with
+respect to the adapters only, and the base leaves pass through untouched.
 
 Warmup: Post-LN (the paper's x = LN(x + f(x)), `norm="post"`) needs the
 linear learning-rate warmup: without it the first large Adam updates put the
@@ -53,7 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxformer.nn import checks, stacking
+from jaxformer.nn import checks, lora, stacking
 from jaxformer.nn.attention_select import uses_mask_spec
 from jaxformer.parallel import partitioning
 from jaxformer.backends import cpu
@@ -139,7 +147,8 @@ class TrainState:
     """The whole state of a run, an explicit pytree (what a checkpoint holds).
 
     step: int32 scalar, optimizer steps taken. params: the model's parameter
-    pytree. opt_state: optax state. rng: base dropout key (raw uint32 key);
+    pytree (all of it, LoRA adapters included). opt_state: optax state of
+    `trainable_params(config, params)` (LoRA: the adapters only). rng: base dropout key (raw uint32 key);
     step s uses `fold_in(rng, s)`, so the key never has to be split in place.
     """
 
@@ -307,15 +316,57 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
 # --------------------------------------------------------------------------- state and steps
 
 
-def init_train_state(model, tx: optax.GradientTransformation, input_shapes: tuple, seed
-                ) -> TrainState:
+def trainable_params(config: TransformerConfig, params: Any) -> Any:
+    """The part of `params` (or of any params-shaped tree) that training updates:
+    all of it, or with `config.lora_rank > 0` the LoRA adapters alone."""
+    return lora.split_adapters(params)[0] if config.lora_rank else params
+
+
+def with_trainable(config: TransformerConfig, params: Any, trainable: Any) -> Any:
+    """`params` with its `trainable_params` part replaced by `trainable`."""
+    return lora.join(trainable, lora.split_adapters(params)[1]) if config.lora_rank \
+        else trainable
+
+
+def check_init_params(model, init_params: Any, input_shapes: tuple) -> Any:
+    """`init_params` in the model's layer layout, checked against the model's tree
+    (every parameter but the LoRA adapters, same shapes); ValueError naming the
+    first differing entries. Nothing is computed (abstract shapes)."""
+    c = model.config
+    init_params = stacking.to_layout(init_params, c.scan_layers)
+    inputs = [jax.ShapeDtypeStruct(shape, jnp.int32) for shape in input_shapes]
+    abstract = jax.eval_shape(model.init, jax.random.PRNGKey(0), *inputs)["params"]
+    want = flax.traverse_util.flatten_dict(lora.split_adapters(abstract)[1], sep="/")
+    have = flax.traverse_util.flatten_dict(dict(init_params), sep="/")
+    differ = sorted(set(want) ^ set(have))[:4] or [
+        f"{k} {tuple(have[k].shape)} (model: {want[k].shape})" for k in sorted(want)
+        if tuple(have[k].shape) != tuple(want[k].shape)][:4]
+    if differ:
+        raise ValueError(f"init_params do not fit the model (LoRA adapters excepted); "
+                         f"differing entries: {', '.join(differ)}")
+    return init_params
+
+
+def init_train_state(model, tx: optax.GradientTransformation, input_shapes: tuple, seed,
+                     init_params: Any = None) -> TrainState:
     """Traceable init from token inputs of `input_shapes` ((src, tgt) or (tokens,));
-    `seed` may be traced, so one compilation serves every seed."""
+    `seed` may be traced, so one compilation serves every seed.
+
+    `init_params` (checked by `check_init_params`): the starting parameters
+    (fine-tuning), cast to the model's parameter dtype; LoRA adapters absent
+    from them are initialised from the seed. The random parameters they
+    replace are never computed under jit (dead code)."""
     root = jax.random.PRNGKey(seed)
     inputs = [jnp.zeros(shape, jnp.int32) for shape in input_shapes]
     params = model.init(jax.random.fold_in(root, 0), *inputs)["params"]
+    if init_params is not None:
+        adapters, base = lora.split_adapters(params)
+        base = jax.tree_util.tree_map(lambda new, old: jnp.asarray(new, old.dtype),
+                                      lora.split_adapters(init_params)[1], base)
+        params = lora.join(adapters, base)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      opt_state=tx.init(params), rng=jax.random.fold_in(root, 2))
+                      opt_state=tx.init(trainable_params(model.config, params)),
+                      rng=jax.random.fold_in(root, 2))
 
 
 def train_state_shardings(model, tx: optax.GradientTransformation, input_shapes: tuple,
@@ -332,18 +383,32 @@ def train_state_shardings(model, tx: optax.GradientTransformation, input_shapes:
     partitioning.check_divisible_params(abstract.params, specs, mesh)
     params = partitioning.shardings(specs, mesh)
     return TrainState(step=replicated(mesh), params=params,
-                      opt_state=partitioning.state_shardings(tx, abstract.opt_state, params,
-                                                             mesh),
+                      opt_state=partitioning.state_shardings(
+                          tx, abstract.opt_state, trainable_params(model.config, params), mesh),
                       rng=replicated(mesh))
 
 
 def make_init(model, tx: optax.GradientTransformation, input_shapes: tuple, mesh,
               shardings: Optional[TrainState] = None) -> Callable:
-    """jit(init)(seed) -> TrainState, each leaf created directly in its sharding."""
+    """jit(init)(seed, init_params=None) -> TrainState, each leaf created directly in
+    its sharding (`init_params`: `init_train_state`'s, checked by `check_init_params`)."""
     if shardings is None:
         shardings = train_state_shardings(model, tx, input_shapes, mesh)
-    return jax.jit(functools.partial(init_train_state, model, tx, input_shapes),
-                   out_shardings=shardings)
+    fresh = jax.jit(functools.partial(init_train_state, model, tx, input_shapes),
+                    out_shardings=shardings)
+    start_from = jax.jit(functools.partial(init_train_state, model, tx, input_shapes),
+                         out_shardings=shardings)
+
+    def init(seed, init_params=None):
+        if init_params is None:
+            return fresh(seed)
+        init_params = check_init_params(model, init_params, input_shapes)
+        # In the shardings of the state (a no-op if already there): jit takes no
+        # committed arguments on other devices.
+        return start_from(seed, jax.device_put(
+            init_params, lora.split_adapters(shardings.params)[1]))
+
+    return init
 
 
 def create_train_state(model: Transformer, tx: optax.GradientTransformation, seed: int,
@@ -378,6 +443,7 @@ def make_train_step(model, tx: optax.GradientTransformation, *,
     `data.LMBatch`es (`model_logits`).
 
     Dropout is on (deterministic=False) with key `dropout_key(state.rng, state.step)`.
+    Only `trainable_params` change (LoRA: the adapters).
     metrics: loss, token_accuracy, tokens, grad_norm (before clipping), and
     learning_rate if `schedule` is given.
     """
@@ -393,9 +459,15 @@ def make_train_step(model, tx: optax.GradientTransformation, *,
                                     label_pad_id(model.config, weights_BT),
                                     label_smoothing, weights_BT)
 
-        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        # LoRA: differentiate with respect to the adapters alone (no base gradients are
+        # computed); the frozen base leaves pass through unchanged.
+        trainable = trainable_params(model.config, state.params)
+        (_, metrics), grads = jax.value_and_grad(
+            lambda t: loss_fn(with_trainable(model.config, state.params, t)),
+            has_aux=True)(trainable)
+        updates, opt_state = tx.update(grads, state.opt_state, trainable)
+        params = with_trainable(model.config, state.params,
+                                optax.apply_updates(trainable, updates))
         metrics = dict(metrics, grad_norm=optax.tree.norm(grads))
         if schedule is not None:
             metrics["learning_rate"] = schedule(state.step)
@@ -573,7 +645,8 @@ class TrainFunctions:
     `train_functions` caches these bundles, so runs that differ only in their
     seed (or a resumed run in the same process) reuse the compiled code.
 
-      init(seed) -> TrainState             created in `shardings` (jitted, out_shardings)
+      init(seed, init_params=None) -> TrainState   created in `shardings` (jitted,
+                                           out_shardings); `init_params`: fine-tuning
       shardings: TrainState                 of NamedShardings (`train_state_shardings`)
       batch(seed, step) -> Batch           the training batch of `step`, split over "data"
                                            (synthetic tasks; None for task "lm")
@@ -663,7 +736,7 @@ def fit(model_config: TransformerConfig, train_config: TrainConfig, *,
         log_every: int = 25, progress: bool = True, metrics_file: Optional[str] = None,
         on_step: Optional[Callable[[int], None]] = None, mesh=None,
         data: Optional[TextData] = None, eval_every: int = 0,
-        fallback: bool = False) -> FitResult:
+        fallback: bool = False, init_params: Any = None) -> FitResult:
     """Train `Transformer(model_config)` on the task of `train_config`, or, for
     task "lm", `DecoderOnlyLM(model_config)` on the text of `data`.
 
@@ -688,6 +761,11 @@ def fit(model_config: TransformerConfig, train_config: TrainConfig, *,
         write one checkpoint together (Orbax); only process 0 shows the bar
         and writes `metrics_file`.
       on_step: called with the step count after every step (tests use it).
+      init_params: start from these parameters (a pretrained model's:
+        `jaxformer.models.load`) instead of random ones; any layer layout;
+        with `model_config.lora_rank > 0` they are the frozen base and only the
+        adapters (initialised from the seed) train. Ignored on `resume` (the
+        checkpoint holds every parameter).
     Ctrl-C (SIGINT) finishes the current step, saves, and returns with
     `interrupted=True`; a second Ctrl-C aborts at once. A non-finite loss
     raises `NonFiniteLossError` naming the step, without saving.
@@ -728,7 +806,7 @@ def fit(model_config: TransformerConfig, train_config: TrainConfig, *,
         for path in checkpoints.remove_unfinished_saves():
             print(f"jaxformer: removed {path}, the unfinished save of a killed run",
                   file=sys.stderr)
-    state = fns.init(tc.seed)
+    state = fns.init(tc.seed, None if resume else init_params)
     if resume:
         try:
             state = checkpoints.restore(state, fallback=fallback)
