@@ -6,6 +6,7 @@
     jaxformer train --out runs/x --resume # continue an interrupted run
     jaxformer train --task lm --data 'texts/*.txt'   # a byte-level LM on text files
     jaxformer train --mesh data=2,fsdp=2,tensor=2    # shard over 8 devices (default: data)
+    jaxformer train --task lm --init SmolLM2.gguf --data 'texts/*.txt' [--lora 8]  # fine-tune
     jaxformer generate --run runs/lm "def main("     # continue a prompt with a trained LM
     jaxformer decode --run runs/copy "5 6 7"         # decode a source with a trained model
     jaxformer generate --model SmolLM2.gguf "The capital of France is"   # a pretrained LM
@@ -21,6 +22,7 @@ A run directory (`--out`, default runs/<task>-<norm>-<time>) holds:
     loss.png        loss and token accuracy against step
     attention.png   decoder cross-attention of the trained model on a held-out example
     summary.json    the final JSON line
+    tokenizer.json  (--init) the pretrained model's tokenizer, so the run stands alone
 
 With --task lm the model is `DecoderOnlyLM` on packed windows of the text
 (`jaxformer.train.data`), loss.png also shows the held-out loss, there is no
@@ -72,7 +74,11 @@ _MODEL_FLAGS = {"d_model": ("d_model",), "heads": ("num_heads",), "d_ff": ("d_ff
                 "dropout": ("attention_dropout", "residual_dropout", "embedding_dropout",
                             "ffn_dropout"),
                 "scan_layers": ("scan_layers",), "remat": ("remat",),
-                "precision": ("precision",), "attention_impl": ("attention_impl",)}
+                "precision": ("precision",), "attention_impl": ("attention_impl",),
+                "lora": ("lora_rank",), "lora_alpha": ("lora_alpha",),
+                "lora_targets": ("lora_targets",)}
+# What --init takes from the checkpoint: these flags would contradict it.
+_SHAPE_FLAGS = ("preset", "d_model", "heads", "d_ff", "layers", "norm", "vocab")
 _TRAIN_FLAGS = {"task": "task", "min_len": "min_len", "max_len": "max_len", "steps": "steps",
                 "batch": "batch_size", "lr": "learning_rate", "warmup": "warmup_steps",
                 "weight_decay": "weight_decay", "label_smoothing": "label_smoothing",
@@ -163,6 +169,17 @@ def build_parser() -> argparse.ArgumentParser:
                       help="held-out prompts continued by sampling at the end")
     text.add_argument("--sample-tokens", type=int, default=160,
                       help="tokens sampled per continuation")
+    tune = train.add_argument_group("fine-tuning (--task lm)")
+    tune.add_argument("--init", metavar="PATH",
+                      help="start from a pretrained LM (a GGUF file or a Hugging Face "
+                           "directory): its architecture, weights and tokenizer")
+    tune.add_argument("--lora", type=int, metavar="RANK",
+                      help="train only low-rank adapters of this rank (needs --init)")
+    tune.add_argument("--lora-alpha", type=float, metavar="A",
+                      help="adapter scale alpha / rank (default alpha = rank)")
+    tune.add_argument("--lora-targets", metavar="q,k,v,o,...",
+                      type=lambda s: tuple(t.strip() for t in s.split(",") if t.strip()),
+                      help="projections with adapters: q k v o gate up down (default q,v)")
     run = train.add_argument_group("run")
     run.add_argument("--out", help="run directory (default runs/<task>-<norm>-<time>)")
     run.add_argument("--resume", action="store_true",
@@ -341,6 +358,7 @@ def _train_command(args) -> int:
 
     if args.fallback and not args.resume:
         raise UsageError("--fallback only applies with --resume")
+    _check_init_flags(args)
     if args.out is not None:
         check_writable_dir(args.out, "--out")
     if args.resume:
@@ -351,25 +369,39 @@ def _train_command(args) -> int:
         model_config, train_config, saved = read_run_config(out, "cannot resume: ")
         conflicts = _conflicts(args, model_config, train_config, model_overrides,
                                train_overrides, saved.get("preset"))
+        saved_init = (saved.get("init") or {}).get("path")
+        if args.init is not None and os.path.abspath(args.init) != saved_init:
+            conflicts.append(f"--init {args.init} (saved: {saved_init})")
         if conflicts:
             raise UsageError("--resume continues the saved run; these flags differ from "
                              f"{config_path}: {', '.join(conflicts)}")
     else:
         try:
-            if train_overrides.get("task") == "lm":
-                model_overrides = _lm_model_overrides(model_overrides, train_overrides)
-            model_config = build_model(**model_overrides)
+            tokenizer_path = None
+            if args.init is not None:  # the model comes from the checkpoint, loaded below
+                tokenizer_path = train_overrides.pop("tokenizer", None)
+                model_config = None
+            else:
+                if train_overrides.get("task") == "lm":
+                    model_overrides = _lm_model_overrides(model_overrides, train_overrides)
+                model_config = build_model(**model_overrides)
             train_config = TrainConfig(**train_overrides)
         except (ValueError, TypeError) as error:
             raise UsageError(str(error)) from error
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        out = args.out or os.path.join("runs", f"{train_config.task}-{model_config.norm}-{stamp}")
+        kind = "finetune" if model_config is None else model_config.norm
+        out = args.out or os.path.join("runs", f"{train_config.task}-{kind}-{stamp}")
         if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
             raise UsageError(f"run directory {out} already exists and is not empty: pass "
                              f"--resume to continue it, or choose another --out")
 
-    model_config = model_config.replace(cpu_tuning=_cpu_tuning(args))  # before JAX starts
+    cpu_tuning = _cpu_tuning(args)  # before JAX starts
     _start_processes(args, processes)  # after the checks of --out: no process wrote yet
+    init_params = pretrained_tokenizer = None
+    if model_config is None:  # --init: the checkpoint's model, weights and tokenizer
+        model_config, init_params, pretrained_tokenizer = _load_init(
+            args, model_overrides, tokenizer_path)
+    model_config = model_config.replace(cpu_tuning=cpu_tuning)
     checkpoint_dir = os.path.join(out, "checkpoints")
     if args.resume and not (os.path.isdir(checkpoint_dir) and has_checkpoint(checkpoint_dir)):
         raise UsageError(f"cannot resume: no checkpoint in {out}/checkpoints")  # (Orbax: JAX)
@@ -383,7 +415,9 @@ def _train_command(args) -> int:
         model = (DecoderOnlyLM if train_config.task == "lm" else Transformer)(model_config)
         _check_mesh_fits(model, mesh)
         if train_config.task == "lm":
-            data = _text_data(train_config)
+            data = _text_data(train_config, _run_tokenizer(
+                out, model_config, train_config, saved if args.resume else {},
+                pretrained_tokenizer))
             check_lm_data(model_config, train_config, data)
         else:
             task = task_for(model_config, train_config)
@@ -393,10 +427,18 @@ def _train_command(args) -> int:
     primary = distributed.is_primary()  # writes the run directory and prints
     if not args.resume and primary:
         os.makedirs(out, exist_ok=True)
+        saved = {"preset": None if args.init else preset, "model": model_config.to_dict(),
+                 "train": train_config.to_dict(), "mesh": mesh_spec_string(mesh),
+                 "processes": jax.process_count()}
+        if args.init is not None:  # the run stands alone: the tokenizer is copied in
+            pretrained_tokenizer.save(os.path.join(out, "tokenizer.json"))
+            saved["init"] = {"path": os.path.abspath(args.init), "tokenizer": "tokenizer.json"}
         with open(os.path.join(out, "config.json"), "w") as f:
-            json.dump({"preset": preset, "model": model_config.to_dict(),
-                       "train": train_config.to_dict(), "mesh": mesh_spec_string(mesh),
-                       "processes": jax.process_count()}, f, indent=2)
+            json.dump(saved, f, indent=2)
+    if args.resume and saved.get("init"):
+        preset = f"fine-tuned {saved['init']['path']}"
+    elif args.init is not None:
+        preset = f"fine-tuned {args.init}"
 
     if primary:
         print(f"jaxformer train: {train_config.task} task, {preset} model "
@@ -411,7 +453,8 @@ def _train_command(args) -> int:
                      resume=args.resume, save_every=args.save_every, log_every=args.log_every,
                      progress=not args.no_progress,
                      metrics_file=os.path.join(out, "metrics.jsonl"), mesh=mesh, data=data,
-                     eval_every=args.eval_every, fallback=args.fallback)
+                     eval_every=args.eval_every, fallback=args.fallback,
+                     init_params=init_params)
     except CheckpointError as error:
         raise UsageError(str(error)) from error
     except NonFiniteLossError as error:
@@ -556,13 +599,87 @@ def _lm_model_overrides(model_overrides: dict, train_overrides: dict) -> dict:
             **model_overrides, "num_encoder_layers": 0}
 
 
-def _text_data(train_config):
+def _check_init_flags(args) -> None:
+    """--init takes the model from the checkpoint; --lora needs it (one line each)."""
+    if args.init is None:
+        lora = [f"--{f.replace('_', '-')}" for f in ("lora", "lora_alpha", "lora_targets")
+                if getattr(args, f) is not None]
+        if lora and not args.resume:
+            raise UsageError(f"{lora[0]} needs --init: adapters go on a pretrained model")
+        return
+    shape = [f"--{f.replace('_', '-')}" for f in _SHAPE_FLAGS if getattr(args, f) is not None]
+    if shape and not args.resume:
+        raise UsageError(f"--init takes the model from the checkpoint: drop "
+                         f"{', '.join(shape)}")
+    if args.task != "lm":
+        raise UsageError("--init fine-tunes a language model: it needs --task lm")
+    if args.lora is None and (args.lora_alpha is not None or args.lora_targets is not None):
+        raise UsageError("--lora-alpha and --lora-targets need --lora RANK")
+    from jaxformer.config import LORA_TARGETS  # noqa: PLC0415
+
+    for target in args.lora_targets or ():  # before the checkpoint is read
+        if target not in LORA_TARGETS:
+            raise UsageError(f"--lora-targets: {target!r} is not a projection of this model; "
+                             f"valid: {', '.join(LORA_TARGETS)}")
+
+
+def _load_init(args, model_overrides: dict, tokenizer_path: Optional[str]):
+    """(model config, params, `tokenizers.Tokenizer`) of --init, with the flags' model
+    overrides (dropout, scan, remat, precision, attention, LoRA); a --tokenizer that is
+    not the checkpoint's is refused."""
+    from jaxformer.cli.runs import load_pretrained  # noqa: PLC0415
+
+    if not os.path.exists(args.init):
+        raise UsageError(f"--init {args.init}: no such checkpoint directory or GGUF file")
+    if tokenizer_path is not None:
+        from tokenizers import Tokenizer  # noqa: PLC0415
+
+        try:
+            given = Tokenizer.from_file(tokenizer_path)
+        except Exception as error:  # noqa: BLE001 (tokenizers raises plain Exceptions)
+            raise UsageError(f"--tokenizer {tokenizer_path}: not a tokenizers JSON file "
+                             f"({error})") from error
+        from jaxformer.models import load_tokenizer  # noqa: PLC0415
+
+        try:  # the checkpoint's tokenizer alone first: no weights read for a refusal
+            own = load_tokenizer(args.init)
+        except (ImportError, ValueError):
+            own = None  # load_pretrained below says what is wrong with the checkpoint
+        if own is not None and (given.get_vocab(with_added_tokens=True)
+                                != own.get_vocab(with_added_tokens=True)):
+            raise UsageError(f"--tokenizer {tokenizer_path} is not the tokenizer of --init "
+                             f"{args.init}; fine-tuning uses the checkpoint's (drop "
+                             f"--tokenizer)")
+    model, params, tokenizer = load_pretrained(args.init, "--init")
+    try:
+        config = model.config.replace(**model_overrides)
+    except (ValueError, TypeError) as error:
+        raise UsageError(str(error)) from error
+    return config, params, tokenizer
+
+
+def _run_tokenizer(out, model_config, train_config, saved: dict, pretrained=None):
+    """The tokenizer of an LM run: --init's (wrapped with the model's ids), a resumed
+    fine-tuning run's copy in `out`, or the train config's."""
+    from jaxformer.cli.runs import run_tokenizer  # noqa: PLC0415
+    from jaxformer.train.data import JSONTokenizer  # noqa: PLC0415
+
+    if pretrained is not None:
+        c = model_config
+        return JSONTokenizer.wrap(pretrained, pad_id=c.pad_id, bos_id=c.bos_id,
+                                  eos_id=c.eos_id, vocab_size=c.tgt_vocab_size,
+                                  name="the --init tokenizer")
+    return run_tokenizer(out, model_config, train_config, saved)
+
+
+def _text_data(train_config, tokenizer=None):
     """The `TextData` of an LM run: files read, tokenized, split and packed (may raise
-    ValueError naming a file)."""
+    ValueError naming a file). `tokenizer`: default the train config's."""
     from jaxformer.train.data import TextData, load_tokenizer  # noqa: PLC0415
 
     tc = train_config
-    return TextData(tc.data, load_tokenizer(tc.tokenizer), tc.seq_len,
+    tokenizer = load_tokenizer(tc.tokenizer) if tokenizer is None else tokenizer
+    return TextData(tc.data, tokenizer, tc.seq_len,
                     eval_patterns=tc.eval_data or None, eval_fraction=tc.eval_fraction,
                     seed=tc.seed)
 

@@ -42,16 +42,10 @@ def load_run(run_dir: str, task_kind: str):
     directory = os.path.join(run_dir, "checkpoints")
     if not os.path.isdir(directory) or not has_checkpoint(directory):
         raise UsageError(f"no checkpoint in {directory}")
-    import jax  # noqa: PLC0415
-
-    # The state's shapes without computing it (an init would compile the optimizer's).
-    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    target = jax.tree_util.tree_map(
-        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device),
-        jax.eval_shape(train_functions(model_config, train_config).init, 0))
     try:
         with Checkpoints(directory, create=False) as checkpoints:
-            state = checkpoints.restore(target)
+            state = checkpoints.restore(
+                train_functions(model_config, train_config).abstract_state())
     except CheckpointError as error:
         raise UsageError(str(error)) from error
     return model_config, train_config, state.params
@@ -64,6 +58,48 @@ def has_checkpoint(directory: str) -> bool:
         return bool(checkpoints.steps())
 
 
+def run_tokenizer(run_dir: str, model_config, train_config, saved: dict):
+    """The tokenizer of an LM run: a fine-tuning run's (`--init`) tokenizer.json in the
+    run directory, wrapped with the model's special ids; else the train config's."""
+    from jaxformer.train.data import JSONTokenizer, load_tokenizer  # noqa: PLC0415
+
+    init = saved.get("init")
+    try:
+        if init is None:
+            return load_tokenizer(train_config.tokenizer)
+        from tokenizers import Tokenizer  # noqa: PLC0415
+
+        path = os.path.join(run_dir, init["tokenizer"])
+        if not os.path.isfile(path):
+            raise ValueError(f"{path} is missing (the fine-tuned model's tokenizer)")
+        c = model_config
+        return JSONTokenizer.wrap(Tokenizer.from_file(path), pad_id=c.pad_id, bos_id=c.bos_id,
+                                  eos_id=c.eos_id, vocab_size=c.tgt_vocab_size, name=path)
+    except Exception as error:  # noqa: BLE001 (tokenizers raises plain Exceptions)
+        raise UsageError(f"{run_dir}: cannot load the run's tokenizer: {error}") from error
+
+
+def load_pretrained(model_path, flag: str = "--model"):
+    """(DecoderOnlyLM, params, `tokenizers.Tokenizer`) of a Hugging Face directory or a
+    GGUF file (`jaxformer.models.load`), with UsageErrors for what is wrong with it."""
+    from jaxformer.models import load  # noqa: PLC0415
+    from jaxformer.nn.model import DecoderOnlyLM  # noqa: PLC0415
+
+    try:
+        model, params, tokenizer = load(model_path)
+    except ImportError as error:
+        raise UsageError(f"{flag} {model_path}: {error} (pip install 'jaxformer[llm]')") from error
+    except ValueError as error:  # FileFormatError, unsupported architectures and values
+        raise UsageError(str(error)) from error
+    if not isinstance(model, DecoderOnlyLM):
+        raise UsageError(f"{flag} {model_path}: an encoder-decoder "
+                         f"({type(model).__name__}); this command takes a decoder-only LM "
+                         "(a Whisper directory: jaxformer transcribe)")
+    if tokenizer is None:
+        raise UsageError(f"{flag} {model_path}: no tokenizer.json beside the weights")
+    return model, params, tokenizer
+
+
 def language_model(run_dir=None, model_path=None):
     """(DecoderOnlyLM, params, tokenizer) of a `--task lm` run (`run_dir`) or of a
     pretrained checkpoint (`model_path`: a Hugging Face directory or a GGUF file).
@@ -72,29 +108,14 @@ def language_model(run_dir=None, model_path=None):
     array without specials, decode, pad/bos/eos ids, byte_count).
     """
     from jaxformer.nn.model import DecoderOnlyLM  # noqa: PLC0415
-    from jaxformer.train.data import JSONTokenizer, load_tokenizer  # noqa: PLC0415
+    from jaxformer.train.data import JSONTokenizer  # noqa: PLC0415
 
     if run_dir is not None:
         model_config, train_config, params = load_run(run_dir, "lm")
-        try:
-            return DecoderOnlyLM(model_config), params, load_tokenizer(train_config.tokenizer)
-        except ValueError as error:
-            raise UsageError(str(error)) from error
-    from jaxformer.models import load  # noqa: PLC0415
-
-    try:
-        model, params, tokenizer = load(model_path)
-    except ImportError as error:
-        raise UsageError(f"--model {model_path}: {error} (pip install 'jaxformer[llm]')"
-                         ) from error
-    except ValueError as error:  # FileFormatError, unsupported architectures and values
-        raise UsageError(str(error)) from error
-    if not isinstance(model, DecoderOnlyLM):
-        raise UsageError(f"--model {model_path}: an encoder-decoder "
-                         f"({type(model).__name__}); this command takes a decoder-only LM "
-                         "(a Whisper directory: jaxformer transcribe)")
-    if tokenizer is None:
-        raise UsageError(f"--model {model_path}: no tokenizer.json beside the weights")
+        saved = read_run_config(run_dir)[2]
+        return (DecoderOnlyLM(model_config), params,
+                run_tokenizer(run_dir, model_config, train_config, saved))
+    model, params, tokenizer = load_pretrained(model_path)
     c = model.config
     return model, params, JSONTokenizer.wrap(tokenizer, pad_id=c.pad_id, bos_id=c.bos_id,
                                              eos_id=c.eos_id, vocab_size=c.tgt_vocab_size,

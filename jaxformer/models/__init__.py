@@ -4,7 +4,7 @@
 or a GGUF file -> (model, params, tokenizer).
 """
 
-from jaxformer.models.load import load
+from jaxformer.models.load import load, load_tokenizer
 
-__all__ = ["audio", "chat", "hf", "hf_encdec", "hf_export", "llama", "load", "transcribe",
-           "whisper"]
+__all__ = ["audio", "chat", "hf", "hf_encdec", "hf_export", "llama", "load", "load_tokenizer",
+           "transcribe", "whisper"]

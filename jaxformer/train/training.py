@@ -652,6 +652,7 @@ class TrainFunctions:
                                            (synthetic tasks; None for task "lm")
       step(state, batch) -> (state, metrics)   jitted, donates `state`
       compiled_step(state, batch) -> (compiled step, seconds compiling)   compiled once
+      abstract_state() -> TrainState       of ShapeDtypeStructs (restore targets)
     """
 
     def __init__(self, model_config: TransformerConfig, train_config: TrainConfig, mesh):
@@ -679,6 +680,13 @@ class TrainFunctions:
                                     schedule=self.schedule, mesh=mesh,
                                     shardings=self.shardings)
         self._compiled = None
+
+    def abstract_state(self) -> TrainState:
+        """The state's shapes, dtypes and shardings (`jax.ShapeDtypeStruct`s): the target
+        to restore a checkpoint into without initialising anything."""
+        return jax.tree_util.tree_map(
+            lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+            jax.eval_shape(self.init, 0), self.shardings)
 
     def compiled_step(self, state: TrainState, batch: Batch):
         """(the compiled train step, seconds spent compiling now: 0.0 when already compiled)."""
