@@ -390,25 +390,30 @@ def train_state_shardings(model, tx: optax.GradientTransformation, input_shapes:
 
 def make_init(model, tx: optax.GradientTransformation, input_shapes: tuple, mesh,
               shardings: Optional[TrainState] = None) -> Callable:
-    """jit(init)(seed, init_params=None) -> TrainState, each leaf created directly in
-    its sharding (`init_params`: `init_train_state`'s, checked by `check_init_params`)."""
+    """jit(init)(seed) -> TrainState, each leaf created directly in its sharding."""
     if shardings is None:
         shardings = train_state_shardings(model, tx, input_shapes, mesh)
-    fresh = jax.jit(functools.partial(init_train_state, model, tx, input_shapes),
-                    out_shardings=shardings)
+    return jax.jit(functools.partial(init_train_state, model, tx, input_shapes),
+                   out_shardings=shardings)
+
+
+def make_init_from(model, tx: optax.GradientTransformation, input_shapes: tuple, mesh,
+                   shardings: Optional[TrainState] = None) -> Callable:
+    """init_from(seed, init_params) -> TrainState starting from `init_params` (fine-tuning;
+    `init_train_state`), checked (`check_init_params`), created in its shardings."""
+    if shardings is None:
+        shardings = train_state_shardings(model, tx, input_shapes, mesh)
     start_from = jax.jit(functools.partial(init_train_state, model, tx, input_shapes),
                          out_shardings=shardings)
+    base_shardings = lora.split_adapters(shardings.params)[1]
 
-    def init(seed, init_params=None):
-        if init_params is None:
-            return fresh(seed)
+    def init_from(seed, init_params):
         init_params = check_init_params(model, init_params, input_shapes)
         # In the shardings of the state (a no-op if already there): jit takes no
         # committed arguments on other devices.
-        return start_from(seed, jax.device_put(
-            init_params, lora.split_adapters(shardings.params)[1]))
+        return start_from(seed, jax.device_put(init_params, base_shardings))
 
-    return init
+    return init_from
 
 
 def create_train_state(model: Transformer, tx: optax.GradientTransformation, seed: int,
@@ -645,8 +650,8 @@ class TrainFunctions:
     `train_functions` caches these bundles, so runs that differ only in their
     seed (or a resumed run in the same process) reuse the compiled code.
 
-      init(seed, init_params=None) -> TrainState   created in `shardings` (jitted,
-                                           out_shardings); `init_params`: fine-tuning
+      init(seed) -> TrainState             created in `shardings` (jitted, out_shardings)
+      init_from(seed, init_params) -> TrainState   the same from given parameters
       shardings: TrainState                 of NamedShardings (`train_state_shardings`)
       batch(seed, step) -> Batch           the training batch of `step`, split over "data"
                                            (synthetic tasks; None for task "lm")
@@ -676,6 +681,8 @@ class TrainFunctions:
             self.batch = jax.jit(batch, out_shardings=data_sharding(mesh))
         self.shardings = train_state_shardings(self.model, self.tx, input_shapes, mesh)
         self.init = make_init(self.model, self.tx, input_shapes, mesh, self.shardings)
+        self.init_from = make_init_from(self.model, self.tx, input_shapes, mesh,
+                                        self.shardings)
         self.step = make_train_step(self.model, self.tx, label_smoothing=tc.label_smoothing,
                                     schedule=self.schedule, mesh=mesh,
                                     shardings=self.shardings)
@@ -684,9 +691,7 @@ class TrainFunctions:
     def abstract_state(self) -> TrainState:
         """The state's shapes, dtypes and shardings (`jax.ShapeDtypeStruct`s): the target
         to restore a checkpoint into without initialising anything."""
-        return jax.tree_util.tree_map(
-            lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-            jax.eval_shape(self.init, 0), self.shardings)
+        return jax.eval_shape(self.init, 0)
 
     def compiled_step(self, state: TrainState, batch: Batch):
         """(the compiled train step, seconds spent compiling now: 0.0 when already compiled)."""
@@ -814,7 +819,8 @@ def fit(model_config: TransformerConfig, train_config: TrainConfig, *,
         for path in checkpoints.remove_unfinished_saves():
             print(f"jaxformer: removed {path}, the unfinished save of a killed run",
                   file=sys.stderr)
-    state = fns.init(tc.seed, None if resume else init_params)
+    state = (fns.init(tc.seed) if resume or init_params is None else
+             fns.init_from(tc.seed, init_params))
     if resume:
         try:
             state = checkpoints.restore(state, fallback=fallback)

@@ -162,7 +162,7 @@ def test_untrained_adapters_change_nothing_and_merge_lora_folds_trained_ones(tok
     np.testing.assert_allclose(jf.DecoderOnlyLM(merged_config).apply({"params": merged}, x),
                                logits, atol=2e-5, rtol=2e-5)
     # Scanned: the same logits, and merge_lora keeps the stacked layout.
-    scanned = TINY.replace(scan_layers=True, remat="full")
+    scanned = TINY.replace(scan_layers=True)
     stacked = jf.stack_layers(trained)
     np.testing.assert_allclose(jf.DecoderOnlyLM(scanned).apply({"params": stacked}, x),
                                logits, atol=2e-5, rtol=2e-5)
