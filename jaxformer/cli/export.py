@@ -43,17 +43,27 @@ def add_parser(commands, add_common_flags) -> None:
     parser.set_defaults(func=run)
 
 
-def plain_params(model_config, train_config, params):
-    """The parameters of `DecoderOnlyLM(model_config)` that a run's checkpoint stands for:
-    the one place where a run's training-time parameters become the model's (adapters
-    merged here)."""
-    del model_config, train_config
-    return params
+def plain_params(model_config, params):
+    """(config, params) of the plain model a run's checkpoint stands for: LoRA adapters
+    (`--lora`) merged into their projections (`jaxformer.nn.lora.merge_lora`)."""
+    from jaxformer.nn.lora import merge_lora  # noqa: PLC0415
+
+    return merge_lora(model_config, params) if model_config.lora_rank else (model_config,
+                                                                            params)
 
 
-def run_tokenizer(train_config, model_config):
-    """The run's tokenizer as a `tokenizers.Tokenizer` that starts every text with BOS (as
-    the run saw its documents): bytes, or its --tokenizer file."""
+def run_tokenizer(run_dir: str, saved: dict, train_config, model_config):
+    """The run's tokenizer as a `tokenizers.Tokenizer`: a fine-tuning run's (`--init`)
+    tokenizer.json as the pretrained model had it; else one that starts every text with
+    BOS (as the run saw its documents): bytes, or its --tokenizer file."""
+    if saved.get("init"):
+        import tokenizers  # noqa: PLC0415 - optional
+
+        path = os.path.join(run_dir, saved["init"]["tokenizer"])
+        try:
+            return tokenizers.Tokenizer.from_file(path)
+        except Exception as error:  # noqa: BLE001 (tokenizers raises plain Exceptions)
+            raise UsageError(f"the run's tokenizer {path}: {error}") from error
     from jaxformer.models.hf_export import byte_tokenizer, with_bos  # noqa: PLC0415
 
     if train_config.tokenizer is None:
@@ -71,6 +81,17 @@ def run_tokenizer(train_config, model_config):
     tokenizer = with_bos(tokenizer, model_config.bos_id)
     tokenizer.encode_special_tokens = True  # text spelling "<pad>" is text, as in training
     return tokenizer
+
+
+def source_chat_template(path):
+    """The chat template of the checkpoint a model came from (`jaxformer.models.chat`), or
+    None (also for a damaged tokenizer_config.json: weights and tokenizer still export)."""
+    from jaxformer.models.chat import chat_template  # noqa: PLC0415
+
+    try:
+        return chat_template(path)
+    except ValueError:
+        return None
 
 
 def _check_out(out: str) -> None:
@@ -91,21 +112,23 @@ def run(args) -> int:
     if args.run is not None:
         from jaxformer.cli.runs import load_run, read_run_config  # noqa: PLC0415
 
-        model_config, train_config, _ = read_run_config(args.run)
+        model_config, train_config, saved = read_run_config(args.run)
         if train_config.task != "lm":
             raise UsageError(f"{args.run} is a {train_config.task} run; export needs a "
                              "--task lm run")
-        arch = args.architecture or architecture_of(model_config)
+        merged_config = model_config.replace(lora_rank=0)
+        arch = args.architecture or architecture_of(merged_config)
         try:  # before the checkpoint is read
-            check_exportable(model_config, arch)
+            check_exportable(merged_config, arch)
         except ValueError as error:
             raise UsageError(f"--run {args.run}: {error}") from error
-        tokenizer = run_tokenizer(train_config, model_config)
+        tokenizer = run_tokenizer(args.run, saved, train_config, model_config)
+        if saved.get("init") and os.path.exists(saved["init"]["path"]):
+            chat_template = source_chat_template(saved["init"]["path"])
         model_config, train_config, params = load_run(args.run, "lm")
-        params = plain_params(model_config, train_config, params)
+        model_config, params = plain_params(model_config, params)
     else:
         from jaxformer import models  # noqa: PLC0415
-        from jaxformer.models.chat import chat_template as read_chat_template  # noqa: PLC0415
 
         try:
             model, params, tokenizer = models.load(args.model)
@@ -116,10 +139,7 @@ def run(args) -> int:
             raise UsageError(str(error)) from error
         model_config = model.config
         arch = args.architecture or architecture_of(model_config)
-        try:
-            chat_template = read_chat_template(args.model)
-        except ValueError:
-            chat_template = None  # a damaged tokenizer_config.json: weights and tokenizer still export
+        chat_template = source_chat_template(args.model)
     try:
         out = save_hf(model_config, params, args.out, tokenizer=tokenizer, architecture=arch,
                       dtype=args.dtype, chat_template=chat_template)

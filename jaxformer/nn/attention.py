@@ -327,7 +327,8 @@ class MultiHeadAttention(nn.Module):
                 out_BHTK = splash_attention(_heads_major(query_BTHK), kv.key, kv.value, mask,
                                             scale=c.query_scale,
                                             logit_softcap=c.attn_logit_softcapping)
-                return checkpoint_name(self.out(_heads_major(out_BHTK)), "out_proj")
+                return checkpoint_name(lora.apply(self, "out", _heads_major(out_BHTK)),
+                                       "out_proj")
             if impl == "cudnn" and not isinstance(mask, LayerKindMask):
                 out_BTHK = jax.nn.dot_product_attention(
                     query_BTHK, _heads_major(kv.key), _heads_major(kv.value),

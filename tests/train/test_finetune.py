@@ -136,6 +136,31 @@ def test_generate_and_eval_read_the_fine_tuned_run(lora_run, corpus, capsys):
     assert printed["ids"] == [int(jnp.argmax(logits[0, -1]))]  # the adapted model's greedy
 
 
+def test_export_merges_the_adapters_for_transformers(smollm2, lora_run, tmp_path, capsys):
+    """`jaxformer export --run` of the LoRA run: transformers reads the merged model with
+    the adapted model's logits (within 1e-5 of the largest), its tokenizer and the
+    checkpoint's chat template."""
+    transformers = pytest.importorskip("transformers", reason="the reference needs it")
+    import torch
+    from tokenizers import Tokenizer
+
+    from jaxformer.models.chat import chat_template
+
+    config, state = saved_state(lora_run)
+    out = str(tmp_path / "merged")
+    assert main(["export", "--run", lora_run, "--out", out]) == 0
+    text = "The model learns to"
+    prompt = Tokenizer.from_file(os.path.join(lora_run, "tokenizer.json")).encode(text).ids
+    assert transformers.AutoTokenizer.from_pretrained(out).encode(text) == prompt
+    assert chat_template(out) == chat_template(smollm2[3])
+    want = np.asarray(jax.jit(jf.DecoderOnlyLM(config).apply)(
+        {"params": state.params}, jnp.array([prompt], jnp.int32))[0])
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        got = exported(torch.tensor([prompt])).logits[0].numpy()
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
 # --------------------------------------------------------------------------- LoRA as a config
 
 TINY = jf.tiny(num_encoder_layers=0, num_decoder_layers=2, gated_ffn=True, activation="silu",
