@@ -18,7 +18,6 @@ import pytest
 
 import jaxformer as jf
 from jaxformer.cli.main import main
-from jaxformer.decode import api as decoding
 from jaxformer.nn import lora
 from jaxformer.train.data import JSONTokenizer, TextData
 from jaxformer.train.training import TrainConfig, evaluate_lm, fit, train_functions
