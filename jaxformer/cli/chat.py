@@ -7,19 +7,21 @@ from typing import Optional
 from jaxformer.cli.usage import UsageError
 
 
-def read_template(model_path: Optional[str]) -> str:
-    """The chat template of `--model` (read before the weights: a refusal is immediate)."""
+def read_template(model_path: Optional[str], run_dir: Optional[str] = None) -> str:
+    """The chat template of `--model`, or of a `--run` fine-tuned from a chat model
+    (its chat_template.jinja); read before the weights, so a refusal is immediate."""
     from jaxformer.models.chat import chat_template  # noqa: PLC0415
 
-    if model_path is None:
-        raise UsageError("--chat needs --model: a checkpoint that ships a chat template")
+    source = model_path if model_path is not None else run_dir
     try:
-        template = chat_template(model_path)
+        template = chat_template(source)
     except ValueError as error:
         raise UsageError(str(error)) from error
     if template is None:
-        raise UsageError(f"--chat: {model_path} has no chat template (tokenizer.chat_template "
-                         "in a GGUF file, chat_template in tokenizer_config.json)")
+        raise UsageError(f"--chat: {source} has no chat template (tokenizer.chat_template "
+                         "in a GGUF file, chat_template.jinja or chat_template in "
+                         "tokenizer_config.json in a directory; a run has one when it was "
+                         "fine-tuned from a chat model)")
     return template
 
 

@@ -123,8 +123,7 @@ def run(args) -> int:
         except ValueError as error:
             raise UsageError(f"--run {args.run}: {error}") from error
         tokenizer = run_tokenizer(args.run, saved, train_config, model_config)
-        if saved.get("init") and os.path.exists(saved["init"]["path"]):
-            chat_template = source_chat_template(saved["init"]["path"])
+        chat_template = source_chat_template(args.run)  # a fine-tuning run's copy
         model_config, train_config, params = load_run(args.run, "lm")
         model_config, params = plain_params(model_config, params)
     else:

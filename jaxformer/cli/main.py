@@ -23,6 +23,7 @@ A run directory (`--out`, default runs/<task>-<norm>-<time>) holds:
     attention.png   decoder cross-attention of the trained model on a held-out example
     summary.json    the final JSON line
     tokenizer.json  (--init) the pretrained model's tokenizer, so the run stands alone
+    chat_template.jinja  (--init) its chat template, if it has one (generate --chat)
 
 With --task lm the model is `DecoderOnlyLM` on packed windows of the text
 (`jaxformer.train.data`), loss.png also shows the held-out loss, there is no
@@ -62,6 +63,7 @@ from jaxformer.cli import evaluate as evaluate_command
 from jaxformer.cli import export as export_command
 from jaxformer.cli import transcribe as transcribe_command
 from jaxformer.cli.chat import chat_prompts, read_template
+from jaxformer.cli.export import source_chat_template
 from jaxformer.cli.runs import has_checkpoint, language_model, load_run, read_run_config
 from jaxformer.cli.streaming import TextStream
 from jaxformer.cli.usage import UsageError
@@ -430,9 +432,13 @@ def _train_command(args) -> int:
         saved = {"preset": None if args.init else preset, "model": model_config.to_dict(),
                  "train": train_config.to_dict(), "mesh": mesh_spec_string(mesh),
                  "processes": jax.process_count()}
-        if args.init is not None:  # the run stands alone: the tokenizer is copied in
+        if args.init is not None:  # the run stands alone: tokenizer and chat template copied
             pretrained_tokenizer.save(os.path.join(out, "tokenizer.json"))
             saved["init"] = {"path": os.path.abspath(args.init), "tokenizer": "tokenizer.json"}
+            template = source_chat_template(args.init)
+            if template is not None:
+                with open(os.path.join(out, "chat_template.jinja"), "w") as f:
+                    f.write(template)
         with open(os.path.join(out, "config.json"), "w") as f:
             json.dump(saved, f, indent=2)
     if args.resume and saved.get("init"):
@@ -741,7 +747,7 @@ def _generate_command(args) -> int:
         raise UsageError("--system needs --chat")
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         raise UsageError(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
-    template = read_template(args.model) if args.chat else None
+    template = read_template(args.model, args.run) if args.chat else None
     model, params, tokenizer = language_model(args.run, args.model)
     temperature = args.temperature if args.temperature is not None else (
         0.8 if args.run is not None else 0.0)
