@@ -192,7 +192,7 @@ MESHES = textwrap.dedent("""
     MODEL = jf.tiny(num_encoder_layers=1, num_decoder_layers=1, attention_dropout=0.1,
                     residual_dropout=0.1, embedding_dropout=0.1, ffn_dropout=0.1)
     TRAIN = TrainConfig(max_len=6, steps=12, batch_size=8, warmup_steps=2, learning_rate=1e-2)
-    LM_MESHES = ("fsdp=8", "fsdp=2,tensor=4")
+    LM_MESHES = ("fsdp=2,tensor=4",)
     LM = jf.llama(num_decoder_layers=2, scan_layers=True, num_kv_heads=4)
     LM_TRAIN = TrainConfig(task="lm", data=("unused",), seq_len=8, steps=12, batch_size=8,
                            warmup_steps=2, learning_rate=1e-2)
@@ -244,7 +244,7 @@ MESHES = textwrap.dedent("""
         # (compile time: pure data and pure fsdp are trained by the LM and by tests of
         # train/ and parallel/; here their seq2seq state is only created and checked)
         out[spec] = {"seq2seq": run(MODEL, TRAIN, mesh, steps=3 if "tensor" in spec else 0)}
-        if spec in LM_MESHES:  # (compile time: the LM on the fsdp and tensor meshes)
+        if spec in LM_MESHES:  # (compile time: the LM on one mesh splitting both ways)
             out[spec]["lm"] = run(LM, LM_TRAIN, mesh)
     fns = train_functions(jf.bench(), TrainConfig(max_len=10, batch_size=8),
                           partitioning.make_mesh("fsdp=8"))
@@ -273,9 +273,10 @@ def meshes():
 
 @pytest.mark.parametrize("spec, kind", [
     ("data=2,fsdp=2,tensor=2", "seq2seq"),
-    ("fsdp=2,tensor=4", "seq2seq"), ("fsdp=8", "lm"), ("fsdp=2,tensor=4", "lm")])
+    ("fsdp=2,tensor=4", "seq2seq"), ("fsdp=2,tensor=4", "lm")])
 def test_meshes_train_like_one_device(meshes, spec, kind):
-    """Encoder-decoder with dropout on every mesh; the scanned GQA LM on fsdp and tensor."""
+    """Encoder-decoder with dropout on the meshes that train; the scanned GQA LM split over
+    fsdp and tensor at once."""
     assert meshes["devices"] == 8
     one, got = meshes["one"][kind], meshes[spec][kind]
     assert got["in_shardings"] and got["kept"]  # created and kept in the requested layout
