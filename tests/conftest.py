@@ -19,6 +19,25 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIRST_REAL_ID = 3  # ids 0, 1, 2 are pad, bos, eos in every config here
 
 
+# The longest files first. `-n 2 --dist loadfile` hands each worker whole files in
+# collection order, one more whenever it finishes one; a long file collected last runs
+# alone while the other worker idles. Longest first keeps both busy to the end (the
+# order inside a file is kept: module fixtures and "last in this file" tests need it).
+LONGEST_FIRST = ("cli/test_cli.py", "test_docs.py", "parallel/test_partitioning.py",
+                 "parallel/test_distributed.py", "train/test_finetune.py",
+                 "parallel/test_scale_out.py", "models/test_smollm2.py",
+                 "decode/test_decoding.py", "train/test_training.py", "train/test_lm.py",
+                 "models/test_whisper.py", "nn/test_remat.py", "models/test_hf_dirs.py")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        path = os.path.relpath(str(item.path), os.path.join(REPO, "tests")).replace(os.sep, "/")
+        return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: the rest keep their order
+
+
 def random_tokens(seed: int, shape: tuple[int, ...], vocab: int) -> jnp.ndarray:
     """Non-special token ids in [3, vocab), int32."""
     return jnp.asarray(np.random.default_rng(seed).integers(FIRST_REAL_ID, vocab, shape),
