@@ -1,7 +1,9 @@
 """The package's shape: packages by concept, imports only downward, no cycles."""
 
 import ast
+import importlib
 import pathlib
+import re
 
 import pytest
 
@@ -59,3 +61,54 @@ def test_import_jaxformer_loads_no_command_line_or_optional_reader():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=REPO, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_readme_layout_table_names_every_module():
+    """Each module is listed, by its name, in the row of its package."""
+    readme = (pathlib.Path(REPO) / "README.md").read_text()
+    table = readme[readme.index("## Layout"):]
+    rows = {}
+    for line in table.splitlines():
+        if line.startswith("| `") and "|" in line[1:]:
+            first, rest = line[1:].split("|", 1)
+            for name in first.replace("`", "").split(","):
+                rows[name.strip()] = rest
+    missing = []
+    for path in MODULES:
+        parts = path.relative_to(PACKAGE).parts
+        if len(parts) == 1:  # top-level module: its own row
+            if parts[0] not in rows:
+                missing.append(parts[0])
+        elif path.stem != "__init__" and f"`{path.stem}`" not in rows.get(parts[0] + "/", ""):
+            missing.append("/".join(parts))
+    assert not missing, f"README's layout table misses {missing}"
+
+
+DOTTED = re.compile(r"\bjaxformer(?:\.[A-Za-z_]\w*)+")
+
+
+def _resolves(dotted: str) -> bool:
+    """'jaxformer.nn.masks.causal_mask' names a module, or an attribute of one."""
+    parts = dotted.split(".")
+    for split in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:split]))
+        except ModuleNotFoundError:
+            continue
+        try:
+            for name in parts[split:]:
+                obj = getattr(obj, name)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+def test_dotted_paths_in_docs_and_docstrings_exist():
+    """No stale `jaxformer.x.y` in the README, docs/, examples, benchmarks or the package."""
+    root = pathlib.Path(REPO)
+    files = [root / "README.md", *root.glob("docs/*.md"), *root.glob("examples/*.py"),
+             *root.glob("benchmarks/*.py"), *PACKAGE.rglob("*.py")]
+    stale = sorted({f"{f.relative_to(root)}: {m}" for f in files
+                    for m in DOTTED.findall(f.read_text()) if not _resolves(m)})
+    assert not stale, stale
