@@ -78,10 +78,11 @@ import jax.numpy as jnp
 
 import jaxformer as jf
 from jaxformer.backends import cpu
-from jaxformer.decode import loop as loop_lib, api as decoding, sampling
+from jaxformer.decode import (encdec_program, greedy, greedy_decode, segment_lengths,
+                              segments_for)
 
 import hf_peer  # Hugging Face transformers' MarianMTModel (optional)
-from jaxformer.train.training import TrainConfig, train_functions
+from jaxformer.train import TrainConfig, train_functions
 
 BATCH, SRC_LEN, NEW_TOKENS = 32, 32, 128
 # Trace events that are not kernels: runtime, Python and executor spans, while
@@ -136,15 +137,15 @@ def decode_loop():
     model = jf.Transformer(config)
     src = jax.random.randint(jax.random.PRNGKey(1), (BATCH, SRC_LEN), 3, config.src_vocab_size)
     params = model.init(jax.random.PRNGKey(0), src[:1], src[:1])["params"]
-    hlo = decoding.encdec_program.lower(  # what greedy_decode compiles
+    hlo = encdec_program.lower(  # what greedy_decode compiles
         model, params, src, None, jax.random.PRNGKey(0), max_new_tokens=NEW_TOKENS,
-        select=sampling.greedy, loop="scan", return_logits=False,
-        segments=loop_lib.segments_for(NEW_TOKENS)).compile().as_text()
+        select=greedy, loop="scan", return_logits=False,
+        segments=segments_for(NEW_TOKENS)).compile().as_text()
 
     def run(n):
         start = time.perf_counter()
         for _ in range(n):
-            out = decoding.greedy_decode(model, params, src, max_new_tokens=NEW_TOKENS)
+            out = greedy_decode(model, params, src, max_new_tokens=NEW_TOKENS)
         out.tokens.block_until_ready()
         return time.perf_counter() - start
     return run, f"greedy decode of {NEW_TOKENS} tokens", hlo
@@ -202,7 +203,7 @@ def decode_roofline(config) -> dict:
     A step multiplies every decoder weight with B = 32 rows (FLOPs) and reads
     every weight, the self-attention cache slots it spans and the
     cross-attention keys/values (bytes). With the loop in segments (the
-    default, `loop_lib.segments_for`) a step of segment i spans the slots of
+    default, `segments_for`) a step of segment i spans the slots of
     segments 0..i; averaged over the N steps that is about 60 % of N at 4.
     The machine's matmul peak (float32 2048^3) and read bandwidth (a sum over
     64 MiB, more than the last-level cache) are measured here; the floor is
@@ -211,7 +212,7 @@ def decode_roofline(config) -> dict:
     D, F, H, L = config.d_model, config.d_ff, config.num_heads, config.num_decoder_layers
     V, K, B = config.tgt_vocab_size, config.head_dim, BATCH
     weights = L * (6 * D * D + 2 * D * F) + D * V  # self q,k,v,o; cross q,o; FFN; output
-    lengths = loop_lib.segment_lengths(NEW_TOKENS, loop_lib.segments_for(NEW_TOKENS))
+    lengths = segment_lengths(NEW_TOKENS, segments_for(NEW_TOKENS))
     spans = [sum(lengths[:i + 1]) for i in range(len(lengths))]  # slots segment i reads
     slots = sum(n * span for n, span in zip(lengths, spans)) / NEW_TOKENS  # a step, on average
     flops = 2 * B * weights + L * 2 * 2 * B * H * K * (slots + SRC_LEN)

@@ -11,7 +11,7 @@ side by side in one process:
                  default here: `jaxformer.backends.cpu.tune_process`: on a
                  CPU split into a device per core XLA's own dots rather
                  than YNNPACK's; the loop in segments). Data-parallel: every CPU core is a JAX
-                 device (`sharding.use_cpu_cores_as_devices`), the batch is
+                 device (`use_cpu_cores_as_devices`), the batch is
                  split over them and the parameters replicated. Also timed:
                  the same loop on one of those devices (one core), with
                  `lax.while_loop`, and compiled with XLA's default options.
@@ -79,9 +79,10 @@ import numpy as np
 import torch
 
 import jaxformer as jf
-from jaxformer.decode import loop as decode_loop, api as decoding, sampling
+from jaxformer.decode import (encdec_program, greedy, greedy_decode, greedy_decode_recompute,
+                              segments_for)
 from jaxformer.backends import cpu
-from jaxformer.parallel import partitioning, sharding
+from jaxformer.parallel import make_mesh, replicate, shard_batch, use_cpu_cores_as_devices
 
 import hf_peer  # Hugging Face transformers' MarianMTModel (optional)
 from seed001 import Transformer as SeedTransformer  # the peer, verbatim from seed 001
@@ -132,7 +133,7 @@ def vs_hf_only(rounds: int) -> dict:
     src = jnp.asarray(src_np, jnp.int32)
     params = model.init(jax.random.PRNGKey(0), src, src[:, :4])["params"]
     hf_generate = hf_peer.MarianGreedy(transformers, config, src_np)
-    jax_run = lambda: block(decoding.greedy_decode(model, params, src,  # noqa: E731
+    jax_run = lambda: block(greedy_decode(model, params, src,  # noqa: E731
                                                    max_new_tokens=NEW_TOKENS))
     jax_run(), hf_generate(4)  # compile; warm up
     jax_s, hf_s = [], []
@@ -194,7 +195,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         return sides(args.rounds)
     if args.tuning == "cpu":
         print(f"CPU tuning: on (tune_process: {cpu.tune_process()})", file=sys.stderr)
-    sharding.use_cpu_cores_as_devices(args.devices)  # before JAX's first computation
+    use_cpu_cores_as_devices(args.devices)  # before JAX's first computation
     if args.vs_hf_only:
         return vs_hf_only(args.rounds)
 
@@ -210,14 +211,14 @@ def main(argv: Optional[list[str]] = None) -> dict:
     src = jnp.asarray(src_np, jnp.int32)
     params = model.init(jax.random.PRNGKey(0), src, src[:, :4])["params"]
     # Data parallelism: rows split over the devices, parameters on every device.
-    mesh = partitioning.make_mesh()
-    src_split, params_all = sharding.shard_batch(src, mesh), sharding.replicate(params, mesh)
+    mesh = make_mesh()
+    src_split, params_all = shard_batch(src, mesh), replicate(params, mesh)
 
     def cached(n, loop="scan", p=params_all, s=src_split):
-        return lambda: block(decoding.greedy_decode(model, p, s, max_new_tokens=n, loop=loop))
+        return lambda: block(greedy_decode(model, p, s, max_new_tokens=n, loop=loop))
 
     def recompute(n):
-        return lambda: block(decoding.greedy_decode_recompute(model, params_all, src_split,
+        return lambda: block(greedy_decode_recompute(model, params_all, src_split,
                                                               max_new_tokens=n))
 
     rows = {}
@@ -226,16 +227,16 @@ def main(argv: Optional[list[str]] = None) -> dict:
           f"torch {torch.__version__} with {threads} threads")
 
     # 1. First calls: compile time, and the tokens every variant must agree on.
-    default_options = jax.jit(decoding.encdec_program.__wrapped__,
-                              static_argnames=decoding.encdec_program.static_argnames)
+    default_options = jax.jit(encdec_program.__wrapped__,
+                              static_argnames=encdec_program.static_argnames)
     jax_runs = {
         "jax cached (scan)": cached(NEW_TOKENS),
         "jax cached (while)": cached(NEW_TOKENS, "while"),
         # The scan loop compiled with XLA's default options (YNNPACK dots on the CPU).
         "jax cached (XLA default)": lambda: block(default_options(
             model, params_all, src_split, None, jax.random.PRNGKey(0),
-            max_new_tokens=NEW_TOKENS, select=sampling.greedy, loop="scan",
-            return_logits=False, segments=decode_loop.segments_for(NEW_TOKENS))),
+            max_new_tokens=NEW_TOKENS, select=greedy, loop="scan",
+            return_logits=False, segments=segments_for(NEW_TOKENS))),
     }
     if mesh.devices.size > 1:  # the whole batch on one of those devices (one core)
         jax_runs["jax cached (1 core)"] = cached(NEW_TOKENS, p=params, s=src)
@@ -329,7 +330,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     decode_pass = jax.jit(lambda p, s, t: jnp.argmax(model.apply(
         {"params": p}, s, t, None, jf.causal_mask(t.shape[1]))[:, -1], axis=-1))
     for n in STEP_LENGTHS:
-        tgt = sharding.shard_batch(jnp.ones((BATCH, n), jnp.int32), mesh)
+        tgt = shard_batch(jnp.ones((BATCH, n), jnp.int32), mesh)
         per_step["jax recompute"][n] = 1e3 * timed(
             lambda: decode_pass(params_all, src_split, tgt).block_until_ready(), 3)[1]
     for n in STEP_LENGTHS[:2]:  # 512 seed steps would take many minutes
@@ -342,7 +343,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         biased = jax.tree_util.tree_map(lambda x: x, params)
         biased["decoder"]["out_proj"]["bias"] = params["decoder"]["out_proj"]["bias"].at[
             EOS].add(delta)
-        biased = sharding.replicate(biased, mesh)
+        biased = replicate(biased, mesh)
         lengths = np.asarray(cached(NEW_TOKENS, p=biased)().lengths)
         if lengths.max() < NEW_TOKENS // 2:
             early = dict(eos_bias=delta, max_length=int(lengths.max()),

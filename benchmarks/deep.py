@@ -63,11 +63,10 @@ import jax
 import jax.numpy as jnp
 
 import jaxformer as jf
-from jaxformer.nn import stacking
-from jaxformer.train.data import LMBatch
-from jaxformer.decode.api import greedy_decode
-from jaxformer.train.tasks import Batch
-from jaxformer.train.training import TrainConfig, init_train_state, make_optimizer, make_train_step
+from jaxformer.nn import stack_layers
+from jaxformer.decode import greedy_decode
+from jaxformer.train import (Batch, LMBatch, TrainConfig, init_train_state, make_optimizer,
+                             make_train_step)
 
 BATCH, LENGTH = 32, 32
 
@@ -248,7 +247,7 @@ def main(argv=None) -> dict:
     model, scanned_model = jf.Transformer(config), jf.Transformer(config.replace(scan_layers=True))
     src = batch_for(config, BATCH, LENGTH).src
     params = model.init(jax.random.PRNGKey(0), src[:1], src[:1])["params"]
-    stacked = stacking.stack_layers(params)
+    stacked = stack_layers(params)
     decode_times = {}
     for label, (m, p) in (("per-layer", (model, params)), ("stacked", (scanned_model, stacked))):
         jax.block_until_ready(greedy_decode(m, p, src, max_new_tokens=64).tokens)  # compile

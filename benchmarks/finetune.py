@@ -83,9 +83,8 @@ def jaxformer_worker(args, lora: bool) -> dict:
     import jax  # noqa: PLC0415
 
     from jaxformer import models  # noqa: PLC0415
-    from jaxformer.parallel.sharding import data_sharding  # noqa: PLC0415
-    from jaxformer.train.data import LMBatch  # noqa: PLC0415
-    from jaxformer.train.training import TrainConfig, train_functions  # noqa: PLC0415
+    from jaxformer.parallel import data_sharding  # noqa: PLC0415
+    from jaxformer.train import LMBatch, TrainConfig, train_functions  # noqa: PLC0415
 
     model, params, tokenizer = models.load(smollm2_path(), max_len=args.seq_len,
                                            progress=False)

@@ -76,7 +76,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import jaxformer as jf  # noqa: E402
-from jaxformer.decode.cache import cache_bytes  # noqa: E402
+from jaxformer.decode import cache_bytes  # noqa: E402
 from jaxformer.models import load  # noqa: E402
 
 NEW_TOKENS, COMPARE_TOKENS, PREFILL_LEN = 128, 32, 128

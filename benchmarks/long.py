@@ -61,15 +61,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.nn.attention import dot_product_attention
-from jaxformer.nn.blockwise import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, blockwise_attention
-from jaxformer.nn.mask_structure import MaskSpec, dense_mask
+from jaxformer.nn import (DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, MaskSpec, blockwise_attention,
+                          dense_mask, dot_product_attention)
 import jaxformer as jf
 from jaxformer.config import PRESETS
-from jaxformer.decode import cache as cache_lib
+from jaxformer.decode import init_cache, prefill
 import optax
-from jaxformer.train.data import LMBatch
-from jaxformer.train.training import loss_and_metrics, model_logits
+from jaxformer.train import LMBatch, loss_and_metrics, model_logits
 
 HEADS, HEAD_DIM = 4, 64
 CAUSAL = MaskSpec(causal=True)
@@ -161,8 +159,8 @@ def prefill_temp_bytes(length: int, chunk) -> int:
                                                jnp.zeros((1, 8), jnp.int32))["params"])
 
     def fill(params, tokens_BP):
-        cache = cache_lib.init_cache(config, 1, length)
-        return cache_lib.prefill(model, params, cache, tokens_BP, chunk)
+        cache = init_cache(config, 1, length)
+        return prefill(model, params, cache, tokens_BP, chunk)
 
     compiled = jax.jit(fill).lower(params, jax.ShapeDtypeStruct((1, length), jnp.int32)).compile()
     return compiled.memory_analysis().temp_size_in_bytes

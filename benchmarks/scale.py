@@ -36,8 +36,8 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)  # before JAX starts its backends
 
 import jaxformer as jf  # noqa: E402
-from jaxformer.parallel import partitioning  # noqa: E402
-from jaxformer.train.training import TrainConfig, train_functions  # noqa: E402
+from jaxformer.parallel import make_mesh  # noqa: E402
+from jaxformer.train import TrainConfig, train_functions  # noqa: E402
 
 MESHES = ("data=8", "fsdp=8", "tensor=8")
 BATCH, SRC_LEN, VOCAB = 32, 32, 104
@@ -57,7 +57,7 @@ class MeshRun:
 
     def __init__(self, spec: str):
         self.spec = spec
-        mesh = partitioning.make_mesh(spec)
+        mesh = make_mesh(spec)
         tc = TrainConfig(task="copy", min_len=SRC_LEN, max_len=SRC_LEN, batch_size=BATCH,
                          steps=100_000, warmup_steps=100, learning_rate=1e-4)
         fns = train_functions(jf.bench(src_vocab_size=VOCAB, tgt_vocab_size=VOCAB), tc, mesh)

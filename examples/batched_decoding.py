@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxformer as jf
-from jaxformer.decode import api as decoding
+from jaxformer.decode import greedy_decode, greedy_decode_one
 
 NEW_TOKENS = 12
 
@@ -39,10 +39,10 @@ def main():
 
     def decode_one(src_S):
         """(S,) source ids -> DecodeResult(tokens (N,), lengths ())."""
-        return decoding.greedy_decode_one(model, params, src_S, max_new_tokens=NEW_TOKENS)
+        return greedy_decode_one(model, params, src_S, max_new_tokens=NEW_TOKENS)
 
     vmapped = jax.jit(jax.vmap(decode_one))(src_BS)
-    batched = decoding.greedy_decode(model, params, src_BS, max_new_tokens=NEW_TOKENS)
+    batched = greedy_decode(model, params, src_BS, max_new_tokens=NEW_TOKENS)
     one_by_one = [jax.jit(decode_one)(row) for row in src_BS]
 
     for src_S, tokens_N, length in zip(np.asarray(src_BS), np.asarray(vmapped.tokens),

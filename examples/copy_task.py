@@ -24,8 +24,8 @@ import argparse
 import json
 
 import jaxformer as jf
-from jaxformer.decode.api import greedy_decode
-from jaxformer.train.training import TrainConfig, evaluate, fit
+from jaxformer.decode import greedy_decode
+from jaxformer.train import TrainConfig, evaluate, fit
 
 
 def main(argv=None) -> dict:

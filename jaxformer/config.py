@@ -507,4 +507,6 @@ def llama(**overrides) -> TransformerConfig:
                 scale_embeddings=False, tie_output_embedding=True).replace(**overrides)
 
 
+__all__ = ["TransformerConfig", "PRESETS", "tiny", "copy_task", "bench", "lm", "llama"]
+
 PRESETS = {"tiny": tiny, "copy_task": copy_task, "bench": bench, "lm": lm}

@@ -112,3 +112,37 @@ def test_dotted_paths_in_docs_and_docstrings_exist():
     stale = sorted({f"{f.relative_to(root)}: {m}" for f in files
                     for m in DOTTED.findall(f.read_text()) if not _resolves(m)})
     assert not stale, stale
+
+
+def _python_sources():
+    """(name, source) of every example, benchmark and `python` block of README and docs/."""
+    root = pathlib.Path(REPO)
+    for path in [*root.glob("examples/*.py"), *root.glob("benchmarks/*.py")]:
+        yield str(path.relative_to(root)), path.read_text()
+    for path in [root / "README.md", *root.glob("docs/*.md")]:
+        for i, block in enumerate(re.findall(r"```python\n(.*?)```", path.read_text(), re.S)):
+            yield f"{path.relative_to(root)} block {i}", block
+
+
+def test_examples_benchmarks_and_docs_import_only_public_names():
+    """`from jaxformer.P import x`: P is jaxformer, a package or a top-level module, and x
+    is in P's `__all__` (implementation modules stay free to move)."""
+    wrong = []
+    for name, source in _python_sources():
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                wrong += [f"{name}: import {a.name}" for a in node.names
+                          if a.name.startswith("jaxformer.")]
+            if not (isinstance(node, ast.ImportFrom) and node.module
+                    and node.module.split(".")[0] == "jaxformer"):
+                continue
+            module = importlib.import_module(node.module)
+            if node.module.count(".") > 1 or (node.module.count(".") == 1 and not hasattr(
+                    module, "__path__") and not (PACKAGE / f"{node.module[10:]}.py").exists()):
+                wrong.append(f"{name}: from {node.module} (a module inside a package)")
+                continue
+            public = getattr(module, "__all__", ())
+            wrong += [f"{name}: {a.name} is not in {node.module}.__all__" for a in node.names
+                      if a.name not in public and not (node.module == "jaxformer" and (
+                          PACKAGE / a.name).is_dir())]  # a package: its own __all__
+    assert not wrong, "\n".join(wrong)

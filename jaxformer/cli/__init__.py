@@ -1,5 +1,6 @@
 """The `jaxformer` command (`main`), its plots, baselines and compilation cache."""
 
+from jaxformer.cli.compile_cache import compilation_cache
 from jaxformer.cli.main import main
 
-__all__ = ["main"]
+__all__ = ["compilation_cache", "main"]

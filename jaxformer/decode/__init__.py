@@ -6,13 +6,17 @@ scan/while loop), `inputs` (host-side input checks), `api` (`greedy_decode`,
 `sample`, `generate`), `beam` (`beam_search`).
 """
 
-from jaxformer.decode.api import (DecodeResult, DecodeState, generate, greedy_decode,
-                                  greedy_decode_one, sample)
+from jaxformer.decode.api import (DecodeResult, DecodeState, encdec_program, generate,
+                                  greedy_decode, greedy_decode_one, greedy_decode_recompute,
+                                  sample)
 from jaxformer.decode.beam import beam_search
-from jaxformer.decode.cache import DecodeCache, init_cache
+from jaxformer.decode.cache import DecodeCache, cache_bytes, cached_forward, init_cache, prefill
+from jaxformer.decode.loop import segment_lengths, segments_for
 from jaxformer.decode.processors import force_token, min_length, suppress_at_step, suppress_tokens
-from jaxformer.decode.sampling import make_sampler
+from jaxformer.decode.sampling import greedy, make_sampler
 
-__all__ = ["DecodeResult", "DecodeState", "generate", "greedy_decode", "greedy_decode_one",
-           "sample", "beam_search", "DecodeCache", "init_cache", "force_token", "min_length",
-           "suppress_at_step", "suppress_tokens", "make_sampler"]
+__all__ = ["DecodeResult", "DecodeState", "encdec_program", "generate", "greedy_decode",
+           "greedy_decode_one", "greedy_decode_recompute", "sample", "beam_search",
+           "DecodeCache", "cache_bytes", "cached_forward", "init_cache", "prefill",
+           "segment_lengths", "segments_for", "force_token", "min_length", "suppress_at_step",
+           "suppress_tokens", "greedy", "make_sampler"]

@@ -14,8 +14,8 @@ directly; it needs `pip install 'jaxformer[llm]'`. Per-model mappings of its
 tensors are in `jaxformer.models` (`models/llama.py`).
 """
 
-from jaxformer.interop.flat import CheckpointMismatch, load_flat
+from jaxformer.interop.flat import CheckpointMismatch, flatten, load_flat
 from jaxformer.interop.pytorch import from_torch_decoder_only, from_torch_transformer
 
 __all__ = ["CheckpointMismatch", "from_torch_transformer", "from_torch_decoder_only",
-           "load_flat"]
+           "flatten", "load_flat"]

@@ -7,7 +7,8 @@ placement, CPU cores as devices), `distributed` (several processes).
 
 from jaxformer.parallel.partitioning import (LOGICAL_AXIS_RULES, make_mesh, param_shardings,
                                              place_params)
-from jaxformer.parallel.sharding import replicate, shard_batch, use_cpu_cores_as_devices
+from jaxformer.parallel.sharding import (data_sharding, replicate, shard_batch,
+                                         use_cpu_cores_as_devices)
 
-__all__ = ["LOGICAL_AXIS_RULES", "make_mesh", "param_shardings", "place_params", "replicate",
-           "shard_batch", "use_cpu_cores_as_devices"]
+__all__ = ["LOGICAL_AXIS_RULES", "make_mesh", "param_shardings", "place_params",
+           "data_sharding", "replicate", "shard_batch", "use_cpu_cores_as_devices"]
