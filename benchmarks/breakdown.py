@@ -1,6 +1,6 @@
 """Where a bench step's time goes: XLA's own per-op timings, grouped by kind of work.
 
-Runs the bench train step (dropout 0.1, AdamW; `jaxformer.train.training`) or the
+Runs the bench train step (dropout 0.1, AdamW; `jaxformer.train`) or the
 bench greedy decode (batch 32, 128 new tokens, one device) under
 `jax.profiler.trace`, reads the Perfetto trace it writes, and sums the busy
 time of every XLA:CPU kernel (all threads) per step, by kind:

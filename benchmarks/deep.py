@@ -1,7 +1,7 @@
 """Deep models: compile time of scanned vs unrolled stacks, remat memory and cost.
 
 Bench widths (../shared/DESIGN.md): vocab 100, d_model 256, 8 heads, d_ff 1024,
-float32, the jitted AdamW train step of `jaxformer.train.training.make_train_step`.
+float32, the jitted AdamW train step of `jaxformer.train.make_train_step`.
 
 1. Compile seconds (lower + compile) of the train step at 2 and 24 layers,
    scanned and unrolled: the decoder-only LM (batch 32 x 32 tokens, no

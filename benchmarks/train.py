@@ -6,7 +6,7 @@ batch 32, source length 32, copy task (target input = BOS + source, labels =
 source + EOS, so T = 33). Both sides train on the same batch every step
 (data generation is not timed):
 
-  jaxformer   `jaxformer.train.training`: the jitted train step of `jaxformer train`
+  jaxformer   `jaxformer.train`: the jitted train step of `jaxformer train`
               (AdamW + clipping + schedule, the state donated), compiled once.
   seed torch  seed 001's PyTorch classes, copied below unchanged, trained the
               way seed 001 trains them: CrossEntropyLoss(ignore_index=0), Adam,

@@ -228,7 +228,7 @@ class TransformerConfig(ConfigMixin):
     # so an untrained adapter changes nothing) to the projections named in
     # lora_targets (LORA_TARGETS; default q and v, PEFT's default for Llama-style
     # models); their output is scaled by lora_alpha / lora_rank (None: alpha = rank).
-    # Training such a model trains only the adapters (jaxformer.train.training).
+    # Training such a model trains only the adapters (jaxformer.train.state, jaxformer.train.step).
     lora_rank: int = 0
     lora_alpha: Optional[float] = None
     lora_targets: tuple = ("q", "v")

@@ -83,7 +83,7 @@ def saved_run(out):
     import json
 
     from jaxformer.train.checkpoint import Checkpoints
-    from jaxformer.train.training import TrainConfig, train_functions
+    from jaxformer.train import train_functions, TrainConfig
 
     with open(os.path.join(out, "config.json")) as f:
         saved = json.load(f)

@@ -160,6 +160,6 @@ def test_cpu_tuning_is_a_bool():
 
 @pytest.mark.parametrize("seed", [-1, 2 ** 32, 1.5, True])
 def test_a_train_seed_outside_prngkey_range_is_refused(seed):
-    from jaxformer.train.training import TrainConfig
+    from jaxformer.train import TrainConfig
     with pytest.raises(ValueError, match="TrainConfig.seed"):
         TrainConfig(seed=seed)

@@ -6,7 +6,7 @@
     xz_bits_per_byte(text)        xz (LZMA2, preset 9 extreme) output bits per
                                   input byte: a general-purpose compressor
 
-A model's held-out bits per byte (`training.evaluate_lm`) is its cross-entropy
+A model's held-out bits per byte (`jaxformer.train.evaluate_lm`) is its cross-entropy
 in bits over the bytes it predicted, so the three numbers are comparable.
 """
 

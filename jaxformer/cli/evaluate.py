@@ -42,7 +42,7 @@ def add_parser(commands, add_common_flags) -> None:
 
 def run(args) -> int:
     from jaxformer.train.data import TextData  # noqa: PLC0415
-    from jaxformer.train.training import evaluate_lm  # noqa: PLC0415
+    from jaxformer.train.evaluation import evaluate_lm  # noqa: PLC0415
 
     require_positive("--batch", args.batch)
     if args.seq_len is not None and args.seq_len < 2:

@@ -107,7 +107,7 @@ _PROCESS_FLAGS = {"coordinator": "--coordinator", "num_processes": "--num-proces
 def build_parser() -> argparse.ArgumentParser:
     from jaxformer.config import PRESETS  # noqa: PLC0415 (keep --help fast)
     from jaxformer.train.tasks import TASKS  # noqa: PLC0415
-    from jaxformer.train.training import TrainConfig  # noqa: PLC0415
+    from jaxformer.train.train_config import TrainConfig  # noqa: PLC0415
 
     parser = argparse.ArgumentParser(
         prog="jaxformer", description="The Transformer in JAX/Flax: train on synthetic tasks "
@@ -317,7 +317,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _configs_from_args(args):
     """(model config, train config, preset) from the flags given explicitly."""
     from jaxformer.config import PRESETS  # noqa: PLC0415
-    from jaxformer.train.training import TrainConfig  # noqa: PLC0415
+    from jaxformer.train.train_config import TrainConfig  # noqa: PLC0415
 
     model_overrides = {}
     for flag in _MODEL_FLAGS:
@@ -341,8 +341,9 @@ def _train_command(args) -> int:
     from jaxformer.parallel import distributed  # noqa: PLC0415
     from jaxformer.train.checkpoint import CheckpointError  # noqa: PLC0415
     from jaxformer.nn.model import DecoderOnlyLM, Transformer  # noqa: PLC0415
-    from jaxformer.train.training import (NonFiniteLossError, TrainConfig,  # noqa: PLC0415
-                                    check_lm_data, evaluate, fit, task_for)
+    from jaxformer.train.evaluation import evaluate  # noqa: PLC0415
+    from jaxformer.train.loop import (check_lm_data, fit, NonFiniteLossError, task_for)  # noqa: PLC0415
+    from jaxformer.train.train_config import TrainConfig  # noqa: PLC0415
 
     for name in ("save_every", "log_every", "eval_examples", "sample_tokens"):
         if getattr(args, name) <= 0:
@@ -595,7 +596,7 @@ def _lm_model_overrides(model_overrides: dict, train_overrides: dict) -> dict:
     """Task "lm": the vocabulary and special ids come from the tokenizer, the positions
     from the window length, unless given."""
     from jaxformer.train.data import load_tokenizer  # noqa: PLC0415
-    from jaxformer.train.training import TrainConfig  # noqa: PLC0415
+    from jaxformer.train.train_config import TrainConfig  # noqa: PLC0415
 
     tokenizer = load_tokenizer(train_overrides.get("tokenizer"))
     vocab = model_overrides.get("tgt_vocab_size", tokenizer.vocab_size)
@@ -695,7 +696,7 @@ def _finish_lm(args, model, params, mesh, result, data, train_config, out, start
 
     `params` and `mesh`: this process's copy of the trained parameters, its devices."""
     from jaxformer.cli import baselines, plots  # noqa: PLC0415
-    from jaxformer.train.training import evaluate_lm  # noqa: PLC0415
+    from jaxformer.train.evaluation import evaluate_lm  # noqa: PLC0415
 
     step = int(result.state.step)
     final = result.evals[-1] if result.evals and result.evals[-1]["step"] == step else {
@@ -787,7 +788,7 @@ def _decode_command(args) -> int:
 
     from jaxformer.decode.api import greedy_decode, sample  # noqa: PLC0415
     from jaxformer.nn.model import Transformer  # noqa: PLC0415
-    from jaxformer.train.training import task_for  # noqa: PLC0415
+    from jaxformer.train.loop import task_for  # noqa: PLC0415
 
     model_config, train_config, params = load_run(args.run, "seq2seq")
     model = Transformer(model_config)

@@ -12,7 +12,7 @@ from jaxformer.cli.usage import UsageError
 def read_run_config(run_dir: str, context: str = ""):
     """(model config, train config, the saved dict) from `run_dir`/config.json."""
     from jaxformer.config import TransformerConfig  # noqa: PLC0415
-    from jaxformer.train.training import TrainConfig  # noqa: PLC0415
+    from jaxformer.train.train_config import TrainConfig  # noqa: PLC0415
 
     config_path = os.path.join(run_dir, "config.json")
     if not os.path.isfile(config_path):
@@ -33,7 +33,7 @@ def load_run(run_dir: str, task_kind: str):
     `task_kind`: "lm" or "seq2seq", the kind of run the command needs.
     """
     from jaxformer.train.checkpoint import CheckpointError, Checkpoints  # noqa: PLC0415
-    from jaxformer.train.training import train_functions  # noqa: PLC0415
+    from jaxformer.train.loop import train_functions  # noqa: PLC0415
 
     model_config, train_config, _ = read_run_config(run_dir)
     if (train_config.task == "lm") != (task_kind == "lm"):

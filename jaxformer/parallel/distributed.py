@@ -3,7 +3,7 @@
 Every process (one per host, typically) runs the same program; after
 `initialize` `jax.devices()` lists the devices of all of them, a mesh spans
 them all, and each jitted step runs as one program over the whole mesh, each
-process feeding and computing its own devices' part (`jaxformer.train.training.fit`).
+process feeding and computing its own devices' part (`jaxformer.train.fit`).
 
 Where the settings come from, first match wins::
 

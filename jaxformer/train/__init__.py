@@ -1,20 +1,34 @@
-"""Training: loss, optimizer, jitted steps, the `fit` loop, data, tasks, checkpoints.
+"""Training: the loss, the optimizer, an explicit train state, jitted steps, the `fit` loop.
 
-Modules: `tasks` (synthetic tasks), `data` (text pipeline for the LM),
-`checkpoint` (Orbax save / restore / resume), `training` (TrainConfig, steps,
-`fit`, `evaluate`). The names below are the public surface; the modules are free
-to move.
+Modules, one job each::
+
+    train_config  TrainConfig: everything about a run that is not the architecture
+    tasks         the synthetic tasks (copy, reverse, sort) and their batches
+    data          text files to packed LM batches (grain)
+    loss          loss_and_metrics (cross-entropy ignoring PAD), label_pad_id, model_logits
+    optimizer     make_optimizer: clipping + AdamW on the warmup/cosine schedule
+    state         TrainState(step, params, opt_state, rng), created in its shardings
+    step          make_train_step: jitted, donates the state
+    evaluation    evaluate (teacher-forced + greedy exact match), evaluate_lm (bits per byte)
+    loop          fit: data, mesh, checkpoints, progress; TrainFunctions, train_functions
+    checkpoint    Checkpoints: Orbax save / restore / resume
+
+The names below are the public surface; the modules are free to move.
 """
 
 from jaxformer.train.checkpoint import CheckpointError, Checkpoints
 from jaxformer.train.data import ByteTokenizer, LMBatch, TextData, segment_mask
+from jaxformer.train.evaluation import evaluate, evaluate_lm
+from jaxformer.train.loop import FitResult, NonFiniteLossError, TrainFunctions, fit, train_functions
+from jaxformer.train.loss import loss_and_metrics, model_logits
+from jaxformer.train.optimizer import make_optimizer
+from jaxformer.train.state import TrainState, init_train_state
+from jaxformer.train.step import make_train_step
 from jaxformer.train.tasks import Batch
-from jaxformer.train.training import (FitResult, TrainConfig, TrainFunctions, TrainState,
-                                      evaluate, evaluate_lm, fit, init_train_state,
-                                      loss_and_metrics, make_optimizer, make_train_step,
-                                      model_logits, train_functions)
+from jaxformer.train.train_config import TrainConfig
 
 __all__ = ["CheckpointError", "Checkpoints", "ByteTokenizer", "LMBatch", "TextData",
-           "segment_mask", "Batch", "FitResult", "TrainConfig", "TrainFunctions", "TrainState",
-           "evaluate", "evaluate_lm", "fit", "init_train_state", "loss_and_metrics",
-           "make_optimizer", "make_train_step", "model_logits", "train_functions"]
+           "segment_mask", "Batch", "FitResult", "NonFiniteLossError", "TrainConfig",
+           "TrainFunctions", "TrainState", "evaluate", "evaluate_lm", "fit", "init_train_state",
+           "loss_and_metrics", "make_optimizer", "make_train_step", "model_logits",
+           "train_functions"]

@@ -17,7 +17,7 @@ from jax import lax
 import jaxformer as jf
 from jaxformer.backends import cpu, threefry
 from jaxformer.nn import tuning
-from jaxformer.train.training import dropout_key
+from jaxformer.train.step import dropout_key
 
 from conftest import REPO, numpy_params, random_tokens
 

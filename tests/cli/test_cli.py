@@ -15,11 +15,12 @@ import sys
 import jax
 import pytest
 
-import jaxformer.train.training
+import jaxformer.train.loop
 from jaxformer.cli.main import main
 from jaxformer.config import TransformerConfig
 from jaxformer.nn.model import Transformer
-from jaxformer.train.training import TrainConfig, evaluate, task_for
+from jaxformer.train import evaluate, TrainConfig
+from jaxformer.train.loop import task_for
 
 from conftest import saved_run, snapshot, tree_equal
 
@@ -109,7 +110,7 @@ def test_resume_with_different_flags_is_refused(finished_run, capsys):
 
 def test_ctrl_c_then_resume_through_the_cli(finished_run, tmp_path, monkeypatch, capsys):
     out = str(tmp_path / "interrupted")
-    real_fit = jaxformer.train.training.fit
+    real_fit = jaxformer.train.loop.fit
 
     def fit_with_ctrl_c(*args, **kwargs):
         def press(step):
@@ -117,11 +118,11 @@ def test_ctrl_c_then_resume_through_the_cli(finished_run, tmp_path, monkeypatch,
                 signal.raise_signal(signal.SIGINT)
         return real_fit(*args, on_step=press, **kwargs)
 
-    monkeypatch.setattr(jaxformer.train.training, "fit", fit_with_ctrl_c)
+    monkeypatch.setattr(jaxformer.train.loop, "fit", fit_with_ctrl_c)
     assert main(TINY + ["--out", out]) == 130
     assert f"--out {out} --resume" in capsys.readouterr().err
     assert os.listdir(os.path.join(out, "checkpoints")) == ["3"]
-    monkeypatch.setattr(jaxformer.train.training, "fit", real_fit)
+    monkeypatch.setattr(jaxformer.train.loop, "fit", real_fit)
 
     assert main(["train", "--out", out, "--resume", "--no-progress", "--eval-examples",
                  "16"]) == 0
@@ -284,7 +285,7 @@ def test_a_rerun_loads_the_compiled_programs_from_the_compile_cache(finished_run
 
 
 def test_train_help_states_the_real_defaults(capsys):
-    from jaxformer.train.training import TrainConfig
+    from jaxformer.train import TrainConfig
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
@@ -342,7 +343,7 @@ def test_a_ctrl_c_that_aborts_is_one_line_and_exit_130(tmp_path, monkeypatch, ca
     def fit_interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(jaxformer.train.training, "fit", fit_interrupted)
+    monkeypatch.setattr(jaxformer.train.loop, "fit", fit_interrupted)
     assert main(TINY + ["--out", str(tmp_path / "run")]) == 130
     err = capsys.readouterr().err
     assert "aborted by Ctrl-C" in err and "Traceback" not in err

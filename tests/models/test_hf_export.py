@@ -49,7 +49,7 @@ def llama_run(tmp_path_factory):
     """(run directory, DecoderOnlyLM, params) of a `--task lm` run of a Llama-expressible
     model with scanned layers and the byte tokenizer; its checkpoint holds random params."""
     from jaxformer.train.checkpoint import Checkpoints
-    from jaxformer.train.training import TrainConfig, train_functions
+    from jaxformer.train import train_functions, TrainConfig
 
     config = tiny_llama(scan_layers=True, tie_output_embedding=False)
     train = TrainConfig(task="lm", data=("unused",), seq_len=16, steps=2, batch_size=2,

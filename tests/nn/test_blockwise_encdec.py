@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jaxformer as jf
-from jaxformer.train.training import loss_and_metrics
+from jaxformer.train import loss_and_metrics
 
 # Lengths above the default 256 blocks (two key blocks, the second padded), different
 # for source and target, so a (T, S) array would show in the program text.

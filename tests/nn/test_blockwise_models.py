@@ -12,7 +12,7 @@ from jaxformer.nn import stacking
 from jaxformer.nn.attention_select import BLOCKWISE_MIN_LENGTH, resolved_attention_impl
 from jaxformer.nn.mask_structure import MaskSpec, dense_mask
 from jaxformer.train.data import LMBatch, segment_mask, segment_mask_spec
-from jaxformer.train.training import loss_and_metrics, model_logits
+from jaxformer.train import loss_and_metrics, model_logits
 
 # 300 tokens: two query and two key blocks of the default 256, the second one padded.
 SEQ = 300

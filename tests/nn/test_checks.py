@@ -197,7 +197,7 @@ def test_check_tokens_is_a_no_op_on_tracers_but_checks_shapes():
 # (the jitted functions would otherwise return NaN or a silently wrong result).
 def _entry_points():
     from jaxformer.decode import beam, api as decoding
-    from jaxformer.train import training
+    from jaxformer.train import evaluation
     from jaxformer.train.tasks import Batch
 
     bad_src = np.asarray(SRC).copy()
@@ -221,11 +221,11 @@ def _entry_points():
             lm, lp, prompt, max_new_tokens=3), "prompt_BP"),
         "generate_sampled": (lambda m, p, lm, lp: decoding.generate(
             lm, lp, prompt, max_new_tokens=3, rng=key, temperature=1.0), "prompt_BP"),
-        "evaluate_src": (lambda m, p, lm, lp: training.evaluate(
+        "evaluate_src": (lambda m, p, lm, lp: evaluation.evaluate(
             m, p, batch._replace(src=bad_src)), "batch.src"),
-        "evaluate_tgt_in": (lambda m, p, lm, lp: training.evaluate(
+        "evaluate_tgt_in": (lambda m, p, lm, lp: evaluation.evaluate(
             m, p, batch._replace(tgt_in=prompt)), "batch.tgt_in"),
-        "evaluate_labels": (lambda m, p, lm, lp: training.evaluate(
+        "evaluate_labels": (lambda m, p, lm, lp: evaluation.evaluate(
             m, p, batch._replace(labels=np.where(batch.labels == 4, 99, batch.labels))),
             "batch.labels"),
     }
@@ -238,7 +238,7 @@ ENTRY_POINTS = _entry_points()
 def test_every_entry_point_refuses_out_of_vocabulary_ids_on_the_host(seq2seq, lm, entry,
                                                                       monkeypatch):
     from jaxformer.decode import beam, api as decoding
-    from jaxformer.train import training
+    from jaxformer.train import evaluation
 
     def no_dispatch(*args, **kwargs):
         raise AssertionError("a jitted function was called before the ids were checked")
@@ -247,7 +247,7 @@ def test_every_entry_point_refuses_out_of_vocabulary_ids_on_the_host(seq2seq, lm
     for name in ("encdec_program", "_recompute_jit", "lm_program"):
         monkeypatch.setattr(decoding, name, no_dispatch)
     monkeypatch.setattr(beam, "_beam_jit", no_dispatch)
-    monkeypatch.setattr(training, "make_eval_step", no_dispatch)
+    monkeypatch.setattr(evaluation, "make_eval_step", no_dispatch)
     call, argument = ENTRY_POINTS[entry]
     with pytest.raises(ValueError, match=rf"{argument} holds token ids outside \[0, 16\)"):
         call(*seq2seq, *lm)
@@ -255,7 +255,7 @@ def test_every_entry_point_refuses_out_of_vocabulary_ids_on_the_host(seq2seq, lm
 
 def test_evaluate_refuses_mismatched_batches(seq2seq):
     from jaxformer.train.tasks import Batch
-    from jaxformer.train.training import evaluate
+    from jaxformer.train import evaluate
 
     model, params = seq2seq
     with pytest.raises(ValueError, match="batch sizes disagree"):

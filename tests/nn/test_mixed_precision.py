@@ -11,7 +11,7 @@ import pytest
 import jaxformer as jf
 from jaxformer.nn.precision import check_backend
 from jaxformer.train.tasks import Batch
-from jaxformer.train.training import TrainConfig, TrainState, make_optimizer, make_train_step
+from jaxformer.train import make_optimizer, make_train_step, TrainConfig, TrainState
 
 from conftest import random_tokens
 

@@ -28,8 +28,8 @@ import pytest
 
 import jaxformer as jf
 from jaxformer.train.tasks import Batch
-from jaxformer.train.training import (TrainConfig, TrainState, loss_and_metrics, make_optimizer,
-                                make_train_step)
+from jaxformer.train import (loss_and_metrics, make_optimizer, make_train_step, TrainConfig,
+                             TrainState)
 
 from conftest import numpy_params
 

@@ -14,7 +14,7 @@ from jaxformer.train.checkpoint import CheckpointError, Checkpoints
 from jaxformer.decode.api import generate, greedy_decode
 from jaxformer.nn.model import attention_weights
 from jaxformer.train.tasks import Batch
-from jaxformer.train.training import TrainConfig, TrainState, make_optimizer, make_train_step
+from jaxformer.train import make_optimizer, make_train_step, TrainConfig, TrainState
 
 from conftest import numpy_params, random_tokens, tree_equal
 

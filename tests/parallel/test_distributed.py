@@ -25,7 +25,7 @@ from jaxformer.train.checkpoint import Checkpoints
 from jaxformer.cli.main import main
 from jaxformer.train.data import ByteTokenizer, TextData
 from jaxformer.parallel.partitioning import make_mesh, mesh_spec_string
-from jaxformer.train.training import TrainConfig, fit
+from jaxformer.train import fit, TrainConfig
 
 from conftest import saved_run
 
@@ -153,7 +153,7 @@ import os
 sys.path[:0] = [sys.argv[4], os.path.dirname(sys.argv[4])]  # this file, conftest
 from test_distributed import LM_MODEL, LM_TRAIN, lm_data
 from jaxformer.parallel.partitioning import make_mesh
-from jaxformer.train.training import fit
+from jaxformer.train import fit
 out = sys.argv[3]
 fit(LM_MODEL, LM_TRAIN, mesh=make_mesh("data=2,fsdp=2"), data=lm_data(), progress=False,
     checkpoint_dir=out + "/checkpoints", metrics_file=out + "/metrics.jsonl")

@@ -24,7 +24,8 @@ import jaxformer as jf
 from jaxformer.parallel import partitioning
 from jaxformer.parallel.sharding import check_divisible
 from jaxformer.nn.stems import ConvStem
-from jaxformer.train.training import make_optimizer, train_state_shardings, TrainConfig
+from jaxformer.train import make_optimizer, TrainConfig
+from jaxformer.train.state import train_state_shardings
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOKENS = jnp.zeros((1, 4), jnp.int32)
@@ -187,7 +188,7 @@ MESHES = textwrap.dedent("""
     import jaxformer as jf
     from jaxformer.parallel import partitioning
     from jaxformer.train.data import LMBatch
-    from jaxformer.train.training import TrainConfig, train_functions
+    from jaxformer.train import train_functions, TrainConfig
 
     MODEL = jf.tiny(num_encoder_layers=1, num_decoder_layers=1, attention_dropout=0.1,
                     residual_dropout=0.1, embedding_dropout=0.1, ffn_dropout=0.1)

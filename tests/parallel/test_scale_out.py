@@ -38,7 +38,7 @@ SCRIPT = textwrap.dedent("""
     from jaxformer.parallel import partitioning
     from jaxformer.nn import stacking
     from jaxformer.train.checkpoint import Checkpoints
-    from jaxformer.train.training import TrainConfig, evaluate, train_functions
+    from jaxformer.train import evaluate, train_functions, TrainConfig
 
     MODEL = jf.tiny(num_encoder_layers=1, num_decoder_layers=1)
     TRAIN = TrainConfig(max_len=6, steps=4, batch_size=8, warmup_steps=1, learning_rate=1e-2)

@@ -18,7 +18,7 @@ import jaxformer as jf
 from conftest import snapshot, tree_equal
 from jaxformer.train.checkpoint import (UNFINISHED_MARK, CheckpointDamaged, CheckpointError,
                                         Checkpoints, ignore_closed_loop_callbacks)
-from jaxformer.train.training import TrainConfig, fit, train_functions
+from jaxformer.train import fit, train_functions, TrainConfig
 
 # Dropout on at every site: resuming must also replay the dropout masks bit for bit.
 MODEL = jf.tiny(num_encoder_layers=1, num_decoder_layers=1, attention_dropout=0.1,

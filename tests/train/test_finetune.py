@@ -20,7 +20,7 @@ import jaxformer as jf
 from jaxformer.cli.main import main
 from jaxformer.nn import lora
 from jaxformer.train.data import JSONTokenizer, TextData
-from jaxformer.train.training import TrainConfig, evaluate_lm, fit, train_functions
+from jaxformer.train import evaluate_lm, fit, train_functions, TrainConfig
 
 from jaxformer.cli.runs import read_run_config
 from jaxformer.train.checkpoint import Checkpoints

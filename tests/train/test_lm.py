@@ -22,8 +22,8 @@ from jaxformer.cli import baselines
 from jaxformer.decode import api as decoding
 from jaxformer.cli.main import main
 from jaxformer.train.data import ByteTokenizer, LMBatch, TextData
-from jaxformer.train.training import (TrainConfig, evaluate_lm, fit, loss_and_metrics, model_logits,
-                                train_functions)
+from jaxformer.train import (evaluate_lm, fit, loss_and_metrics, model_logits,
+                             train_functions, TrainConfig)
 
 from conftest import saved_run, snapshot, tree_equal
 
@@ -89,7 +89,8 @@ def test_pad_equal_to_eos_keeps_the_eos_labels_in_the_loss(make_lm, make_transfo
     it); a task Batch, without weights, is refused rather than silently losing its EOS."""
     import optax  # noqa: PLC0415
 
-    from jaxformer.train import training  # noqa: PLC0415
+    from jaxformer.train import TrainState, make_train_step  # noqa: PLC0415
+    from jaxformer.train.evaluation import make_eval_step, make_lm_eval_step  # noqa: PLC0415
     from jaxformer.train.tasks import Batch  # noqa: PLC0415
 
     B, E = 1, 2  # BOS; EOS, also PAD
@@ -105,16 +106,16 @@ def test_pad_equal_to_eos_keeps_the_eos_labels_in_the_loss(make_lm, make_transfo
     xent_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, labels_BT)
     want = float((xent_BT * weights_BT).sum() / weights_BT.sum())  # 5 labels, 2 of them EOS
 
-    sums = training.make_eval_step(model)(params, batch)
+    sums = make_eval_step(model)(params, batch)
     assert float(sums["tokens"]) == 5
     np.testing.assert_allclose(sums["loss_sum"] / sums["tokens"], want, rtol=1e-5)
-    lm_sums = training.make_lm_eval_step(model)(params, batch, jnp.ones(config.tgt_vocab_size))
+    lm_sums = make_lm_eval_step(model)(params, batch, jnp.ones(config.tgt_vocab_size))
     assert float(lm_sums["tokens"]) == 5
     np.testing.assert_allclose(lm_sums["nats"], 5 * want, rtol=1e-5)
     tx = optax.sgd(0.0)
-    state = training.TrainState(step=jnp.zeros((), jnp.int32), params=params,
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
                                 opt_state=tx.init(params), rng=jax.random.PRNGKey(0))
-    _, metrics = training.make_train_step(model, tx)(state, batch)
+    _, metrics = make_train_step(model, tx)(state, batch)
     assert float(metrics["tokens"]) == 5
     np.testing.assert_allclose(metrics["loss"], want, rtol=1e-5)  # dropout 0 in tiny
 
@@ -122,7 +123,7 @@ def test_pad_equal_to_eos_keeps_the_eos_labels_in_the_loss(make_lm, make_transfo
     task_batch = Batch(src=jnp.array([[5, 6, E]]), tgt_in=jnp.array([[B, 5, 6]]),
                        labels=jnp.array([[5, 6, E]]))
     with pytest.raises(ValueError, match="pad_id == eos_id == 2.*drop every EOS label"):
-        training.make_eval_step(encdec)(encdec_params, task_batch)
+        make_eval_step(encdec)(encdec_params, task_batch)
     with pytest.raises(ValueError, match="pad_id=None needs weights_BT"):
         loss_and_metrics(logits_BTV, labels_BT, pad_id=None)
 

@@ -27,7 +27,7 @@ import pytest
 
 import jaxformer as jf
 from jaxformer.decode import api as decoding, sampling
-from jaxformer.train.training import TrainConfig, make_train_step, train_functions
+from jaxformer.train import make_train_step, train_functions, TrainConfig
 
 ALPHA = 1e-6
 

@@ -17,9 +17,11 @@ import pytest
 import jaxformer as jf
 from conftest import tree_equal
 from jaxformer.train.checkpoint import Checkpoints
-from jaxformer.train.training import (NonFiniteLossError, TrainConfig, create_train_state, decay_mask,
-                                evaluate, fit, learning_rate_schedule, loss_and_metrics,
-                                make_optimizer, task_for, train_functions)
+from jaxformer.train import (evaluate, fit, loss_and_metrics, make_optimizer, train_functions,
+                             TrainConfig)
+from jaxformer.train.loop import NonFiniteLossError, task_for
+from jaxformer.train.optimizer import decay_mask, learning_rate_schedule
+from jaxformer.train.state import create_train_state
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL = jf.tiny(num_encoder_layers=1, num_decoder_layers=1)  # compiles fast
@@ -226,7 +228,8 @@ DATA_PARALLEL = textwrap.dedent("""
     import jaxformer as jf
     from jaxformer.parallel.partitioning import make_mesh
     from jaxformer.parallel.sharding import shard_batch
-    from jaxformer.train.training import TrainConfig, evaluate, fit, task_for
+    from jaxformer.train import evaluate, fit, TrainConfig
+    from jaxformer.train.loop import task_for
 
     MODEL = jf.tiny(num_encoder_layers=1, num_decoder_layers=1)
     DROPOUT = MODEL.replace(attention_dropout=0.1, residual_dropout=0.1,

@@ -1,0 +1,384 @@
+"""The training loop: `fit`, and the jitted pieces of a run it builds once (`TrainFunctions`).
+
+Determinism: a run is a pure function of the seed. The parameters are
+initialised from `fold_in(PRNGKey(seed), 0)`, the batch of step s is drawn
+from `fold_in(fold_in(PRNGKey(seed), 1), s)` and the dropout key of step s is
+`fold_in(state.rng, s)`, all with JAX's default PRNG implementation (the
+user's `jax_default_prng_impl`). Nothing depends on how many steps ran before
+in this process, so a run resumed from a checkpoint replays the uninterrupted
+run bit for bit (on the same machine and device count). With JAX's default
+threefry (partitionable), the bits of each dropout element are a function of
+the key and the element's global index, so several devices train to the
+losses of one. The train step is jitted with the state's in/out shardings and
+donates the state; the batch is split over "data" x "fsdp".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import signal
+import sys
+import threading
+import time
+from typing import Any, Callable, Optional
+
+import jax
+
+from jaxformer.config import TransformerConfig
+from jaxformer.nn.model import DecoderOnlyLM, Transformer
+from jaxformer.nn.precision import check_backend as check_precision_backend
+from jaxformer.parallel.partitioning import make_mesh
+from jaxformer.parallel.sharding import check_divisible, data_sharding
+from jaxformer.train.data import TextData
+from jaxformer.train.evaluation import evaluate_lm
+from jaxformer.train.optimizer import learning_rate_schedule, make_optimizer
+from jaxformer.train.state import TrainState, make_init, make_init_from, train_state_shardings
+from jaxformer.train.step import make_train_step
+from jaxformer.train.tasks import Batch, Task, make_task
+from jaxformer.train.train_config import TrainConfig
+
+
+# --------------------------------------------------------------------------- task <-> model
+
+
+def task_for(model_config: TransformerConfig, train_config: TrainConfig) -> Task:
+    """The `Task` of a run, checked against the model before anything compiles."""
+    c = model_config
+    if c.src_vocab_size != c.tgt_vocab_size:
+        raise ValueError(f"the synthetic tasks need src_vocab_size == tgt_vocab_size, got "
+                         f"{c.src_vocab_size} and {c.tgt_vocab_size}")
+    task = make_task(train_config.task, vocab_size=c.src_vocab_size,
+                     min_len=train_config.min_len, max_len=train_config.max_len,
+                     pad_id=c.pad_id, bos_id=c.bos_id, eos_id=c.eos_id)
+    if task.tgt_len > c.max_len:
+        raise ValueError(f"max_len={train_config.max_len} needs targets of length "
+                         f"{task.tgt_len} (BOS/EOS + sequence), longer than the model's "
+                         f"max_len={c.max_len}")
+    return task
+
+
+def check_lm_data(model_config: TransformerConfig, train_config: TrainConfig,
+                  data: Optional[TextData]) -> None:
+    """Task "lm": the model fits the data's tokenizer and windows, before anything compiles."""
+    c = model_config
+    if data is None:
+        raise ValueError("task 'lm' needs data: fit(..., data=TextData(...))")
+    if c.num_encoder_layers:
+        raise ValueError("task 'lm' trains the decoder-only LM: set num_encoder_layers=0")
+    tok = data.tokenizer
+    if c.tgt_vocab_size < tok.vocab_size:
+        raise ValueError(f"the tokenizer has {tok.vocab_size} ids, more than the model's "
+                         f"tgt_vocab_size={c.tgt_vocab_size}")
+    ids = (c.pad_id, c.bos_id, c.eos_id)
+    if ids != (tok.pad_id, tok.bos_id, tok.eos_id):
+        raise ValueError(f"the model's pad/bos/eos ids {ids} differ from the tokenizer's "
+                         f"{(tok.pad_id, tok.bos_id, tok.eos_id)}")
+    if train_config.seq_len > c.max_len:
+        raise ValueError(f"seq_len={train_config.seq_len} is longer than the model's "
+                         f"max_len={c.max_len}")
+    if data.seq_len != train_config.seq_len:
+        raise ValueError(f"the data is packed in windows of {data.seq_len}, the run asks "
+                         f"for seq_len={train_config.seq_len}")
+    data.check_batch_size(train_config.batch_size, jax.process_count())
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+class TrainFunctions:
+    """The jitted pieces of a run, built once per (model config, train config, mesh).
+
+    `train_functions` caches these bundles, so runs that differ only in their
+    seed (or a resumed run in the same process) reuse the compiled code.
+
+      init(seed) -> TrainState             created in `shardings` (jitted, out_shardings)
+      init_from(seed, init_params) -> TrainState   the same from given parameters
+      shardings: TrainState                 of NamedShardings (`train_state_shardings`)
+      batch(seed, step) -> Batch           the training batch of `step`, split over "data"
+                                           (synthetic tasks; None for task "lm")
+      step(state, batch) -> (state, metrics)   jitted, donates `state`
+      compiled_step(state, batch) -> (compiled step, seconds compiling)   compiled once
+      abstract_state() -> TrainState       of ShapeDtypeStructs (restore targets)
+    """
+
+    def __init__(self, model_config: TransformerConfig, train_config: TrainConfig, mesh):
+        tc = train_config
+        self.mesh = mesh
+        self.tx = make_optimizer(tc)
+        self.schedule = learning_rate_schedule(tc)
+        if tc.task == "lm":  # batches come from the host pipeline (`fit(data=...)`)
+            self.task, self.batch = None, None
+            self.model = DecoderOnlyLM(model_config)
+            input_shapes = ((1, tc.seq_len),)
+        else:
+            self.task = task = task_for(model_config, tc)
+            self.model = Transformer(model_config)
+            input_shapes = ((1, task.src_len), (1, task.tgt_len))
+
+            def batch(seed, step):
+                data_key = jax.random.fold_in(jax.random.PRNGKey(seed), 1)
+                return task.train_batch(jax.random.fold_in(data_key, step), tc.batch_size)
+
+            self.batch = jax.jit(batch, out_shardings=data_sharding(mesh))
+        self.shardings = train_state_shardings(self.model, self.tx, input_shapes, mesh)
+        self.init = make_init(self.model, self.tx, input_shapes, mesh, self.shardings)
+        self.init_from = make_init_from(self.model, self.tx, input_shapes, mesh,
+                                        self.shardings)
+        self.step = make_train_step(self.model, self.tx, label_smoothing=tc.label_smoothing,
+                                    schedule=self.schedule, mesh=mesh,
+                                    shardings=self.shardings)
+        self._compiled = None
+
+    def abstract_state(self) -> TrainState:
+        """The state's shapes, dtypes and shardings (`jax.ShapeDtypeStruct`s): the target
+        to restore a checkpoint into without initialising anything."""
+        return jax.eval_shape(self.init, 0)
+
+    def compiled_step(self, state: TrainState, batch: Batch):
+        """(the compiled train step, seconds spent compiling now: 0.0 when already compiled)."""
+        if self._compiled is not None:
+            return self._compiled, 0.0
+        start = time.perf_counter()
+        self._compiled = self.step.lower(state, batch).compile()
+        return self._compiled, time.perf_counter() - start
+
+
+@functools.lru_cache(maxsize=8)
+def _train_functions(model_config, train_config, mesh) -> TrainFunctions:
+    return TrainFunctions(model_config, train_config, mesh)
+
+
+def train_functions(model_config: TransformerConfig, train_config: TrainConfig,
+                    mesh=None) -> TrainFunctions:
+    """The (cached) `TrainFunctions` of a run; the seed is an argument, not part of the key."""
+    mesh = make_mesh() if mesh is None else mesh
+    check_divisible(train_config.batch_size, mesh)
+    check_precision_backend(model_config, mesh.devices.flat)
+    return _train_functions(model_config, train_config.replace(seed=0), mesh)
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The training loss became NaN or infinite; `step` names the first such step."""
+
+    def __init__(self, step: int, value: float, last_checkpoint: Optional[int]):
+        self.step = step
+        kept = ("no checkpoint was written" if last_checkpoint is None else
+                f"the last good checkpoint (step {last_checkpoint}) is kept")
+        super().__init__(f"loss is {value} at step {step}: stopping; {kept}")
+
+
+@dataclasses.dataclass
+class FitResult:
+    """What `fit` returns. `history` has one dict per step run in this call;
+    `evals` the held-out records of task "lm"; `train_s` the seconds spent in
+    train steps (no compile, no evaluation)."""
+
+    state: TrainState
+    history: list
+    start_step: int
+    interrupted: bool
+    compile_s: float
+    wall_s: float
+    task: Optional[Task]
+    mesh: Any
+    train_s: float = 0.0
+    evals: list = dataclasses.field(default_factory=list)
+
+
+def fit(model_config: TransformerConfig, train_config: TrainConfig, *,
+        checkpoint_dir: Optional[str] = None, resume: bool = False, save_every: int = 500,
+        log_every: int = 25, progress: bool = True, metrics_file: Optional[str] = None,
+        on_step: Optional[Callable[[int], None]] = None, mesh=None,
+        data: Optional[TextData] = None, eval_every: int = 0,
+        fallback: bool = False, init_params: Any = None) -> FitResult:
+    """Train `Transformer(model_config)` on the task of `train_config`, or, for
+    task "lm", `DecoderOnlyLM(model_config)` on the text of `data`.
+
+    Args:
+      data: the `jaxformer.train.data.TextData` of task "lm" (built from
+        `train_config.data`); step s trains on its batch s, so resuming
+        continues the data stream exactly.
+      eval_every: task "lm": held-out loss and bits per byte every this many
+        steps and at the end (0: only at the end), in `evals` and `metrics_file`.
+      checkpoint_dir: where Orbax checkpoints go (every `save_every` steps, at
+        the end and on Ctrl-C). None: no checkpoints.
+      resume: restore the latest checkpoint of `checkpoint_dir` and continue
+        to `train_config.steps`; the result equals the uninterrupted run's.
+        A missing or unreadable checkpoint raises `CheckpointError`; a damaged
+        latest one names the newest step that restores, and `fallback=True`
+        continues from that step. Temporary directories of saves killed
+        midway are removed first.
+      log_every: steps between host syncs: the progress bar, `metrics_file`
+        (one JSON line per step, appended) and the non-finite check.
+      mesh: may span several processes (`jaxformer.parallel.distributed`): every process
+        calls `fit` alike and feeds its own devices' rows of each batch; they
+        write one checkpoint together (Orbax); only process 0 shows the bar
+        and writes `metrics_file`.
+      on_step: called with the step count after every step (tests use it).
+      init_params: start from these parameters (a pretrained model's:
+        `jaxformer.models.load`) instead of random ones; any layer layout;
+        with `model_config.lora_rank > 0` they are the frozen base and only the
+        adapters (initialised from the seed) train. Ignored on `resume` (the
+        checkpoint holds every parameter).
+    Ctrl-C (SIGINT) finishes the current step, saves, and returns with
+    `interrupted=True`; a second Ctrl-C aborts at once. A non-finite loss
+    raises `NonFiniteLossError` naming the step, without saving.
+    """
+    from tqdm.auto import tqdm  # noqa: PLC0415 (only the loop needs it)
+
+    from jaxformer.train.checkpoint import Checkpoints  # noqa: PLC0415
+
+    started = time.perf_counter()
+    tc = train_config
+    if save_every <= 0 or log_every <= 0:
+        raise ValueError(f"save_every and log_every must be positive, got {save_every}, "
+                         f"{log_every}")
+    if resume and checkpoint_dir is None:
+        raise ValueError("resume=True needs checkpoint_dir")
+    if eval_every < 0:
+        raise ValueError(f"eval_every must be >= 0, got {eval_every}")
+    mesh = make_mesh() if mesh is None else mesh
+    if tc.task == "lm":
+        task = None
+        check_lm_data(model_config, tc, data)
+    else:
+        task = task_for(model_config, tc)
+    fns = train_functions(model_config, tc, mesh)  # checks the batch against the mesh
+    if tc.task == "lm":
+        def next_batch(step):  # this process's rows of the global batch of `step`
+            local = data.train_batch(step, tc.batch_size, tc.seed,
+                                     process_index=jax.process_index(),
+                                     process_count=jax.process_count())
+            return jax.tree_util.tree_map(
+                lambda x: jax.make_array_from_process_local_data(data_sharding(mesh), x), local)
+    else:
+        def next_batch(step):
+            return fns.batch(tc.seed, step)
+    checkpoints = (Checkpoints(checkpoint_dir, create=not resume)
+                   if checkpoint_dir is not None else None)
+    if checkpoints is not None and jax.process_index() == 0:
+        for path in checkpoints.remove_unfinished_saves():
+            print(f"jaxformer: removed {path}, the unfinished save of a killed run",
+                  file=sys.stderr)
+    state = (fns.init(tc.seed) if resume or init_params is None else
+             fns.init_from(tc.seed, init_params))
+    if resume:
+        try:
+            state = checkpoints.restore(state, fallback=fallback)
+        except Exception:
+            checkpoints.close()
+            raise
+    start_step = int(state.step)
+    if start_step > tc.steps:
+        checkpoints.close()
+        raise ValueError(f"the checkpoint is at step {start_step}, beyond steps={tc.steps}")
+    primary = jax.process_index() == 0  # several processes: one bar, one metrics file
+    if progress and primary:  # compiling takes seconds to minutes before the bar moves
+        print(f"jaxformer: compiling the train step on {mesh.devices.size} device(s)...",
+              file=sys.stderr, flush=True)
+    train_step, compile_s = fns.compiled_step(state, next_batch(start_step))
+
+    stop = _StopFlag()
+    history, pending = [], []
+    bar = tqdm(total=tc.steps, initial=start_step, disable=not (progress and primary),
+               dynamic_ncols=True, desc=f"{tc.task} {model_config.norm}-LN", unit="step")
+    metrics_out = open(metrics_file, "a") if metrics_file and primary else None  # noqa: SIM115
+
+    def flush():
+        """Sync: check losses, log them, advance the bar."""
+        if not pending:
+            return
+        for step, metrics in jax.device_get(pending):
+            record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+            if not math.isfinite(record["loss"]):
+                raise NonFiniteLossError(step, record["loss"],
+                                         checkpoints.latest_step() if checkpoints else None)
+            history.append(record)
+            if metrics_out:
+                metrics_out.write(json.dumps(record) + "\n")
+        if metrics_out:
+            metrics_out.flush()
+        bar.update(len(pending))
+        bar.set_postfix(loss=f"{history[-1]['loss']:.4f}",
+                        acc=f"{history[-1]['token_accuracy']:.3f}")
+        pending.clear()
+
+    def save(step):
+        if checkpoints is not None:
+            checkpoints.save(step, state)
+
+    evals, eval_s = [], 0.0
+
+    def held_out(step):
+        """Task "lm": held-out metrics of the current parameters, logged as a record."""
+        nonlocal eval_s
+        begin = time.perf_counter()
+        metrics = evaluate_lm(fns.model, state.params, data, batch_size=tc.batch_size,
+                              mesh=mesh, progress=progress and primary)
+        record = {"step": step, **{f"eval_{k}": v for k, v in metrics.items()}}
+        evals.append(record)
+        if metrics_out:
+            metrics_out.write(json.dumps(record) + "\n")
+            metrics_out.flush()
+        eval_s += time.perf_counter() - begin
+
+    step = start_step
+    loop_started = time.perf_counter()
+    try:
+        with stop.catch_sigint():
+            while step < tc.steps and not stop.requested:
+                state, metrics = train_step(state, next_batch(step))
+                step += 1
+                pending.append((step, metrics))
+                if on_step is not None:
+                    on_step(step)
+                if step % log_every == 0 or step % save_every == 0 or stop.requested:
+                    flush()
+                if step % save_every == 0:
+                    save(step)
+                if eval_every and step % eval_every == 0 and step < tc.steps:
+                    held_out(step)
+            flush()
+            save(step)  # the final state (or where Ctrl-C stopped us)
+            train_s = time.perf_counter() - loop_started - eval_s
+            if tc.task == "lm" and step == tc.steps and step > start_step:
+                held_out(step)
+    finally:
+        bar.close()
+        if metrics_out:
+            metrics_out.close()
+        if checkpoints is not None:
+            checkpoints.close()
+    return FitResult(state=state, history=history, start_step=start_step,
+                     interrupted=stop.requested and step < tc.steps, compile_s=compile_s,
+                     wall_s=time.perf_counter() - started, task=task, mesh=mesh,
+                     train_s=train_s, evals=evals)
+
+
+class _StopFlag:
+    """Turns the first Ctrl-C into a request to stop after the current step."""
+
+    def __init__(self):
+        self.requested = False
+
+    def _handle(self, signum, frame):
+        self.requested = True
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C aborts
+
+    def catch_sigint(self):
+        flag = self
+
+        class _Context:
+            def __enter__(self):
+                self.installed = threading.current_thread() is threading.main_thread()
+                if self.installed:
+                    self.previous = signal.signal(signal.SIGINT, flag._handle)
+
+            def __exit__(self, *exc):
+                if self.installed:
+                    signal.signal(signal.SIGINT, self.previous)
+
+        return _Context()

@@ -1,0 +1,43 @@
+"""The one optimizer: global-norm clipping, then AdamW on a warmup + cosine schedule.
+
+Warmup: Post-LN (the paper's x = LN(x + f(x)), `norm="post"`) needs the
+linear learning-rate warmup: without it the first large Adam updates put the
+un-normalised residual path out of range and training stalls or diverges.
+Pre-LN is more forgiving; the same warmup costs it little.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import optax
+
+from jaxformer.nn import stacking
+from jaxformer.train.train_config import TrainConfig
+
+
+def learning_rate_schedule(tc: TrainConfig) -> optax.Schedule:
+    """Linear warmup 0 -> peak over `warmup_steps`, then cosine decay to end_lr_fraction*peak."""
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=tc.learning_rate, warmup_steps=tc.warmup_steps,
+        decay_steps=tc.steps, end_value=tc.learning_rate * tc.end_lr_fraction)
+
+
+def decay_mask(params) -> Any:
+    """True for matrices (ndim >= 2: kernels, embeddings); biases and LayerNorm are not decayed.
+
+    A stacked (scanned) layer's leaves carry a leading layer axis, not counted.
+    """
+    def is_matrix(path, p):
+        stacked = any(getattr(k, "key", None) == stacking.STACKED for k in path)
+        return p.ndim - stacked >= 2
+    return jax.tree_util.tree_map_with_path(is_matrix, params)
+
+
+def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+    """The one optimizer: clip the global gradient norm, then AdamW on the schedule."""
+    return optax.chain(
+        optax.clip_by_global_norm(tc.clip_norm),
+        optax.adamw(learning_rate_schedule(tc), b1=tc.b1, b2=tc.b2, eps=1e-9,
+                    weight_decay=tc.weight_decay, mask=decay_mask))
