@@ -78,7 +78,8 @@ import torch.nn as nn
 import jaxformer as jf
 from jaxformer.backends import cpu
 from jaxformer.cli import compilation_cache
-from jaxformer.train import ByteTokenizer, TextData, TrainConfig, segment_mask, train_functions
+from jaxformer.text import ByteTokenizer
+from jaxformer.train import TextData, TrainConfig, segment_mask, train_functions
 
 import hf_peer  # Hugging Face transformers' MarianMTModel (optional)
 from seed001 import Transformer as SeedTransformer  # the peer, verbatim from seed 001

@@ -10,7 +10,8 @@ import pytest
 from conftest import REPO
 
 # Each package may import itself and the ones before it, never one after it.
-LAYERS = ("errors", "config", "backends", "nn", "parallel", "decode", "train", "interop", "models", "cli")
+LAYERS = ("errors", "config", "backends", "nn", "parallel", "interop", "text", "decode", "train",
+          "models", "cli")
 PACKAGE = pathlib.Path(REPO) / "jaxformer"
 
 

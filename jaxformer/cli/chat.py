@@ -10,7 +10,7 @@ from jaxformer.cli.usage import UsageError
 def read_template(model_path: Optional[str], run_dir: Optional[str] = None) -> str:
     """The chat template of `--model`, or of a `--run` fine-tuned from a chat model
     (its chat_template.jinja); read before the weights, so a refusal is immediate."""
-    from jaxformer.models.chat import chat_template  # noqa: PLC0415
+    from jaxformer.text import chat_template  # noqa: PLC0415
 
     source = model_path if model_path is not None else run_dir
     try:
@@ -29,7 +29,7 @@ def chat_prompts(template: str, tokenizer, texts: list[str],
                  system: Optional[str] = None) -> list[list[int]]:
     """The ids of each text as a one-turn conversation ready for the assistant's reply,
     the template writing the special tokens (none are added by the tokenizer)."""
-    from jaxformer.models.chat import render_chat  # noqa: PLC0415
+    from jaxformer.text import render_chat  # noqa: PLC0415
 
     specials = {f"{role}_token": tokenizer.token_text(getattr(tokenizer, f"{role}_id"))
                 for role in ("bos", "eos", "pad")}

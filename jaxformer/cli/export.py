@@ -64,12 +64,12 @@ def run_tokenizer(run_dir: str, saved: dict, train_config, model_config):
             return tokenizers.Tokenizer.from_file(path)
         except Exception as error:  # noqa: BLE001 (tokenizers raises plain Exceptions)
             raise UsageError(f"the run's tokenizer {path}: {error}") from error
-    from jaxformer.models.hf_export import byte_tokenizer, with_bos  # noqa: PLC0415
+    from jaxformer.text import byte_tokenizer, with_bos  # noqa: PLC0415
 
     if train_config.tokenizer is None:
         tokenizer = byte_tokenizer()
     else:
-        from jaxformer.train.data import JSONTokenizer  # noqa: PLC0415
+        from jaxformer.text import JSONTokenizer  # noqa: PLC0415
 
         try:  # the same checks as training: the file is there and has pad/bos/eos
             JSONTokenizer(train_config.tokenizer)
@@ -84,9 +84,9 @@ def run_tokenizer(run_dir: str, saved: dict, train_config, model_config):
 
 
 def source_chat_template(path):
-    """The chat template of the checkpoint a model came from (`jaxformer.models.chat`), or
+    """The chat template of the checkpoint a model came from (`jaxformer.text.chat`), or
     None (also for a damaged tokenizer_config.json: weights and tokenizer still export)."""
-    from jaxformer.models.chat import chat_template  # noqa: PLC0415
+    from jaxformer.text import chat_template  # noqa: PLC0415
 
     try:
         return chat_template(path)

@@ -595,10 +595,10 @@ def _start_processes(args, processes) -> None:
 def _lm_model_overrides(model_overrides: dict, train_overrides: dict) -> dict:
     """Task "lm": the vocabulary and special ids come from the tokenizer, the positions
     from the window length, unless given."""
-    from jaxformer.train.data import load_tokenizer  # noqa: PLC0415
+    from jaxformer.text import training_tokenizer  # noqa: PLC0415
     from jaxformer.train.train_config import TrainConfig  # noqa: PLC0415
 
-    tokenizer = load_tokenizer(train_overrides.get("tokenizer"))
+    tokenizer = training_tokenizer(train_overrides.get("tokenizer"))
     vocab = model_overrides.get("tgt_vocab_size", tokenizer.vocab_size)
     seq_len = train_overrides.get("seq_len", TrainConfig.seq_len)
     return {"src_vocab_size": vocab, "tgt_vocab_size": vocab, "pad_id": tokenizer.pad_id,
@@ -646,10 +646,10 @@ def _load_init(args, model_overrides: dict, tokenizer_path: Optional[str]):
         except Exception as error:  # noqa: BLE001 (tokenizers raises plain Exceptions)
             raise UsageError(f"--tokenizer {tokenizer_path}: not a tokenizers JSON file "
                              f"({error})") from error
-        from jaxformer.models import load_tokenizer  # noqa: PLC0415
+        from jaxformer.text import checkpoint_tokenizer  # noqa: PLC0415
 
         try:  # the checkpoint's tokenizer alone first: no weights read for a refusal
-            own = load_tokenizer(args.init)
+            own = checkpoint_tokenizer(args.init)
         except (ImportError, ValueError):
             own = None  # load_pretrained below says what is wrong with the checkpoint
         if own is not None and (given.get_vocab(with_added_tokens=True)
@@ -669,7 +669,7 @@ def _run_tokenizer(out, model_config, train_config, saved: dict, pretrained=None
     """The tokenizer of an LM run: --init's (wrapped with the model's ids), a resumed
     fine-tuning run's copy in `out`, or the train config's."""
     from jaxformer.cli.runs import run_tokenizer  # noqa: PLC0415
-    from jaxformer.train.data import JSONTokenizer  # noqa: PLC0415
+    from jaxformer.text import JSONTokenizer  # noqa: PLC0415
 
     if pretrained is not None:
         c = model_config
@@ -682,10 +682,11 @@ def _run_tokenizer(out, model_config, train_config, saved: dict, pretrained=None
 def _text_data(train_config, tokenizer=None):
     """The `TextData` of an LM run: files read, tokenized, split and packed (may raise
     ValueError naming a file). `tokenizer`: default the train config's."""
-    from jaxformer.train.data import TextData, load_tokenizer  # noqa: PLC0415
+    from jaxformer.text import training_tokenizer  # noqa: PLC0415
+    from jaxformer.train.data import TextData  # noqa: PLC0415
 
     tc = train_config
-    tokenizer = load_tokenizer(tc.tokenizer) if tokenizer is None else tokenizer
+    tokenizer = training_tokenizer(tc.tokenizer) if tokenizer is None else tokenizer
     return TextData(tc.data, tokenizer, tc.seq_len,
                     eval_patterns=tc.eval_data or None, eval_fraction=tc.eval_fraction,
                     seed=tc.seed)

@@ -61,12 +61,12 @@ def has_checkpoint(directory: str) -> bool:
 def run_tokenizer(run_dir: str, model_config, train_config, saved: dict):
     """The tokenizer of an LM run: a fine-tuning run's (`--init`) tokenizer.json in the
     run directory, wrapped with the model's special ids; else the train config's."""
-    from jaxformer.train.data import JSONTokenizer, load_tokenizer  # noqa: PLC0415
+    from jaxformer.text import JSONTokenizer, training_tokenizer  # noqa: PLC0415
 
     init = saved.get("init")
     try:
         if init is None:
-            return load_tokenizer(train_config.tokenizer)
+            return training_tokenizer(train_config.tokenizer)
         from tokenizers import Tokenizer  # noqa: PLC0415
 
         path = os.path.join(run_dir, init["tokenizer"])
@@ -108,7 +108,7 @@ def language_model(run_dir=None, model_path=None):
     array without specials, decode, pad/bos/eos ids, byte_count).
     """
     from jaxformer.nn.model import DecoderOnlyLM  # noqa: PLC0415
-    from jaxformer.train.data import JSONTokenizer  # noqa: PLC0415
+    from jaxformer.text import JSONTokenizer  # noqa: PLC0415
 
     if run_dir is not None:
         model_config, train_config, params = load_run(run_dir, "lm")

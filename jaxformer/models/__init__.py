@@ -6,7 +6,7 @@ or a GGUF file -> (model, params, tokenizer).
 
 from jaxformer.models.hf_export import save_hf
 from jaxformer.models.llama import load_gguf
-from jaxformer.models.load import load, load_tokenizer
+from jaxformer.models.load import load
 
-__all__ = ["audio", "chat", "hf", "hf_encdec", "hf_export", "llama", "load", "load_gguf", "load_tokenizer",
-           "save_hf", "transcribe", "whisper"]
+__all__ = ["audio", "hf", "hf_encdec", "hf_export", "llama", "load", "load_gguf", "save_hf",
+           "transcribe", "whisper"]

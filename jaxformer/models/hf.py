@@ -52,6 +52,7 @@ from jaxformer.errors import FileFormatError, require_file
 from jaxformer.interop.flat import CheckpointMismatch, unflatten
 from jaxformer.interop.progress import tensor_bar
 from jaxformer.nn.model import DecoderOnlyLM
+from jaxformer.text.pretrained import tokenizer_from_dir
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                  "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
@@ -347,20 +348,6 @@ def params_from_hf(checkpoint, config: TransformerConfig, arch: str, *,
                 put(ours + f"ffn/{ours_ffn}/bias", theirs + f"mlp.{theirs_ffn}.bias")
     bar.close()
     return unflatten(flat)
-
-
-def tokenizer_from_dir(directory):
-    """The directory's `tokenizer.json` as a `tokenizers.Tokenizer`, or None without one."""
-    path = os.path.join(os.fspath(directory), "tokenizer.json")
-    if not os.path.exists(path):
-        return None
-    import tokenizers  # noqa: PLC0415 - optional
-
-    try:
-        return tokenizers.Tokenizer.from_file(path)
-    except Exception as error:  # tokenizers raises its own Exception type
-        raise FileFormatError(path, f"cannot be read as a tokenizers JSON file ({error})",
-                              "it is damaged, or not a Hugging Face tokenizer.json") from error
 
 
 def load_hf(directory, *, dtype: str = "float32", max_len: Optional[int] = None,

@@ -245,48 +245,6 @@ def tensors_to_hf(config: TransformerConfig, params, arch: str, dtype=np.float32
     return out
 
 
-def byte_tokenizer():
-    """`jaxformer.train.data.ByteTokenizer` as a `tokenizers.Tokenizer`: byte b -> id b + 3
-    after <pad>, <s>, </s> (GPT-2's byte-to-character table, no merges)."""
-    import tokenizers  # noqa: PLC0415 - optional
-    from tokenizers import decoders, models, pre_tokenizers  # noqa: PLC0415
-
-    table = _bytes_to_unicode()
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2} | {table[b]: b + 3 for b in range(256)}
-    tokenizer = tokenizers.Tokenizer(models.BPE(vocab, [], fuse_unk=False))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens(["<pad>", "<s>", "</s>"])
-    return tokenizer
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's printable character of each byte (the ByteLevel pre-tokenizer's table)."""
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-                 + list(range(ord("®"), ord("ÿ") + 1)))
-    table, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
-def with_bos(tokenizer, bos_id: int):
-    """A copy of `tokenizer` that starts every encoding with the token `bos_id` (how
-    `jaxformer train --task lm` saw every document), for `transformers`' encode."""
-    from tokenizers import processors  # noqa: PLC0415 - optional
-
-    copy = type(tokenizer).from_str(tokenizer.to_str())
-    bos = copy.id_to_token(bos_id)
-    copy.post_processor = processors.TemplateProcessing(single=f"{bos} $A",
-                                                        pair=f"{bos} $A $B",
-                                                        special_tokens=[(bos, bos_id)])
-    return copy
-
-
 def _tokenizer_config(tokenizer, config: TransformerConfig, chat_template=None) -> dict:
     names = {}
     for role, i in (("pad_token", config.pad_id), ("bos_token", config.bos_id),
@@ -297,7 +255,7 @@ def _tokenizer_config(tokenizer, config: TransformerConfig, chat_template=None) 
                              f"(TransformerConfig.{role[:3]}_id)")
         names[role] = token
     # Text spelling a special token stays text where the tokenizer says so (runs trained
-    # here: jaxformer.train.data.JSONTokenizer); transformers reads that from here.
+    # here: jaxformer.text.JSONTokenizer); transformers reads that from here.
     values = {"tokenizer_class": "PreTrainedTokenizerFast",
               "model_max_length": config.decoder_len,
               "split_special_tokens": bool(tokenizer.encode_special_tokens), **names}

@@ -68,11 +68,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer.config import TransformerConfig, llama
-from jaxformer.interop.gguf import (GGUFFile, read_architecture, read_gguf,
-                                    tokenizer_from_gguf)
+from jaxformer.interop.gguf import GGUFFile, read_architecture, read_gguf
 from jaxformer.interop.progress import tensor_bar
 from jaxformer.nn.model import DecoderOnlyLM
 from jaxformer.nn.rope import half_to_interleaved_rows
+from jaxformer.text.gguf_vocab import tokenizer_from_gguf
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
 PERMUTED = ("llama", "mistral")  # query/key rows in interleaved order (the converter's permute)
@@ -323,6 +323,5 @@ def load_gguf(path, *, rope: str = "half", dtype: str = "float32", max_len: int 
         check_architecture(path, arch)
     file = read_gguf(path)
     config = config_from_gguf(file, rope=rope, dtype=dtype, max_len=max_len)
-    tokenizer = (tokenizer_from_gguf(file) if "tokenizer.ggml.model" in file.metadata
-                 else None)
-    return DecoderOnlyLM(config), params_from_gguf(file, config, progress=progress), tokenizer
+    return (DecoderOnlyLM(config), params_from_gguf(file, config, progress=progress),
+            tokenizer_from_gguf(file))

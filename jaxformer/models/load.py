@@ -56,17 +56,3 @@ def load(path, *, dtype: str = "float32", max_len: Optional[int] = None,
     raise FileFormatError(path, "no such checkpoint directory or GGUF file",
                           "pass a Hugging Face directory (config.json + *.safetensors) "
                           "or a .gguf file")
-
-
-def load_tokenizer(path):
-    """The `tokenizers.Tokenizer` of a checkpoint directory or .gguf file (None if it has
-    none), without reading the weights."""
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        from jaxformer.models.hf import tokenizer_from_dir  # noqa: PLC0415
-
-        return tokenizer_from_dir(path)
-    from jaxformer.interop.gguf import read_gguf, tokenizer_from_gguf  # noqa: PLC0415
-
-    file = read_gguf(path)
-    return tokenizer_from_gguf(file) if "tokenizer.ggml.model" in file.metadata else None

@@ -69,7 +69,7 @@ def llama_run(tmp_path_factory):
 
 
 def test_a_run_exports_to_transformers_with_its_logits_and_tokens(llama_run, tmp_path, capsys):
-    from jaxformer.train.data import ByteTokenizer
+    from jaxformer.text import ByteTokenizer
 
     run, model, params = llama_run
     out = str(tmp_path / "hf")
@@ -115,7 +115,7 @@ def test_a_hugging_face_directory_exports_to_the_same_tensors_and_chat_template(
     the same tensors, and its chat template carried into tokenizer_config.json."""
     from safetensors.numpy import load_file
 
-    from jaxformer.models.hf_export import byte_tokenizer
+    from jaxformer.text import byte_tokenizer
 
     _, model, params = llama_run
     template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"

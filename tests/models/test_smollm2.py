@@ -253,7 +253,7 @@ def test_cli_export_gives_transformers_the_models_logits_and_tokens(smollm2, jax
         torch.set_num_threads(threads)
     # The other reader of the same weights: the exported directory through jaxformer's
     # Hugging Face path holds the GGUF path's parameters exactly, and the chat template.
-    from jaxformer.models.chat import chat_template, render_chat
+    from jaxformer.text import chat_template, render_chat
 
     again, again_params, _ = real_load(out, max_len=model.config.max_len)
     c = model.config  # the readers spell "no attention biases" differently

@@ -23,7 +23,8 @@ import jaxformer as jf
 from jaxformer.parallel import distributed
 from jaxformer.train.checkpoint import Checkpoints
 from jaxformer.cli.main import main
-from jaxformer.train.data import ByteTokenizer, TextData
+from jaxformer.text import ByteTokenizer
+from jaxformer.train.data import TextData
 from jaxformer.parallel.partitioning import make_mesh, mesh_spec_string
 from jaxformer.train import fit, TrainConfig
 

@@ -7,6 +7,8 @@ import jax
 import numpy as np
 import pytest
 
+from jaxformer import text as jt
+from jaxformer.text import byte as text_byte
 from jaxformer.train import data as jd
 
 FIELDS = ("inputs", "labels", "weights", "positions", "segments")
@@ -38,7 +40,7 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def text_data(corpus):
-    return jd.TextData([os.path.join(corpus, "*.bin")], jd.ByteTokenizer(), 4, seed=0)
+    return jd.TextData([os.path.join(corpus, "*.bin")], jt.ByteTokenizer(), 4, seed=0)
 
 
 def window_ids(td):
@@ -52,7 +54,7 @@ def window_ids(td):
 # -- tokenizers -------------------------------------------------------------------
 
 def test_byte_tokenizer_round_trip():
-    t = jd.ByteTokenizer()
+    t = jt.ByteTokenizer()
     text = "héllo, wörld — 日本語 🎉"
     ids = t.encode(text)
     assert ids.dtype == np.int32 and ids.min() >= 3 and ids.max() < t.vocab_size == 259
@@ -64,8 +66,8 @@ def test_byte_tokenizer_round_trip():
     with_specials = np.concatenate([[t.bos_id], t.encode("ok"), [t.eos_id, t.pad_id]])
     assert t.decode(with_specials) == "ok" and t.byte_count(with_specials) == 2
     assert t.decode(t.encode(b"a\xffb")) == "a\ufffdb"   # invalid UTF-8 is replaced
-    assert (t.pad_id, t.bos_id, t.eos_id) == (jd.PAD_ID, jd.BOS_ID, jd.EOS_ID) == (0, 1, 2)
-    assert isinstance(jd.load_tokenizer(None), jd.ByteTokenizer)
+    assert (t.pad_id, t.bos_id, t.eos_id) == (text_byte.PAD_ID, text_byte.BOS_ID, text_byte.EOS_ID) == (0, 1, 2)
+    assert isinstance(jt.training_tokenizer(None), jt.ByteTokenizer)
 
 
 def _train_hf_tokenizer(path, specials):
@@ -84,8 +86,8 @@ def _train_hf_tokenizer(path, specials):
 def test_json_tokenizer(tmp_path):
     path = tmp_path / "tok.json"
     hf = _train_hf_tokenizer(path, ["<pad>", "<s>", "</s>"])
-    t = jd.load_tokenizer(str(path))
-    assert isinstance(t, jd.JSONTokenizer)
+    t = jt.training_tokenizer(str(path))
+    assert isinstance(t, jt.JSONTokenizer)
     assert (t.pad_id, t.bos_id, t.eos_id) == (hf.token_to_id("<pad>"), hf.token_to_id("<s>"),
                                               hf.token_to_id("</s>")) == (0, 1, 2)
     assert t.vocab_size == hf.get_vocab_size() > 256
@@ -102,13 +104,13 @@ def test_json_tokenizer(tmp_path):
 def test_json_tokenizer_errors(tmp_path):
     broken = write(tmp_path, "broken.json", "{not json")
     with pytest.raises(ValueError, match="broken.json"):
-        jd.JSONTokenizer(broken)
+        jt.JSONTokenizer(broken)
     with pytest.raises(ValueError, match="nothere.json"):
-        jd.load_tokenizer(str(tmp_path / "nothere.json"))
+        jt.training_tokenizer(str(tmp_path / "nothere.json"))
     path = tmp_path / "nospecials.json"
     _train_hf_tokenizer(path, ["</s>"])
     with pytest.raises(ValueError, match=r"nospecials\.json.*pad \(tried <pad>.*bos \(tried <s>") as e:
-        jd.JSONTokenizer(str(path))
+        jt.JSONTokenizer(str(path))
     assert "eos" not in str(e.value).split("lacks special tokens:")[1]   # eos was found
 
 
@@ -175,7 +177,7 @@ def small_corpus(tmp_path):
 def test_packing_hand_computed(small_corpus):
     paths, other = small_corpus
     # The three documents held out: eval_batches gives the windows in order.
-    td = jd.TextData([other], jd.ByteTokenizer(), 5, eval_patterns=paths)
+    td = jd.TextData([other], jt.ByteTokenizer(), 5, eval_patterns=paths)
     assert td.num_eval_windows == 3
     (batch,) = list(td.eval_batches(4))
     for name, expected in EXPECTED.items():
@@ -184,7 +186,7 @@ def test_packing_hand_computed(small_corpus):
         np.testing.assert_array_equal(got[:3], expected, err_msg=name)
         np.testing.assert_array_equal(got[3], 0, err_msg=name)     # the padding row
     # The same documents as training data: one batch holds the same windows, shuffled.
-    td = jd.TextData(paths, jd.ByteTokenizer(), 5, eval_patterns=[other])
+    td = jd.TextData(paths, jt.ByteTokenizer(), 5, eval_patterns=[other])
     assert td.num_train_windows == 3 and td.train_bytes_count == 8
     train = td.train_batch(0, 3, seed=0)
     assert sorted(rows(train)) == sorted(rows(batch)[:3])
@@ -207,7 +209,7 @@ def test_segment_mask():
 def test_long_document_positions_stay_below_seq_len(tmp_path):
     """A document of 3 windows: its pieces are segments whose positions restart at 0."""
     other = write(tmp_path, "x.txt", "x")
-    td = jd.TextData([write(tmp_path, "long.txt", "0123456789")], jd.ByteTokenizer(), 4,
+    td = jd.TextData([write(tmp_path, "long.txt", "0123456789")], jt.ByteTokenizer(), 4,
                      eval_patterns=[other])
     assert td.num_train_windows == 3          # 12 tokens, 11 labels, 4 per window
     batch = jd.pack_windows(*td._train_stream, [0, 1, 2], 4)
@@ -220,7 +222,7 @@ def test_long_document_positions_stay_below_seq_len(tmp_path):
 # -- grain batches ----------------------------------------------------------------
 
 def test_determinism_and_seed(corpus, text_data):
-    fresh = jd.TextData([os.path.join(corpus, "*.bin")], jd.ByteTokenizer(), 4, seed=0)
+    fresh = jd.TextData([os.path.join(corpus, "*.bin")], jt.ByteTokenizer(), 4, seed=0)
     for step in (0, 1, 57):
         one, two = text_data.train_batch(step, 8, seed=3), fresh.train_batch(step, 8, seed=3)
         for name in FIELDS:
@@ -233,7 +235,7 @@ def test_exact_resume(corpus, text_data):
     steps = 30
     uninterrupted = iter(text_data.train_dataset(8, seed=5))
     seen = [next(uninterrupted) for _ in range(steps)]
-    resumed = jd.TextData([os.path.join(corpus, "*.bin")], jd.ByteTokenizer(), 4, seed=0)
+    resumed = jd.TextData([os.path.join(corpus, "*.bin")], jt.ByteTokenizer(), 4, seed=0)
     for step in (0, 17, steps - 1):
         assert rows(resumed.train_batch(step, 8, seed=5)) == rows(seen[step])
     batch = seen[0]
@@ -281,7 +283,7 @@ def test_batch_size_errors(text_data, tmp_path):
         text_data.train_dataset(6, seed=0, process_index=0, process_count=4)
     with pytest.raises(ValueError, match="process_index"):
         text_data.train_dataset(8, seed=0, process_index=2, process_count=2)
-    tiny = jd.TextData([write(tmp_path, "t.txt", "tiny text")], jd.ByteTokenizer(), 8)
+    tiny = jd.TextData([write(tmp_path, "t.txt", "tiny text")], jt.ByteTokenizer(), 8)
     with pytest.raises(ValueError, match="too small"):
         tiny.train_batch(0, 4, seed=0)
 
@@ -323,22 +325,22 @@ def test_held_out_documents(corpus, text_data):
 def test_eval_patterns_and_fraction(corpus):
     pattern = os.path.join(corpus, "*.bin")
     held = [os.path.join(corpus, "doc03.bin"), os.path.join(corpus, "doc1*.bin")]
-    td = jd.TextData([pattern], jd.ByteTokenizer(), 4, eval_patterns=held)
+    td = jd.TextData([pattern], jt.ByteTokenizer(), 4, eval_patterns=held)
     assert [os.path.basename(n) for n in td.eval_names] == ["doc03.bin"] + [
         f"doc1{i}.bin" for i in range(10)]
     assert len(td.train_names) == 29 and set(td.train_names).isdisjoint(td.eval_names)
-    td = jd.TextData([pattern], jd.ByteTokenizer(), 4, eval_fraction=0.26)
+    td = jd.TextData([pattern], jt.ByteTokenizer(), 4, eval_fraction=0.26)
     assert len(td.eval_names) == math.ceil(0.26 * 40) == 11
-    td = jd.TextData([pattern], jd.ByteTokenizer(), 4, eval_fraction=0.999)
+    td = jd.TextData([pattern], jt.ByteTokenizer(), 4, eval_fraction=0.999)
     assert len(td.train_names) == 1                  # at least one document trains
     with pytest.raises(ValueError, match="nothing left to train"):
-        jd.TextData([held[0]], jd.ByteTokenizer(), 4, eval_patterns=held)
+        jd.TextData([held[0]], jt.ByteTokenizer(), 4, eval_patterns=held)
 
 
 def test_single_document_is_split_inside(tmp_path):
     text = "é" * 10 + "abcdefghij"                      # 30 bytes; the cut lands in "é"
     path = write(tmp_path, "one.txt", text)
-    td = jd.TextData([path], jd.ByteTokenizer(), 4, eval_fraction=0.5)
+    td = jd.TextData([path], jt.ByteTokenizer(), 4, eval_fraction=0.5)
     raw = text.encode()
     assert td.eval_bytes == raw[16:] and td.train_bytes_count == 16   # moved to a char boundary
     assert td.eval_names == td.train_names == [path]
@@ -347,19 +349,19 @@ def test_single_document_is_split_inside(tmp_path):
     (batch,) = list(td.eval_batches(8))              # held-out: tokens + [EOS], no BOS
     assert batch.inputs[0, 0] == raw[16] + 3 and batch.weights.sum() == len(raw) - 16
     # At least one byte, one whole character, on each side.
-    td = jd.TextData([write(tmp_path, "two.txt", "ab")], jd.ByteTokenizer(), 4)
+    td = jd.TextData([write(tmp_path, "two.txt", "ab")], jt.ByteTokenizer(), 4)
     assert (td.train_bytes_count, td.eval_bytes) == (1, b"b")
-    td = jd.TextData([write(tmp_path, "kanji.txt", "a日")], jd.ByteTokenizer(), 4)
+    td = jd.TextData([write(tmp_path, "kanji.txt", "a日")], jt.ByteTokenizer(), 4)
     assert (td.train_bytes_count, td.eval_bytes) == (1, "日".encode())
     for name, content in [("b.txt", "b"), ("e.txt", "é")]:
         with pytest.raises(ValueError, match=name + ".*too short"):
-            jd.TextData([write(tmp_path, name, content)], jd.ByteTokenizer(), 4)
+            jd.TextData([write(tmp_path, name, content)], jt.ByteTokenizer(), 4)
 
 
 def test_json_tokenizer_corpus(tmp_path):
     tok_path = tmp_path / "tok.json"
     _train_hf_tokenizer(tok_path, ["<pad>", "<s>", "</s>"])
-    t = jd.JSONTokenizer(str(tok_path))
+    t = jt.JSONTokenizer(str(tok_path))
     train = write(tmp_path, "train.txt", "the cat sat on the mat " * 5)
     held = write(tmp_path, "held.txt", "the dog ate the hat")
     td = jd.TextData([train], t, 6, eval_patterns=[held])
@@ -371,4 +373,4 @@ def test_json_tokenizer_corpus(tmp_path):
     with pytest.raises(ValueError, match=r"latin1\.txt.*not UTF-8"):
         jd.TextData([train, bad], t, 6, eval_patterns=[held])
     # The byte tokenizer reads the same file.
-    assert jd.TextData([bad], jd.ByteTokenizer(), 2, eval_patterns=[held]).num_train_windows == 3
+    assert jd.TextData([bad], jt.ByteTokenizer(), 2, eval_patterns=[held]).num_train_windows == 3

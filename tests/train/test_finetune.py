@@ -19,7 +19,8 @@ import pytest
 import jaxformer as jf
 from jaxformer.cli.main import main
 from jaxformer.nn import lora
-from jaxformer.train.data import JSONTokenizer, TextData
+from jaxformer.text import JSONTokenizer
+from jaxformer.train.data import TextData
 from jaxformer.train import evaluate_lm, fit, train_functions, TrainConfig
 
 from jaxformer.cli.runs import read_run_config
@@ -143,7 +144,7 @@ def test_export_merges_the_adapters_for_transformers(smollm2, lora_run, tmp_path
     import torch
     from tokenizers import Tokenizer
 
-    from jaxformer.models.chat import chat_template
+    from jaxformer.text import chat_template
 
     config, state = saved_state(lora_run)
     out = str(tmp_path / "merged")

@@ -21,7 +21,8 @@ import jaxformer as jf
 from jaxformer.cli import baselines
 from jaxformer.decode import api as decoding
 from jaxformer.cli.main import main
-from jaxformer.train.data import ByteTokenizer, LMBatch, TextData
+from jaxformer.text import ByteTokenizer
+from jaxformer.train.data import LMBatch, TextData
 from jaxformer.train import (evaluate_lm, fit, loss_and_metrics, model_logits,
                              train_functions, TrainConfig)
 

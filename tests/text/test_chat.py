@@ -1,4 +1,4 @@
-"""Chat templates (`jaxformer.models.chat`, `jaxformer generate --chat`) against
+"""Chat templates (`jaxformer.text.chat`, `jaxformer generate --chat`) against
 transformers' `apply_chat_template` on SmolLM2-135M-Instruct's own template."""
 
 import json
@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from jaxformer.models.chat import chat_template, render_chat
+from jaxformer.text import chat_template, render_chat
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is 12 times 7?"}],

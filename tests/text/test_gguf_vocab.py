@@ -19,7 +19,8 @@ gguf = pytest.importorskip("gguf", reason="GGUF import needs the `llm` extra")
 pytest.importorskip("tokenizers", reason="needs the `llm` extra")
 spm = pytest.importorskip("sentencepiece", reason="the reference needs the `test` extra")
 
-from jaxformer.interop.gguf import read_gguf, tokenizer_from_gguf  # noqa: E402
+from jaxformer.interop.gguf import read_gguf  # noqa: E402
+from jaxformer.text.gguf_vocab import tokenizer_from_gguf  # noqa: E402
 from jaxformer.models import load  # noqa: E402
 
 CORPUS = """The quick brown fox jumps over the lazy dog.
