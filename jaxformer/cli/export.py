@@ -106,6 +106,7 @@ def run(args) -> int:
     from jaxformer.interop.flat import flatten  # noqa: PLC0415
     from jaxformer.models.hf_export import (architecture_of, check_exportable,  # noqa: PLC0415
                                             save_hf)
+    from jaxformer.train.task import trains_language_model  # noqa: PLC0415
 
     _check_out(args.out)
     chat_template = None
@@ -113,7 +114,7 @@ def run(args) -> int:
         from jaxformer.cli.runs import load_run, read_run_config  # noqa: PLC0415
 
         model_config, train_config, saved = read_run_config(args.run)
-        if train_config.task != "lm":
+        if not trains_language_model(train_config.task):
             raise UsageError(f"{args.run} is a {train_config.task} run; export needs a "
                              "--task lm run")
         merged_config = model_config.replace(lora_rank=0)
@@ -124,7 +125,7 @@ def run(args) -> int:
             raise UsageError(f"--run {args.run}: {error}") from error
         tokenizer = run_tokenizer(args.run, saved, train_config, model_config)
         chat_template = source_chat_template(args.run)  # a fine-tuning run's copy
-        model_config, train_config, params = load_run(args.run, "lm")
+        model_config, train_config, params = load_run(args.run, language_model=True)
         model_config, params = plain_params(model_config, params)
     else:
         from jaxformer import models  # noqa: PLC0415

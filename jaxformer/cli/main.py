@@ -97,7 +97,10 @@ def _flag_value(args, flag):
 def _model_fields(flag: str, task: Optional[str]) -> tuple:
     """The model fields a flag sets; the LM has no encoder, so --layers is its decoder's."""
     fields = _MODEL_FLAGS[flag]
-    return ("num_decoder_layers",) if task == "lm" and flag == "layers" else fields
+    from jaxformer.train.task import trains_language_model  # noqa: PLC0415
+
+    decoder_only = task is not None and trains_language_model(task)
+    return ("num_decoder_layers",) if decoder_only and flag == "layers" else fields
 
 
 _PROCESS_FLAGS = {"coordinator": "--coordinator", "num_processes": "--num-processes",
@@ -106,7 +109,7 @@ _PROCESS_FLAGS = {"coordinator": "--coordinator", "num_processes": "--num-proces
 
 def build_parser() -> argparse.ArgumentParser:
     from jaxformer.config import PRESETS  # noqa: PLC0415 (keep --help fast)
-    from jaxformer.train.tasks import TASKS  # noqa: PLC0415
+    from jaxformer.train.task import TASK_TYPES  # noqa: PLC0415
     from jaxformer.train.train_config import TrainConfig  # noqa: PLC0415
 
     parser = argparse.ArgumentParser(
@@ -143,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "picked by backend and length (default einsum)")
     model.add_argument("--vocab", type=int, help="vocabulary incl. PAD/BOS/EOS (default 32)")
     data = train.add_argument_group("task and optimisation")
-    data.add_argument("--task", choices=TASKS + ("lm",),
+    data.add_argument("--task", choices=tuple(TASK_TYPES),
                       help="synthetic task, or lm: the decoder-only LM on --data (default copy)")
     data.add_argument("--min-len", type=int, help="shortest source (default 1)")
     data.add_argument("--max-len", type=int, help="longest source (default 10)")
@@ -317,6 +320,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _configs_from_args(args):
     """(model config, train config, preset) from the flags given explicitly."""
     from jaxformer.config import PRESETS  # noqa: PLC0415
+    from jaxformer.train.task import task_type  # noqa: PLC0415
     from jaxformer.train.train_config import TrainConfig  # noqa: PLC0415
 
     model_overrides = {}
@@ -330,7 +334,7 @@ def _configs_from_args(args):
         # Short runs keep a proportionate warmup instead of failing validation.
         train_overrides["warmup_steps"] = min(TrainConfig.warmup_steps,
                                               train_overrides["steps"] // 8)
-    preset = args.preset or ("lm" if args.task == "lm" else "copy_task")
+    preset = args.preset or task_type(args.task).default_preset
     return PRESETS[preset], model_overrides, TrainConfig, train_overrides, preset
 
 
@@ -340,9 +344,9 @@ def _train_command(args) -> int:
 
     from jaxformer.parallel import distributed  # noqa: PLC0415
     from jaxformer.train.checkpoint import CheckpointError  # noqa: PLC0415
-    from jaxformer.nn.model import DecoderOnlyLM, Transformer  # noqa: PLC0415
     from jaxformer.train.evaluation import evaluate  # noqa: PLC0415
-    from jaxformer.train.loop import (check_lm_data, fit, NonFiniteLossError, task_for)  # noqa: PLC0415
+    from jaxformer.train.loop import fit, NonFiniteLossError  # noqa: PLC0415
+    from jaxformer.train.task import training_task, trains_language_model  # noqa: PLC0415
     from jaxformer.train.train_config import TrainConfig  # noqa: PLC0415
 
     for name in ("save_every", "log_every", "eval_examples", "sample_tokens"):
@@ -385,7 +389,7 @@ def _train_command(args) -> int:
                 tokenizer_path = train_overrides.pop("tokenizer", None)
                 model_config = None
             else:
-                if train_overrides.get("task") == "lm":
+                if trains_language_model(train_overrides.get("task", TrainConfig.task)):
                     model_overrides = _lm_model_overrides(model_overrides, train_overrides)
                 model_config = build_model(**model_overrides)
             train_config = TrainConfig(**train_overrides)
@@ -415,15 +419,16 @@ def _train_command(args) -> int:
 
         mesh = make_mesh(resume_mesh_spec(args, saved.get("mesh") if args.resume else None))
         check_divisible(train_config.batch_size, mesh, name="--batch")
-        model = (DecoderOnlyLM if train_config.task == "lm" else Transformer)(model_config)
+        task = training_task(model_config, train_config)
+        model = task.model_class(model_config)
         _check_mesh_fits(model, mesh)
-        if train_config.task == "lm":
+        data = None
+        if task.device_batch is None:  # host-fed: the text of --data
             data = _text_data(train_config, _run_tokenizer(
                 out, model_config, train_config, saved if args.resume else {},
                 pretrained_tokenizer))
-            check_lm_data(model_config, train_config, data)
-        else:
-            task = task_for(model_config, train_config)
+            task = training_task(model_config, train_config, data)
+        task.check(model_config)
     except ValueError as error:
         raise UsageError(str(error)) from error
 
@@ -459,7 +464,7 @@ def _train_command(args) -> int:
         result = fit(model_config, train_config, checkpoint_dir=checkpoint_dir,
                      resume=args.resume, save_every=args.save_every, log_every=args.log_every,
                      progress=not args.no_progress,
-                     metrics_file=os.path.join(out, "metrics.jsonl"), mesh=mesh, data=data,
+                     metrics_file=os.path.join(out, "metrics.jsonl"), mesh=mesh, task=task,
                      eval_every=args.eval_every, fallback=args.fallback,
                      init_params=init_params)
     except CheckpointError as error:
@@ -481,7 +486,7 @@ def _train_command(args) -> int:
         if not primary:
             return 0
         local_mesh = make_mesh(devices=jax.local_devices())
-    if train_config.task == "lm":
+    if data is not None:
         return _finish_lm(args, model, params, local_mesh, result, data, train_config, out,
                           started)
     heldout = task.heldout_set(args.eval_examples)
@@ -607,6 +612,8 @@ def _lm_model_overrides(model_overrides: dict, train_overrides: dict) -> dict:
 
 
 def _check_init_flags(args) -> None:
+    from jaxformer.train.task import trains_language_model  # noqa: PLC0415
+
     """--init takes the model from the checkpoint; --lora needs it (one line each)."""
     if args.init is None:
         lora = [f"--{f.replace('_', '-')}" for f in ("lora", "lora_alpha", "lora_targets")
@@ -618,7 +625,7 @@ def _check_init_flags(args) -> None:
     if shape and not args.resume:
         raise UsageError(f"--init takes the model from the checkpoint: drop "
                          f"{', '.join(shape)}")
-    if args.task != "lm":
+    if not trains_language_model(args.task):
         raise UsageError("--init fine-tunes a language model: it needs --task lm")
     if args.lora is None and (args.lora_alpha is not None or args.lora_targets is not None):
         raise UsageError("--lora-alpha and --lora-targets need --lora RANK")
@@ -789,9 +796,9 @@ def _decode_command(args) -> int:
 
     from jaxformer.decode.api import greedy_decode, sample  # noqa: PLC0415
     from jaxformer.nn.model import Transformer  # noqa: PLC0415
-    from jaxformer.train.loop import task_for  # noqa: PLC0415
+    from jaxformer.train.task import training_task  # noqa: PLC0415
 
-    model_config, train_config, params = load_run(args.run, "seq2seq")
+    model_config, train_config, params = load_run(args.run, language_model=False)
     model = Transformer(model_config)
     if args.sources:
         try:
@@ -804,7 +811,7 @@ def _decode_command(args) -> int:
         for i, row in enumerate(rows):
             src[i, :len(row)] = row
     else:
-        src = task_for(model_config, train_config).heldout_set(args.examples).src
+        src = training_task(model_config, train_config).heldout_set(args.examples).src
     try:
         kwargs = dict(max_new_tokens=min(args.max_new_tokens, model_config.max_len))
         out = (greedy_decode(model, params, src, **kwargs) if args.temperature == 0 else

@@ -27,17 +27,18 @@ def read_run_config(run_dir: str, context: str = ""):
                          f"{error}") from error
 
 
-def load_run(run_dir: str, task_kind: str):
+def load_run(run_dir: str, *, language_model: bool):
     """(model config, train config, params of the latest checkpoint) of a run directory.
 
-    `task_kind`: "lm" or "seq2seq", the kind of run the command needs.
+    `language_model`: the command needs a decoder-only LM run (else a seq2seq one).
     """
     from jaxformer.train.checkpoint import CheckpointError, Checkpoints  # noqa: PLC0415
     from jaxformer.train.loop import train_functions  # noqa: PLC0415
+    from jaxformer.train.task import trains_language_model  # noqa: PLC0415
 
     model_config, train_config, _ = read_run_config(run_dir)
-    if (train_config.task == "lm") != (task_kind == "lm"):
-        want = "a --task lm run" if task_kind == "lm" else "a copy/reverse/sort run"
+    if trains_language_model(train_config.task) != language_model:
+        want = "a --task lm run" if language_model else "a copy/reverse/sort run"
         raise UsageError(f"{run_dir} is a {train_config.task} run; this command needs {want}")
     directory = os.path.join(run_dir, "checkpoints")
     if not os.path.isdir(directory) or not has_checkpoint(directory):
@@ -111,7 +112,7 @@ def language_model(run_dir=None, model_path=None):
     from jaxformer.text import JSONTokenizer  # noqa: PLC0415
 
     if run_dir is not None:
-        model_config, train_config, params = load_run(run_dir, "lm")
+        model_config, train_config, params = load_run(run_dir, language_model=True)
         saved = read_run_config(run_dir)[2]
         return (DecoderOnlyLM(model_config), params,
                 run_tokenizer(run_dir, model_config, train_config, saved))

@@ -3,6 +3,7 @@
 Modules, one job each::
 
     train_config  TrainConfig: everything about a run that is not the architecture
+    task          TrainingTask, what `fit` trains on; `training_task` maps a name to one
     tasks         the synthetic tasks (copy, reverse, sort) and their batches
     data          text files to packed LM batches (grain)
     loss          loss_and_metrics (cross-entropy ignoring PAD), label_pad_id, model_logits
@@ -24,6 +25,7 @@ from jaxformer.train.loss import loss_and_metrics, model_logits
 from jaxformer.train.optimizer import make_optimizer
 from jaxformer.train.state import TrainState, init_train_state
 from jaxformer.train.step import make_train_step
+from jaxformer.train.task import SyntheticTask, TextTask, TrainingTask, training_task
 from jaxformer.train.tasks import Batch
 from jaxformer.train.train_config import TrainConfig
 
@@ -31,4 +33,4 @@ __all__ = ["CheckpointError", "Checkpoints", "LMBatch", "TextData",
            "segment_mask", "Batch", "FitResult", "NonFiniteLossError", "TrainConfig",
            "TrainFunctions", "TrainState", "evaluate", "evaluate_lm", "fit", "init_train_state",
            "loss_and_metrics", "make_optimizer", "make_train_step", "model_logits",
-           "train_functions"]
+           "train_functions", "SyntheticTask", "TextTask", "TrainingTask", "training_task"]

@@ -42,8 +42,8 @@ import grain
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.errors import FileFormatError, require_file
 from jaxformer.nn.mask_structure import MaskSpec
+
 
 def read_documents(patterns: Sequence[str]) -> list[tuple[str, bytes]]:
     """[(path, bytes)] of every file the patterns name, each file one document.

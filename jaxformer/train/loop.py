@@ -28,61 +28,16 @@ from typing import Any, Callable, Optional
 import jax
 
 from jaxformer.config import TransformerConfig
-from jaxformer.nn.model import DecoderOnlyLM, Transformer
 from jaxformer.nn.precision import check_backend as check_precision_backend
 from jaxformer.parallel.partitioning import make_mesh
 from jaxformer.parallel.sharding import check_divisible, data_sharding
 from jaxformer.train.data import TextData
-from jaxformer.train.evaluation import evaluate_lm
 from jaxformer.train.optimizer import learning_rate_schedule, make_optimizer
 from jaxformer.train.state import TrainState, make_init, make_init_from, train_state_shardings
 from jaxformer.train.step import make_train_step
-from jaxformer.train.tasks import Batch, Task, make_task
+from jaxformer.train.task import TrainingTask, training_task
+from jaxformer.train.tasks import Batch
 from jaxformer.train.train_config import TrainConfig
-
-
-# --------------------------------------------------------------------------- task <-> model
-
-
-def task_for(model_config: TransformerConfig, train_config: TrainConfig) -> Task:
-    """The `Task` of a run, checked against the model before anything compiles."""
-    c = model_config
-    if c.src_vocab_size != c.tgt_vocab_size:
-        raise ValueError(f"the synthetic tasks need src_vocab_size == tgt_vocab_size, got "
-                         f"{c.src_vocab_size} and {c.tgt_vocab_size}")
-    task = make_task(train_config.task, vocab_size=c.src_vocab_size,
-                     min_len=train_config.min_len, max_len=train_config.max_len,
-                     pad_id=c.pad_id, bos_id=c.bos_id, eos_id=c.eos_id)
-    if task.tgt_len > c.max_len:
-        raise ValueError(f"max_len={train_config.max_len} needs targets of length "
-                         f"{task.tgt_len} (BOS/EOS + sequence), longer than the model's "
-                         f"max_len={c.max_len}")
-    return task
-
-
-def check_lm_data(model_config: TransformerConfig, train_config: TrainConfig,
-                  data: Optional[TextData]) -> None:
-    """Task "lm": the model fits the data's tokenizer and windows, before anything compiles."""
-    c = model_config
-    if data is None:
-        raise ValueError("task 'lm' needs data: fit(..., data=TextData(...))")
-    if c.num_encoder_layers:
-        raise ValueError("task 'lm' trains the decoder-only LM: set num_encoder_layers=0")
-    tok = data.tokenizer
-    if c.tgt_vocab_size < tok.vocab_size:
-        raise ValueError(f"the tokenizer has {tok.vocab_size} ids, more than the model's "
-                         f"tgt_vocab_size={c.tgt_vocab_size}")
-    ids = (c.pad_id, c.bos_id, c.eos_id)
-    if ids != (tok.pad_id, tok.bos_id, tok.eos_id):
-        raise ValueError(f"the model's pad/bos/eos ids {ids} differ from the tokenizer's "
-                         f"{(tok.pad_id, tok.bos_id, tok.eos_id)}")
-    if train_config.seq_len > c.max_len:
-        raise ValueError(f"seq_len={train_config.seq_len} is longer than the model's "
-                         f"max_len={c.max_len}")
-    if data.seq_len != train_config.seq_len:
-        raise ValueError(f"the data is packed in windows of {data.seq_len}, the run asks "
-                         f"for seq_len={train_config.seq_len}")
-    data.check_batch_size(train_config.batch_size, jax.process_count())
 
 
 # --------------------------------------------------------------------------- the loop
@@ -97,32 +52,27 @@ class TrainFunctions:
       init(seed) -> TrainState             created in `shardings` (jitted, out_shardings)
       init_from(seed, init_params) -> TrainState   the same from given parameters
       shardings: TrainState                 of NamedShardings (`train_state_shardings`)
+      task: TrainingTask                    what the run trains on (`training_task`, no data)
+      model                                 task.model_class(model_config)
       batch(seed, step) -> Batch           the training batch of `step`, split over "data"
-                                           (synthetic tasks; None for task "lm")
+                                           (device-drawn tasks; None if host-fed)
       step(state, batch) -> (state, metrics)   jitted, donates `state`
       compiled_step(state, batch) -> (compiled step, seconds compiling)   compiled once
       abstract_state() -> TrainState       of ShapeDtypeStructs (restore targets)
     """
 
-    def __init__(self, model_config: TransformerConfig, train_config: TrainConfig, mesh):
+    def __init__(self, model_config: TransformerConfig, train_config: TrainConfig, mesh,
+                 task: Optional[TrainingTask] = None):
         tc = train_config
         self.mesh = mesh
         self.tx = make_optimizer(tc)
         self.schedule = learning_rate_schedule(tc)
-        if tc.task == "lm":  # batches come from the host pipeline (`fit(data=...)`)
-            self.task, self.batch = None, None
-            self.model = DecoderOnlyLM(model_config)
-            input_shapes = ((1, tc.seq_len),)
-        else:
-            self.task = task = task_for(model_config, tc)
-            self.model = Transformer(model_config)
-            input_shapes = ((1, task.src_len), (1, task.tgt_len))
-
-            def batch(seed, step):
-                data_key = jax.random.fold_in(jax.random.PRNGKey(seed), 1)
-                return task.train_batch(jax.random.fold_in(data_key, step), tc.batch_size)
-
-            self.batch = jax.jit(batch, out_shardings=data_sharding(mesh))
+        self.task = task = training_task(model_config, tc) if task is None else task
+        task.check_model(model_config)
+        self.model = task.model_class(model_config)
+        input_shapes = task.input_shapes()
+        self.batch = (None if task.device_batch is None else
+                      jax.jit(task.device_batch, out_shardings=data_sharding(mesh)))
         self.shardings = train_state_shardings(self.model, self.tx, input_shapes, mesh)
         self.init = make_init(self.model, self.tx, input_shapes, mesh, self.shardings)
         self.init_from = make_init_from(self.model, self.tx, input_shapes, mesh,
@@ -147,17 +97,22 @@ class TrainFunctions:
 
 
 @functools.lru_cache(maxsize=8)
-def _train_functions(model_config, train_config, mesh) -> TrainFunctions:
-    return TrainFunctions(model_config, train_config, mesh)
+def _train_functions(model_config, train_config, mesh, task) -> TrainFunctions:
+    return TrainFunctions(model_config, train_config, mesh, task)
 
 
 def train_functions(model_config: TransformerConfig, train_config: TrainConfig,
-                    mesh=None) -> TrainFunctions:
-    """The (cached) `TrainFunctions` of a run; the seed is an argument, not part of the key."""
+                    mesh=None, task: Optional[TrainingTask] = None) -> TrainFunctions:
+    """The (cached) `TrainFunctions` of a run; the seed is an argument, not part of the key.
+
+    `task`: a `TrainingTask` of one's own, part of the cache key (default: the one
+    `train_config.task` names, without data: only its model class, input shapes and
+    device batches matter here, so every run of a config shares the compiled step).
+    """
     mesh = make_mesh() if mesh is None else mesh
     check_divisible(train_config.batch_size, mesh)
     check_precision_backend(model_config, mesh.devices.flat)
-    return _train_functions(model_config, train_config.replace(seed=0), mesh)
+    return _train_functions(model_config, train_config.replace(seed=0), mesh, task)
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -173,7 +128,7 @@ class NonFiniteLossError(FloatingPointError):
 @dataclasses.dataclass
 class FitResult:
     """What `fit` returns. `history` has one dict per step run in this call;
-    `evals` the held-out records of task "lm"; `train_s` the seconds spent in
+    `evals` the held-out records (tasks with a held-out set: "lm"); `train_s` the seconds spent in
     train steps (no compile, no evaluation)."""
 
     state: TrainState
@@ -182,7 +137,7 @@ class FitResult:
     interrupted: bool
     compile_s: float
     wall_s: float
-    task: Optional[Task]
+    task: TrainingTask
     mesh: Any
     train_s: float = 0.0
     evals: list = dataclasses.field(default_factory=list)
@@ -193,16 +148,21 @@ def fit(model_config: TransformerConfig, train_config: TrainConfig, *,
         log_every: int = 25, progress: bool = True, metrics_file: Optional[str] = None,
         on_step: Optional[Callable[[int], None]] = None, mesh=None,
         data: Optional[TextData] = None, eval_every: int = 0,
-        fallback: bool = False, init_params: Any = None) -> FitResult:
-    """Train `Transformer(model_config)` on the task of `train_config`, or, for
-    task "lm", `DecoderOnlyLM(model_config)` on the text of `data`.
+        fallback: bool = False, init_params: Any = None,
+        task: Optional[TrainingTask] = None) -> FitResult:
+    """Train `task.model_class(model_config)` on `task`: by default the task that
+    `train_config.task` names (`training_task`): a synthetic seq2seq task, or, for
+    "lm", the decoder-only LM on the text of `data`.
 
     Args:
+      task: what to train on (a `jaxformer.train.task.TrainingTask`); default
+        `training_task(model_config, train_config, data)`.
       data: the `jaxformer.train.data.TextData` of task "lm" (built from
         `train_config.data`); step s trains on its batch s, so resuming
         continues the data stream exactly.
-      eval_every: task "lm": held-out loss and bits per byte every this many
-        steps and at the end (0: only at the end), in `evals` and `metrics_file`.
+      eval_every: tasks with a held-out set ("lm": loss and bits per byte):
+        evaluated every this many steps and at the end (0: only at the end),
+        in `evals` and `metrics_file`.
       checkpoint_dir: where Orbax checkpoints go (every `save_every` steps, at
         the end and on Ctrl-C). None: no checkpoints.
       resume: restore the latest checkpoint of `checkpoint_dir` and continue
@@ -241,19 +201,15 @@ def fit(model_config: TransformerConfig, train_config: TrainConfig, *,
     if eval_every < 0:
         raise ValueError(f"eval_every must be >= 0, got {eval_every}")
     mesh = make_mesh() if mesh is None else mesh
-    if tc.task == "lm":
-        task = None
-        check_lm_data(model_config, tc, data)
-    else:
-        task = task_for(model_config, tc)
-    fns = train_functions(model_config, tc, mesh)  # checks the batch against the mesh
-    if tc.task == "lm":
+    own_task = task
+    task = training_task(model_config, tc, data) if task is None else task
+    task.check(model_config)
+    fns = train_functions(model_config, tc, mesh, own_task)  # checks the batch against the mesh
+    if task.device_batch is None:
         def next_batch(step):  # this process's rows of the global batch of `step`
-            local = data.train_batch(step, tc.batch_size, tc.seed,
-                                     process_index=jax.process_index(),
-                                     process_count=jax.process_count())
             return jax.tree_util.tree_map(
-                lambda x: jax.make_array_from_process_local_data(data_sharding(mesh), x), local)
+                lambda x: jax.make_array_from_process_local_data(data_sharding(mesh), x),
+                task.host_batch(step))
     else:
         def next_batch(step):
             return fns.batch(tc.seed, step)
@@ -284,7 +240,7 @@ def fit(model_config: TransformerConfig, train_config: TrainConfig, *,
     stop = _StopFlag()
     history, pending = [], []
     bar = tqdm(total=tc.steps, initial=start_step, disable=not (progress and primary),
-               dynamic_ncols=True, desc=f"{tc.task} {model_config.norm}-LN", unit="step")
+               dynamic_ncols=True, desc=f"{task.name} {model_config.norm}-LN", unit="step")
     metrics_out = open(metrics_file, "a") if metrics_file and primary else None  # noqa: SIM115
 
     def flush():
@@ -313,11 +269,13 @@ def fit(model_config: TransformerConfig, train_config: TrainConfig, *,
     evals, eval_s = [], 0.0
 
     def held_out(step):
-        """Task "lm": held-out metrics of the current parameters, logged as a record."""
+        """Held-out metrics of the current parameters (if the task has a held-out set),
+        logged as a record."""
         nonlocal eval_s
         begin = time.perf_counter()
-        metrics = evaluate_lm(fns.model, state.params, data, batch_size=tc.batch_size,
-                              mesh=mesh, progress=progress and primary)
+        metrics = task.held_out(fns.model, state.params, mesh, progress and primary)
+        if metrics is None:
+            return
         record = {"step": step, **{f"eval_{k}": v for k, v in metrics.items()}}
         evals.append(record)
         if metrics_out:
@@ -344,7 +302,7 @@ def fit(model_config: TransformerConfig, train_config: TrainConfig, *,
             flush()
             save(step)  # the final state (or where Ctrl-C stopped us)
             train_s = time.perf_counter() - loop_started - eval_s
-            if tc.task == "lm" and step == tc.steps and step > start_step:
+            if step == tc.steps and step > start_step:
                 held_out(step)
     finally:
         bar.close()

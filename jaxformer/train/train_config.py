@@ -7,7 +7,7 @@ import math
 from typing import Optional
 
 from jaxformer.config import ConfigMixin
-from jaxformer.train.tasks import make_task
+from jaxformer.train.task import check_task_fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,14 +64,4 @@ class TrainConfig(ConfigMixin):
                                  f"{getattr(self, name)!r}")
         if not self.clip_norm > 0:
             raise ValueError(f"TrainConfig.clip_norm must be positive, got {self.clip_norm!r}")
-        if self.task == "lm":
-            if not self.data:
-                raise ValueError("TrainConfig.data: task 'lm' needs text files (--data PATH)")
-            if not isinstance(self.seq_len, int) or self.seq_len < 2:
-                raise ValueError(f"TrainConfig.seq_len must be an int >= 2, got "
-                                 f"{self.seq_len!r}")
-            if not 0.0 < self.eval_fraction < 1.0:
-                raise ValueError(f"TrainConfig.eval_fraction must be in (0, 1), got "
-                                 f"{self.eval_fraction!r}")
-        else:
-            make_task(self.task, min_len=self.min_len, max_len=self.max_len)  # validates
+        check_task_fields(self)

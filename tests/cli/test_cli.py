@@ -20,7 +20,7 @@ from jaxformer.cli.main import main
 from jaxformer.config import TransformerConfig
 from jaxformer.nn.model import Transformer
 from jaxformer.train import evaluate, TrainConfig
-from jaxformer.train.loop import task_for
+from jaxformer.train.task import training_task
 
 from conftest import saved_run, snapshot, tree_equal
 
@@ -75,7 +75,7 @@ def test_train_fills_the_run_directory(finished_run, capsys):
     model_config, train_config, state = saved_run(out)
     assert model_config.residual_dropout == 0.1 and int(state.step) == 12
     metrics = evaluate(Transformer(model_config), state.params,
-                       task_for(model_config, train_config).heldout_set(16))
+                       training_task(model_config, train_config).heldout_set(16))
     assert summary["exact_match"] == metrics["exact_match"]
     assert summary["token_accuracy"] == metrics["token_accuracy"]
     assert summary["eval_loss"] == metrics["loss"]

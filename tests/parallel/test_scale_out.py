@@ -81,7 +81,7 @@ SCRIPT = textwrap.dedent("""
 
     # -- decoding with parameters split by the rules
     model = jf.Transformer(MODEL)
-    batch = fns.task.train_batch(jax.random.PRNGKey(5), 8)
+    batch = fns.task.task.train_batch(jax.random.PRNGKey(5), 8)
     src, n = np.asarray(batch.src), batch.labels.shape[1]  # as `evaluate` decodes
     key = jax.random.PRNGKey(3)
 

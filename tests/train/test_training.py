@@ -19,7 +19,8 @@ from conftest import tree_equal
 from jaxformer.train.checkpoint import Checkpoints
 from jaxformer.train import (evaluate, fit, loss_and_metrics, make_optimizer, train_functions,
                              TrainConfig)
-from jaxformer.train.loop import NonFiniteLossError, task_for
+from jaxformer.train.loop import NonFiniteLossError
+from jaxformer.train.task import training_task
 from jaxformer.train.optimizer import decay_mask, learning_rate_schedule
 from jaxformer.train.state import create_train_state
 
@@ -69,7 +70,7 @@ def test_pad_positions_carry_no_loss():
 
 def test_decoder_tokens_at_pad_positions_change_nothing(one_device_run):
     model = jf.Transformer(MODEL)
-    task = task_for(MODEL, TRAIN)
+    task = training_task(MODEL, TRAIN).task
     batch = jax.device_get(task.sample(jax.random.PRNGKey(0), 8))
     params = one_device_run.state.params
     # Positions labelled PAD (after EOS): put real tokens into the decoder input there.
@@ -229,14 +230,14 @@ DATA_PARALLEL = textwrap.dedent("""
     from jaxformer.parallel.partitioning import make_mesh
     from jaxformer.parallel.sharding import shard_batch
     from jaxformer.train import evaluate, fit, TrainConfig
-    from jaxformer.train.loop import task_for
+    from jaxformer.train.task import training_task
 
     MODEL = jf.tiny(num_encoder_layers=1, num_decoder_layers=1)
     DROPOUT = MODEL.replace(attention_dropout=0.1, residual_dropout=0.1,
                             embedding_dropout=0.1, ffn_dropout=0.1)
     TRAIN = TrainConfig(max_len=6, steps=12, batch_size=8, warmup_steps=2, learning_rate=1e-2)
     dropout = fit(DROPOUT, TRAIN, progress=False)  # the harder case; one compilation
-    task = task_for(MODEL, TRAIN)
+    task = training_task(MODEL, TRAIN).task
     shards = shard_batch(task.train_batch(jax.random.PRNGKey(0), 8), dropout.mesh).src
     try:
         fit(MODEL, TRAIN.replace(batch_size=6), progress=False)
