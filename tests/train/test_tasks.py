@@ -135,3 +135,30 @@ def test_bad_task_arguments_are_refused(kwargs, match):
 def test_batch_is_a_pytree():
     batch = make_task("copy").sample(KEY, 2)
     assert isinstance(batch, Batch) and len(jax.tree_util.tree_leaves(batch)) == 3
+
+
+def test_fit_trains_on_the_task_object_it_is_given():
+    """`fit(task=...)` trains on the object, not on the name in the TrainConfig: a
+    "reverse" task given under a config that says "copy" trains exactly as the run
+    named "reverse" (copy's batches would give other losses)."""
+    import jaxformer as jf
+    from jaxformer.train import TrainConfig, fit, training_task
+
+    model = jf.tiny(num_encoder_layers=1, num_decoder_layers=1)
+    copy = TrainConfig(task="copy", steps=3, batch_size=8, warmup_steps=1, max_len=6)
+    reverse = copy.replace(task="reverse")
+    named = fit(model, reverse, progress=False, log_every=1)
+    given = fit(model, copy, task=training_task(model, reverse), progress=False, log_every=1)
+    assert given.task.name == "reverse"
+    assert [r["loss"] for r in given.history] == [r["loss"] for r in named.history]
+
+
+def test_a_task_name_maps_to_one_task_type():
+    from jaxformer.nn.model import DecoderOnlyLM, Transformer
+    from jaxformer.train.task import SyntheticTask, TextTask, task_type, trains_language_model
+
+    assert task_type("lm") is TextTask and trains_language_model("lm")
+    assert task_type("reverse") is SyntheticTask and not trains_language_model("sort")
+    assert TextTask.model_class is DecoderOnlyLM and SyntheticTask.model_class is Transformer
+    with pytest.raises(ValueError, match="unknown task 'copyy' .*copy, reverse, sort, lm"):
+        task_type("copyy")
