@@ -1,9 +1,9 @@
-"""Weight import from other frameworks into (TransformerConfig, params).
+"""File-format readers: one module per format, arrays and metadata out, no model knowledge.
 
-`from_torch_transformer` reads a `torch.nn.Transformer` plus its embeddings and
-output projection; `from_torch_decoder_only` reads a `torch.nn.TransformerEncoder`
-run with a causal mask (a decoder-only LM: self-attention + FFN per layer).
-PyTorch is imported only when one of them is called: `pip install 'jaxformer[torch]'`.
+`gguf` (llama.cpp's GGUF), `safetensors` (one file or a sharded index), `ct2`
+(CTranslate2 `model.bin`), `progress` (a bar over the tensors being read).
+The per-model name tables that turn their tensors into parameters are in
+`jaxformer.models`.
 
 `jaxformer.interop.flat.load_flat` builds params from a flat `{name: array}`
 mapping in jaxformer's names and checks it against the model, listing every
@@ -15,7 +15,5 @@ tensors are in `jaxformer.models` (`models/llama.py`).
 """
 
 from jaxformer.interop.flat import CheckpointMismatch, flatten, load_flat
-from jaxformer.interop.pytorch import from_torch_decoder_only, from_torch_transformer
 
-__all__ = ["CheckpointMismatch", "from_torch_transformer", "from_torch_decoder_only",
-           "flatten", "load_flat"]
+__all__ = ["CheckpointMismatch", "flatten", "load_flat"]

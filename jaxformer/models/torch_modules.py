@@ -1,7 +1,7 @@
 """PyTorch -> jaxformer: read torch modules into (TransformerConfig, params).
 
 Supported, exactly (logits equal to PyTorch's to float32 precision, see
-tests/test_interop.py):
+tests/models/test_torch_modules.py):
 
 * `from_torch_transformer`: `torch.nn.Transformer` (post or pre norm, `relu`,
   exact `gelu` or `GELU(approximate="tanh")`, any `layer_norm_eps`, `bias`

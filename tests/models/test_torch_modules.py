@@ -22,7 +22,7 @@ import pytest
 import jaxformer as jf
 
 torch = pytest.importorskip("torch")
-from jaxformer.interop import from_torch_decoder_only, from_torch_transformer  # noqa: E402
+from jaxformer.models import from_torch_decoder_only, from_torch_transformer  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # torch nested-tensor notes
 
