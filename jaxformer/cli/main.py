@@ -96,9 +96,9 @@ def _flag_value(args, flag):
 
 def _model_fields(flag: str, task: Optional[str]) -> tuple:
     """The model fields a flag sets; the LM has no encoder, so --layers is its decoder's."""
-    fields = _MODEL_FLAGS[flag]
     from jaxformer.train.task import trains_language_model  # noqa: PLC0415
 
+    fields = _MODEL_FLAGS[flag]
     decoder_only = task is not None and trains_language_model(task)
     return ("num_decoder_layers",) if decoder_only and flag == "layers" else fields
 
@@ -334,7 +334,7 @@ def _configs_from_args(args):
         # Short runs keep a proportionate warmup instead of failing validation.
         train_overrides["warmup_steps"] = min(TrainConfig.warmup_steps,
                                               train_overrides["steps"] // 8)
-    preset = args.preset or task_type(args.task).default_preset
+    preset = args.preset or task_type(args.task or TrainConfig.task).default_preset
     return PRESETS[preset], model_overrides, TrainConfig, train_overrides, preset
 
 
@@ -612,9 +612,9 @@ def _lm_model_overrides(model_overrides: dict, train_overrides: dict) -> dict:
 
 
 def _check_init_flags(args) -> None:
+    """--init takes the model from the checkpoint; --lora needs it (one line each)."""
     from jaxformer.train.task import trains_language_model  # noqa: PLC0415
 
-    """--init takes the model from the checkpoint; --lora needs it (one line each)."""
     if args.init is None:
         lora = [f"--{f.replace('_', '-')}" for f in ("lora", "lora_alpha", "lora_targets")
                 if getattr(args, f) is not None]
@@ -625,7 +625,7 @@ def _check_init_flags(args) -> None:
     if shape and not args.resume:
         raise UsageError(f"--init takes the model from the checkpoint: drop "
                          f"{', '.join(shape)}")
-    if not trains_language_model(args.task):
+    if args.task is None or not trains_language_model(args.task):
         raise UsageError("--init fine-tunes a language model: it needs --task lm")
     if args.lora is None and (args.lora_alpha is not None or args.lora_targets is not None):
         raise UsageError("--lora-alpha and --lora-targets need --lora RANK")
