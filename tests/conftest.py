@@ -27,7 +27,8 @@ LONGEST_FIRST = ("cli/test_cli.py", "test_docs.py", "parallel/test_partitioning.
                  "parallel/test_distributed.py", "train/test_finetune.py",
                  "parallel/test_scale_out.py", "models/test_smollm2.py",
                  "decode/test_decoding.py", "train/test_training.py", "train/test_lm.py",
-                 "models/test_whisper.py", "nn/test_remat.py", "models/test_hf_dirs.py")
+                 "models/test_whisper.py", "nn/test_remat.py", "models/test_hf_dirs.py",
+                 "test_gpu_benchmark.py")
 
 
 def pytest_collection_modifyitems(items):

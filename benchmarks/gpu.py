@@ -1,0 +1,191 @@
+"""What an accelerator does with jaxformer: train-step MFU, decode tokens/s and the
+fraction of memory bandwidth it uses, compile times. One script, under 8 minutes on
+one GPU or TPU; `--smoke` runs the same code on a tiny model (CPU, the tests).
+
+Workloads (`--size 125m`, the default; `--size 350m` a bigger one):
+
+  train   a Llama-style LM (`jaxformer.llama`: RMSNorm, RoPE, SwiGLU, tied
+          embeddings, vocabulary 32,000), precision "mixed" (bfloat16 compute,
+          float32 master weights), batch --batch x sequence 2048, AdamW: the jitted
+          step of `jaxformer train --task lm` (`jaxformer.train.train_functions`) on
+          random tokens, one document per row. Once per attention implementation:
+          "auto" (cuDNN on GPU, splash on TPU, what users get) and "blockwise".
+          MFU = model FLOPs per second / the chip's peak bfloat16 FLOP/s, model
+          FLOPs per token = 6 N + 12 L D T (PaLM, appendix B; N parameters, L
+          layers, D d_model, T sequence length).
+  decode  the same model in bfloat16 (`jaxformer.generate`, greedy, scan loop),
+          a 128-token prompt and 128 new tokens, batch 1 and 64. Bandwidth
+          fraction = (parameter bytes + mean KV-cache bytes read) per step x steps/s
+          / the chip's peak memory bandwidth.
+
+Peaks come from the vendors' data sheets by device kind (`PEAKS`); an unknown kind
+reports null fractions. Compile times are `lower().compile()` wall seconds. Every
+timing is a median of --rounds runs after a warm-up, each ended by
+`block_until_ready`.
+
+Run:  python benchmarks/gpu.py            (on the accelerator machine)
+      python benchmarks/gpu.py --smoke    (anywhere: tiny sizes, a few seconds)
+Prints a table, then one JSON line: device, train_mfu_auto, train_mfu_blockwise,
+train_step_s_auto, train_step_s_blockwise, train_compile_s_auto,
+train_compile_s_blockwise, decode_tokens_per_s_b1, decode_tokens_per_s_b64,
+decode_bandwidth_fraction_b1, decode_bandwidth_fraction_b64, decode_compile_s_b1,
+decode_compile_s_b64, params.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxformer as jf
+from jaxformer.train import LMBatch, TrainConfig, train_functions
+
+# (bfloat16 dense FLOP/s, memory bytes/s) by a substring of `device.device_kind`.
+PEAKS = {
+    "H200": (989e12, 4.8e12), "H100": (989e12, 3.35e12), "A100": (312e12, 2.0e12),
+    "L4": (121e12, 0.3e12), "TPU v6": (918e12, 1.64e12), "TPU v5p": (459e12, 2.76e12),
+    "TPU v5": (197e12, 0.82e12), "TPU v4": (275e12, 1.2e12),
+}
+SIZES = {  # d_model, layers, heads, d_ff
+    "125m": (768, 12, 12, 2048), "350m": (1024, 24, 16, 2816), "smoke": (64, 2, 4, 128),
+}
+
+
+def peaks(device) -> tuple[float | None, float | None]:
+    kind = getattr(device, "device_kind", "")
+    for name, values in PEAKS.items():
+        if name in kind:
+            return values
+    return None, None
+
+
+def model_config(size: str, seq_len: int, **overrides) -> jf.TransformerConfig:
+    d, layers, heads, d_ff = SIZES[size]
+    vocab = 256 if size == "smoke" else 32_000
+    return jf.llama(d_model=d, num_decoder_layers=layers, num_heads=heads, d_ff=d_ff,
+                    src_vocab_size=vocab, tgt_vocab_size=vocab, max_len=seq_len,
+                    **overrides)
+
+
+def timed(fn, rounds: int) -> float:
+    """Median seconds of `fn()` (its result blocked on) after one warm-up call."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def random_batch(batch: int, seq_len: int, vocab: int, seed: int = 0) -> LMBatch:
+    ids = np.random.default_rng(seed).integers(3, vocab, (batch, seq_len + 1), np.int32)
+    ones = np.ones((batch, seq_len), np.int32)
+    return LMBatch(inputs=ids[:, :-1], labels=ids[:, 1:], weights=ones.astype(np.float32),
+                   positions=np.broadcast_to(np.arange(seq_len, dtype=np.int32),
+                                             (batch, seq_len)).copy(),
+                   segments=ones)
+
+
+def train_row(size: str, impl: str, batch: int, seq_len: int, rounds: int) -> dict:
+    config = model_config(size, seq_len, precision="mixed", attention_impl=impl)
+    tc = TrainConfig(task="lm", data=("random tokens",), seq_len=seq_len, batch_size=batch,
+                     steps=1000, warmup_steps=10)
+    fns = train_functions(config, tc)
+    state = fns.init(0)
+    data = jax.device_put(random_batch(batch, seq_len, config.tgt_vocab_size))
+    start = time.perf_counter()
+    step = fns.step.lower(state, data).compile()
+    compile_s = time.perf_counter() - start
+    holder = {"state": state}
+
+    def run():
+        holder["state"], metrics = step(holder["state"], data)
+        return metrics["loss"]
+
+    step_s = timed(run, rounds)
+    n = jf.count_params(holder["state"].params)
+    flops = (6 * n + 12 * config.num_decoder_layers * config.d_model * seq_len) \
+        * batch * seq_len
+    peak_flops, _ = peaks(jax.devices()[0])
+    return {"params": n, "step_s": step_s, "compile_s": compile_s,
+            "tokens_per_s": batch * seq_len / step_s,
+            "mfu": None if peak_flops is None else flops / step_s / peak_flops}
+
+
+def decode_row(size: str, batch: int, prompt_len: int, new_tokens: int, rounds: int) -> dict:
+    config = model_config(size, prompt_len + new_tokens, dtype="bfloat16",
+                          param_dtype="bfloat16")
+    model = jf.DecoderOnlyLM(config)
+    prompt = jnp.asarray(np.random.default_rng(1).integers(
+        3, config.tgt_vocab_size, (batch, prompt_len)), jnp.int32)
+    params = jax.jit(model.init)(jax.random.PRNGKey(0), prompt[:1])["params"]
+    start = time.perf_counter()
+    jax.block_until_ready(jf.generate(model, params, prompt, max_new_tokens=new_tokens).tokens)
+    compile_s = time.perf_counter() - start  # compile + one run
+    seconds = timed(lambda: jf.generate(model, params, prompt,
+                                        max_new_tokens=new_tokens).tokens, rounds)
+    steps_per_s = new_tokens / seconds
+    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
+    mean_cache = prompt_len + new_tokens / 2  # positions read per step, on average
+    kv_bytes = (2 * config.num_decoder_layers * batch * mean_cache * config.kv_heads
+                * config.head_dim * 2)
+    _, peak_bandwidth = peaks(jax.devices()[0])
+    return {"tokens_per_s": batch * steps_per_s, "compile_s": compile_s,
+            "bandwidth_fraction": None if peak_bandwidth is None else
+            (param_bytes + kv_bytes) * steps_per_s / peak_bandwidth}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", choices=("125m", "350m"), default="125m")
+    parser.add_argument("--batch", type=int, default=8, help="train batch (sequences)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny sizes: checks the script end to end on any machine")
+    args = parser.parse_args(argv)
+    size, seq_len, batch = ("smoke", 64, 2) if args.smoke else (args.size, 2048, args.batch)
+    prompt_len, new_tokens = (8, 8) if args.smoke else (128, 128)
+    rounds = 1 if args.smoke else args.rounds
+    device = jax.devices()[0]
+    print(f"{device.platform} {getattr(device, 'device_kind', '')}, jax {jax.__version__}, "
+          f"{size}, train batch {batch} x {seq_len}", file=sys.stderr)
+
+    train = {impl: train_row(size, impl, batch, seq_len, rounds)
+             for impl in ("auto", "blockwise")}
+    decode = {b: decode_row(size, b, prompt_len, new_tokens, rounds)
+              for b in ((1, 2) if args.smoke else (1, 64))}
+    print(f"{'workload':<24}{'time':>12}{'tokens/s':>14}{'fraction':>10}{'compile s':>11}")
+    for impl, row in train.items():
+        fraction = "-" if row["mfu"] is None else f"{row['mfu']:.3f}"
+        print(f"{'train ' + impl:<24}{row['step_s']:>11.4f}s{row['tokens_per_s']:>14,.0f}"
+              f"{fraction:>10}{row['compile_s']:>11.1f}")
+    for b, row in decode.items():
+        fraction = "-" if row["bandwidth_fraction"] is None else \
+            f"{row['bandwidth_fraction']:.3f}"
+        print(f"{'decode batch ' + str(b):<24}{'':>12}{row['tokens_per_s']:>14,.1f}"
+              f"{fraction:>10}{row['compile_s']:>11.1f}")
+    (b1, d1), (b64, d64) = decode.items()
+    result = {"device": f"{device.platform} {getattr(device, 'device_kind', '')}".strip(),
+              "size": size, "params": train["auto"]["params"], "train_batch": batch,
+              "seq_len": seq_len}
+    for impl, row in train.items():
+        result |= {f"train_mfu_{impl}": row["mfu"], f"train_step_s_{impl}": row["step_s"],
+                   f"train_compile_s_{impl}": row["compile_s"]}
+    for name, row in (("b1", d1), ("b64", d64)):
+        result |= {f"decode_tokens_per_s_{name}": row["tokens_per_s"],
+                   f"decode_bandwidth_fraction_{name}": row["bandwidth_fraction"],
+                   f"decode_compile_s_{name}": row["compile_s"]}
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
