@@ -63,8 +63,10 @@ ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"
 _DEFAULTS = {
     "LlamaForCausalLM": dict(tie_word_embeddings=False),
     "MistralForCausalLM": dict(tie_word_embeddings=False, sliding_window=4096),
-    "Qwen2ForCausalLM": dict(tie_word_embeddings=False),
-    "Qwen3ForCausalLM": dict(tie_word_embeddings=False, head_dim=128),
+    "Qwen2ForCausalLM": dict(tie_word_embeddings=False, sliding_window=4096,
+                             max_window_layers=28),
+    "Qwen3ForCausalLM": dict(tie_word_embeddings=False, head_dim=128, sliding_window=4096,
+                             max_window_layers=28),
     "Gemma2ForCausalLM": dict(tie_word_embeddings=True, head_dim=256, query_pre_attn_scalar=256,
                               attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
                               sliding_window=4096),
@@ -143,7 +145,7 @@ def _pattern(arch: str, values: dict, num_layers: int) -> tuple[Optional[int], O
     types = values.get("layer_types")
     if types is None:
         if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-            first = int(values.get("max_window_layers", num_layers))
+            first = int(values.get("max_window_layers", _DEFAULTS[arch]["max_window_layers"]))
             types = ["full_attention" if i < first else "sliding_attention"
                      for i in range(num_layers)]
         elif arch in GEMMA:

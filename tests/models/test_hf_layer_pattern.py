@@ -31,6 +31,9 @@ CASES = {
     "qwen2_max_window_2": ("Qwen2ForCausalLM", dict(num_hidden_layers=4, sliding_window=4,
                                                     use_sliding_window=True,
                                                     max_window_layers=2), "GGLL"),
+    # Qwen2Config's defaults: sliding_window 4096, max_window_layers 28.
+    "qwen2_defaults": ("Qwen2ForCausalLM", dict(num_hidden_layers=30, use_sliding_window=True),
+                       "G" * 28 + "LL"),
 }
 
 
