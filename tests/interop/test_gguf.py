@@ -178,15 +178,19 @@ def test_a_bad_file_is_one_error_naming_it(tmp_path, lm, case):
     assert info.value.path == str(path)
 
 
-def test_a_tensor_of_nan_is_refused_unless_asked(tmp_path, lm):
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf], ids=["nan", "+inf", "-inf"])
+def test_a_tensor_of_nan_or_infinity_is_refused_unless_asked(tmp_path, lm, value):
     from jaxformer.errors import FileFormatError
     model, params = lm
     tensors = gguf_tensors(params, CONFIG)
-    tensors["blk.1.ffn_up.weight"] = np.full_like(tensors["blk.1.ffn_up.weight"], np.nan)
-    path = write_gguf(tmp_path / "nan.gguf", tensors)
-    with pytest.raises(FileFormatError, match="blk.1.ffn_up.weight.*NaN"):
+    up = tensors["blk.1.ffn_up.weight"].copy()
+    up[3, 5] = value  # one element: a check of the first or of the mean would miss it
+    tensors["blk.1.ffn_up.weight"] = up
+    path = write_gguf(tmp_path / "bad.gguf", tensors)
+    with pytest.raises(FileFormatError, match="blk.1.ffn_up.weight.*NaN or infinite"):
         llama.load_gguf(path)
-    assert np.isnan(read_gguf(path).array("blk.1.ffn_up.weight", check_finite=False)).all()
+    np.testing.assert_array_equal(read_gguf(path).array("blk.1.ffn_up.weight",
+                                                        check_finite=False), up)
 
 
 @pytest.mark.parametrize("progress", [True, False])

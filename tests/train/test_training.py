@@ -194,8 +194,11 @@ def test_bad_runs_are_refused_before_compiling(model, train, match):
 @pytest.mark.parametrize("changes, field", [
     (dict(steps=0), "steps"), (dict(batch_size=-1), "batch_size"),
     (dict(warmup_steps=12), "warmup_steps"), (dict(learning_rate=-1.0), "learning_rate"),
+    (dict(learning_rate=float("inf")), "learning_rate"),
+    (dict(learning_rate=float("nan")), "learning_rate"),
     (dict(task="shuffle"), "task"), (dict(label_smoothing=1.5), "label_smoothing"),
-], ids=["steps", "batch", "warmup-ge-steps", "negative-lr", "unknown-task", "smoothing"])
+], ids=["steps", "batch", "warmup-ge-steps", "negative-lr", "infinite-lr", "nan-lr",
+        "unknown-task", "smoothing"])
 def test_bad_train_config_is_refused(changes, field):
     with pytest.raises(ValueError, match=field):
         TRAIN.replace(**changes)
