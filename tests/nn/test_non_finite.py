@@ -16,7 +16,7 @@ def tree(**bad):
     leaves = {"a": np.ones((2, 3), np.float32), "b": np.ones((4,), np.float32),
               "c": jnp.ones((3,), jnp.bfloat16), "steps": np.arange(3)}
     for name, value in bad.items():
-        leaves[name] = jnp.asarray(leaves[name]).at[1].set(value)
+        leaves[name] = jnp.asarray(leaves[name]).at[(1,) * leaves[name].ndim].set(value)
     return {"layer": leaves}
 
 
