@@ -182,6 +182,17 @@ def test_non_finite_loss_stops_naming_the_step(tmp_path):
     assert f"step {bad - 1}" in str(info.value)
 
 
+def test_an_infinite_loss_stops_like_a_nan_one():
+    """+inf, not only NaN: output biases of -inf on half the vocabulary make the first
+    step's cross-entropy +inf (its gradients, and so the next loss, NaN)."""
+    params = jax.tree_util.tree_map(np.asarray, train_functions(MODEL, TRAIN).init(0).params)
+    bias = params["decoder"]["out_proj"]["bias"].copy()
+    bias[3::2] = -np.inf
+    params["decoder"]["out_proj"]["bias"] = bias
+    with pytest.raises(NonFiniteLossError, match=r"loss is inf at step 1\b"):
+        fit(MODEL, TRAIN, init_params=params, log_every=1, progress=False)
+
+
 @pytest.mark.parametrize("model, train, match", [
     (MODEL, TRAIN.replace(max_len=40), "longer than the model's max_len=32"),
     (MODEL.replace(tgt_vocab_size=20), TRAIN, "src_vocab_size == tgt_vocab_size"),
