@@ -8,7 +8,11 @@ DIR is a CTranslate2 Whisper folder (`model.bin`, `vocabulary.txt`,
 `config.json`) or a Hugging Face Whisper directory (`config.json`,
 safetensors, `tokenizer.json`). Any WAV sample rate and channel count; audio longer than 30 s
 is decoded in windows; every file is read and every option checked before the
-model loads.
+model loads. Files are read window by window (memory does not grow with their
+length); silence gives an empty transcript (`transcribe.transcribe`).
+
+Progress goes to stderr: a bar when stderr is a terminal, otherwise (or with
+`--no-progress`) one status line every 10 s once a run has taken that long.
 """
 
 from __future__ import annotations
@@ -16,10 +20,12 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 from jaxformer.cli.usage import UsageError, require_positive
 
 FORMATS = ("text", "json", "srt")
+STATUS_EVERY_S = 10.0  # seconds between two status lines (no terminal, or --no-progress)
 
 
 def add_parser(commands, add_common_flags) -> None:
@@ -42,7 +48,10 @@ def add_parser(commands, add_common_flags) -> None:
     parser.add_argument("--json", action="store_const", const="json", dest="format",
                         help="the same as --format json")
     parser.add_argument("--batch", type=int, default=8, help="30 s windows decoded together")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar on a terminal; as when stderr is not a "
+                             f"terminal, a long run prints one status line every "
+                             f"{STATUS_EVERY_S:g} s on stderr instead")
     add_common_flags(parser)
     parser.set_defaults(func=run)
 
@@ -59,7 +68,7 @@ def run(args) -> int:
                               "folder with model.bin, vocabulary.txt and config.json, or a "
                               "Hugging Face Whisper directory)")
     try:
-        samples = [audio_lib.read_wav(path) for path in args.audio]  # all checked first
+        samples = [audio_lib.open_wav(path) for path in args.audio]  # all checked first
         w = transcribe.load(args.model)
         transcribe.check_options(w, args.language, args.task)
         results = transcribe.transcribe(w, samples, language=args.language, task=args.task,
@@ -80,9 +89,11 @@ def run(args) -> int:
 
 
 def _progress_bar(args):
-    """`progress(seconds done, seconds in total)` driving a tqdm bar on stderr, or None."""
-    if args.no_progress:
-        return None
+    """`progress(seconds done, seconds in total)`: a tqdm bar when stderr is a terminal
+    (and not --no-progress), else status lines at most every STATUS_EVERY_S."""
+    isatty = getattr(sys.stderr, "isatty", None)
+    if args.no_progress or not (isatty and isatty()):
+        return StatusLines()
     from tqdm.auto import tqdm  # noqa: PLC0415
 
     bar = None
@@ -97,3 +108,22 @@ def _progress_bar(args):
             bar.close()
 
     return progress
+
+
+class StatusLines:
+    """`progress(done, total)` printing `jaxformer transcribe: 120/3600 s of audio (3%),
+    25 s` on stderr, at most one line every `every` seconds of wall time (the first
+    after `every` seconds: a short run prints none)."""
+
+    def __init__(self, every: float = STATUS_EVERY_S, clock=time.monotonic, file=None):
+        self.every, self.clock, self.file = every, clock, file
+        self.start = self.last = clock()
+
+    def __call__(self, done: float, total: float) -> None:
+        now = self.clock()
+        if now - self.last < self.every or done >= total:
+            return
+        self.last = now
+        print(f"jaxformer transcribe: {done:.0f}/{total:.0f} s of audio "
+              f"({100 * done / max(total, 1e-9):.0f}%), {now - self.start:.0f} s",
+              file=self.file or sys.stderr, flush=True)

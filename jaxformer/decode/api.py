@@ -65,7 +65,8 @@ __all__ = ["DecodeResult", "DecodeState", "TRACE_COUNTS", "generate", "greedy_de
 
 def _encdec_core(model: Transformer, params, src, src_mask, rng, *, max_new_tokens: int,
                  select, loop: str, return_logits: bool, processors: tuple = (),
-                 prefix_BP=None, prefix_len_B=None, segments: int = 1) -> DecodeResult:
+                 prefix_BP=None, prefix_len_B=None, segments: int = 1,
+                 return_scores: bool = False) -> DecodeResult:
     """Traceable encoder-decoder decode of a batch (no host checks)."""
     c = model.config
     cache = memory_cache(model, params, src, src_mask,
@@ -73,7 +74,7 @@ def _encdec_core(model: Transformer, params, src, src_mask, rng, *, max_new_toke
     state = init_state(jnp.full((src.shape[0],), c.bos_id, jnp.int32), cache, max_new_tokens,
                        pad_id=c.pad_id, rng=rng,
                        vocab_size=c.tgt_vocab_size if return_logits else None,
-                       prefix_BP=prefix_BP, prefix_len_B=prefix_len_B)
+                       prefix_BP=prefix_BP, prefix_len_B=prefix_len_B, scores=return_scores)
     state = decode_loop(cached_logits_fn(model, params), state, max_new_tokens, select=select,
                         eos_id=c.eos_id, pad_id=c.pad_id, loop=loop, processors=processors,
                         segments=segments, fold=cache_lib.fold)
@@ -81,20 +82,21 @@ def _encdec_core(model: Transformer, params, src, src_mask, rng, *, max_new_toke
 
 
 @decode_jit(static_argnames=("model", "max_new_tokens", "select", "loop", "return_logits",
-                             "processors", "segments"))
+                             "processors", "segments", "return_scores"))
 def encdec_program(model, params, src, src_mask, rng, prefix_BP=None, prefix_len_B=None, *,
-                max_new_tokens, select, loop, return_logits, processors=(), segments=1):
+                max_new_tokens, select, loop, return_logits, processors=(), segments=1,
+                return_scores=False):
     TRACE_COUNTS["encdec"] += 1
     return _encdec_core(model, params, src, src_mask, rng, max_new_tokens=max_new_tokens,
                         select=select, loop=loop, return_logits=return_logits,
                         processors=processors, prefix_BP=prefix_BP, prefix_len_B=prefix_len_B,
-                        segments=segments)
+                        segments=segments, return_scores=return_scores)
 
 
 def greedy_decode(model: Transformer, params, src_BS, *, max_new_tokens: int,
                   src_mask=None, loop: str = "scan", return_logits: bool = False,
                   processors=None, prefix=None, prefix_lengths=None,
-                  segments: Optional[int] = None) -> DecodeResult:
+                  segments: Optional[int] = None, return_scores: bool = False) -> DecodeResult:
     """Greedy decoding of an encoder-decoder `Transformer`, compiled once per shape.
 
     Args:
@@ -113,8 +115,11 @@ def greedy_decode(model: Transformer, params, src_BS, *, max_new_tokens: int,
         attending over the slots written so far (`decode_loop.decode_loop`);
         default `decode_loop.segments_for(max_new_tokens)`: 1 below 64 steps,
         up to 4. More segments read less per step and compile longer.
+      return_scores: also return `scores` (B,): the summed log-probability
+        (log-softmax of the processed logits) of each row's picks after its forced
+        prefix, EOS included.
     Returns:
-      DecodeResult(tokens (B, N) int32, lengths (B,) int32[, logits]).
+      DecodeResult(tokens (B, N) int32, lengths (B,) int32[, logits][, scores]).
     Raises:
       TypeError/ValueError on bad inputs, before anything is compiled.
     """
@@ -125,7 +130,8 @@ def greedy_decode(model: Transformer, params, src_BS, *, max_new_tokens: int,
                        jax.random.PRNGKey(0), prefix_BP, prefix_len_B,
                        max_new_tokens=int(max_new_tokens), select=sampling.greedy, loop=loop,
                        return_logits=return_logits, processors=procs,
-                       segments=segments_for(int(max_new_tokens), segments))
+                       segments=segments_for(int(max_new_tokens), segments),
+                       return_scores=bool(return_scores))
 
 
 def sample(model: Transformer, params, src_BS, *, max_new_tokens: int, rng: jax.Array,

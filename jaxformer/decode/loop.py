@@ -92,7 +92,9 @@ def decode_jit(*, static_argnames: tuple[str, ...]):
 @flax.struct.dataclass
 class DecodeResult:
     """tokens (B, N) int32; lengths (B,) int32; logits (B, N, V) float32 if requested;
-    scores (B,) float32 for beam search (length-penalised log-probability)."""
+    scores (B,) float32: beam search's length-penalised log-probability, or (greedy
+    and sampled decoding, if requested) the summed log-probability of each row's
+    picks after its forced prefix, EOS included (`DecodeState.logprob_B`)."""
 
     tokens: jax.Array
     lengths: jax.Array
@@ -116,6 +118,8 @@ class DecodeState:
       prefix_BP: (B, P) int32 forced tokens: row b's first prefix_len_B[b] picks are
         prefix_BP[b, :prefix_len_B[b]] whatever the model says; or None.
       prefix_len_B: (B,) int32 forced prefix length of each row (ragged), or None.
+      logprob_B: (B,) float32 sum of log_softmax(processed logits)[pick] over each
+        row's free picks (after its forced prefix, up to and including EOS), or None.
     """
 
     step: jax.Array
@@ -128,20 +132,22 @@ class DecodeState:
     logits_BNV: Optional[jax.Array] = None
     prefix_BP: Optional[jax.Array] = None
     prefix_len_B: Optional[jax.Array] = None
+    logprob_B: Optional[jax.Array] = None
 
     @property
     def result(self) -> DecodeResult:
         """What the entry points return: tokens, lengths and (if recorded) logits."""
         return DecodeResult(tokens=self.tokens_BN, lengths=self.lengths_B,
-                            logits=self.logits_BNV)
+                            logits=self.logits_BNV, scores=self.logprob_B)
 
 
 def init_state(first_token_B: jnp.ndarray, cache: Any, max_new_tokens: int, *,
                pad_id: int, rng: Optional[jax.Array] = None, vocab_size: Optional[int] = None,
-               prefix_BP: Optional[jax.Array] = None, prefix_len_B: Optional[jax.Array] = None
-               ) -> DecodeState:
+               prefix_BP: Optional[jax.Array] = None, prefix_len_B: Optional[jax.Array] = None,
+               scores: bool = False) -> DecodeState:
     """A fresh state: nothing generated; `vocab_size` set = also record logits;
-    `prefix_BP`/`prefix_len_B` set = force each row's first picks."""
+    `prefix_BP`/`prefix_len_B` set = force each row's first picks; `scores` = also
+    sum the log-probabilities of the free picks (`logprob_B`)."""
     batch = first_token_B.shape[0]
     return DecodeState(
         step=jnp.zeros((), jnp.int32),
@@ -154,7 +160,8 @@ def init_state(first_token_B: jnp.ndarray, cache: Any, max_new_tokens: int, *,
         logits_BNV=(None if vocab_size is None else
                     jnp.zeros((batch, max_new_tokens, vocab_size), jnp.float32)),
         prefix_BP=None if prefix_BP is None else prefix_BP.astype(jnp.int32),
-        prefix_len_B=None if prefix_len_B is None else prefix_len_B.astype(jnp.int32))
+        prefix_len_B=None if prefix_len_B is None else prefix_len_B.astype(jnp.int32),
+        logprob_B=jnp.zeros((batch,), jnp.float32) if scores else None)
 
 
 def forced_prefix(state, token_B: jnp.ndarray) -> jnp.ndarray:
@@ -188,10 +195,19 @@ def advance(state: DecodeState, logits_BV: jnp.ndarray, cache: Any, *,
     if logits_BNV is not None:
         logits_BNV = jax.lax.dynamic_update_slice(
             logits_BNV, logits_BV[:, None, :].astype(jnp.float32), (0, step, 0))
+    logprob_B = state.logprob_B
+    if logprob_B is not None:
+        logp_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
+        free_B = ~state.finished_B
+        if state.prefix_len_B is not None:
+            free_B &= step >= state.prefix_len_B
+        picked_B = jnp.take_along_axis(logp_BV, token_B[:, None], axis=1)[:, 0]
+        logprob_B = logprob_B + jnp.where(free_B, picked_B, 0.0)
     return state.replace(
         step=step + 1, token_B=token_B, cache=cache, tokens_BN=tokens_BN,
         lengths_B=jnp.where(state.finished_B, state.lengths_B, step + 1),
-        finished_B=state.finished_B | (token_B == eos_id), logits_BNV=logits_BNV)
+        finished_B=state.finished_B | (token_B == eos_id), logits_BNV=logits_BNV,
+        logprob_B=logprob_B)
 
 
 def segments_for(num_steps: int, segments: Optional[int] = None) -> int:

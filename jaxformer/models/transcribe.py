@@ -165,11 +165,23 @@ def to_json(result: Transcript) -> str:
 # -- windows and segments ----------------------------------------------------------------
 
 
-def window_features(samples_N: np.ndarray, seek: int) -> np.ndarray:
-    """(3000, 80) log-mel features of the 30 s of audio from mel frame `seek` on."""
+def window_samples(source, seek: int) -> np.ndarray:
+    """The (<= 480,000) samples of the 30 s window from mel frame `seek` on, read from
+    `source` (an `audio.WavFile`, `audio.Samples` or an (N,) array)."""
     start = seek * audio_lib.HOP
-    chunk = samples_N[start:start + audio_lib.CHUNK_SAMPLES]
-    return np.asarray(audio_lib.log_mel_spectrogram(audio_lib.pad_or_trim(chunk)[None]))[0]
+    if isinstance(source, np.ndarray):
+        return source[start:start + audio_lib.CHUNK_SAMPLES]
+    return source.read(start, start + audio_lib.CHUNK_SAMPLES)
+
+
+def features_of(chunk_N: np.ndarray) -> np.ndarray:
+    """(3000, 80) log-mel features of up to 30 s of samples (zero-padded)."""
+    return np.asarray(audio_lib.log_mel_spectrogram(audio_lib.pad_or_trim(chunk_N)[None]))[0]
+
+
+def window_features(source, seek: int) -> np.ndarray:
+    """(3000, 80) log-mel features of the 30 s of audio from mel frame `seek` on."""
+    return features_of(window_samples(source, seek))
 
 
 def split_segments(tokens: Sequence[int], timestamp_begin: int, seek: int, size: int
@@ -210,7 +222,7 @@ def split_segments(tokens: Sequence[int], timestamp_begin: int, seek: int, size:
 
 # -- the pipeline --------------------------------------------------------------------------
 
-AudioInput = Union[str, os.PathLike, np.ndarray]
+AudioInput = Union[str, os.PathLike, np.ndarray, audio_lib.WavFile, audio_lib.Samples]
 
 
 def check_options(w: Whisper, language: str, task: str) -> whisper.Tokens:
@@ -226,14 +238,29 @@ def check_options(w: Whisper, language: str, task: str) -> whisper.Tokens:
     return t
 
 
-def read_audio(item: AudioInput) -> np.ndarray:
-    """A WAV path (any rate and channels: `audio.read_wav`) or 16 kHz mono samples."""
+def check_thresholds(no_speech_threshold, logprob_threshold) -> None:
+    """ValueError unless each is None or a finite number (no_speech_threshold in [0, 1])."""
+    for name, value in (("no_speech_threshold", no_speech_threshold),
+                        ("logprob_threshold", logprob_threshold)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) or (
+                not np.isfinite(value)):
+            raise ValueError(f"{name} must be a finite number or None, got {value!r}")
+    if no_speech_threshold is not None and not 0 <= no_speech_threshold <= 1:
+        raise ValueError(f"no_speech_threshold is a probability in [0, 1], got "
+                         f"{no_speech_threshold!r}")
+
+
+def read_audio(item: AudioInput):
+    """A source of 16 kHz mono samples read window by window: a WAV path (any rate
+    and channels; the header is checked now, the samples are read as they are
+    needed: `audio.open_wav`), a `WavFile`, or (N,) samples (`audio.Samples`)."""
+    if isinstance(item, (audio_lib.WavFile, audio_lib.Samples)):
+        return item
     if isinstance(item, (str, os.PathLike)):
-        return audio_lib.read_wav(item)
-    samples = np.asarray(item, np.float32)
-    if samples.ndim != 1:
-        raise ValueError(f"audio samples must be (N,) 16 kHz mono, got shape {samples.shape}")
-    return samples
+        return audio_lib.open_wav(os.fspath(item))
+    return audio_lib.Samples(item)
 
 
 def padded_rows(n: int, batch_size: int) -> int:
@@ -244,14 +271,28 @@ def padded_rows(n: int, batch_size: int) -> int:
 def transcribe(w: Whisper, audio: Union[AudioInput, Sequence[AudioInput]], *,
                language: str = "auto", task: str = "transcribe", timestamps: bool = False,
                batch_size: int = 8, max_text_tokens: int = 224,
+               no_speech_threshold: Optional[float] = 0.6,
+               logprob_threshold: Optional[float] = -1.0,
                progress: Optional[Callable[[float, float], None]] = None
                ) -> Union[Transcript, list[Transcript]]:
     """Transcribe (or translate to English) one audio input or a list of them.
 
+    Files are read window by window (`audio.open_wav`): memory does not grow
+    with their length. Two rules leave a window without text, so silence gives
+    an empty transcript (an empty file too) rather than invented words:
+
+    - a window with no sample above one 16-bit step (`audio.is_silent`:
+      digital silence, such as zeros) is skipped without running the model;
+    - Whisper's no-speech rule (openai-whisper's `transcribe`): a decoded window
+      whose probability of <|nospeech|> after <|startoftranscript|> is above
+      `no_speech_threshold` and whose average log-probability is below
+      `logprob_threshold` is dropped (None turns a test off; both None keep
+      every window).
+
     Args:
       w: `load(model_dir)`.
-      audio: a WAV path or (N,) float 16 kHz samples, or a list of these (then a
-        list of results, in order).
+      audio: a WAV path, an `audio.WavFile`, or (N,) float 16 kHz samples, or a
+        list of these (then a list of results, in order).
       language: "auto" (detected per file on its first 30 s, from the language
         tokens: `whisper.detect_language`) or a code such as "en"; English-only
         models take "auto" or "en" and report "en" without a probability.
@@ -260,30 +301,35 @@ def transcribe(w: Whisper, audio: Union[AudioInput, Sequence[AudioInput]], *,
         and seek by the last complete segment; else one segment per 30 s window.
       batch_size: windows decoded together (at most).
       max_text_tokens: tokens generated per window at most (Whisper: 224).
-      progress: called as `progress(seconds done, seconds in total)` after each batch.
+      no_speech_threshold, logprob_threshold: the no-speech rule (0.6, -1.0 as
+        openai-whisper).
+      progress: called as `progress(seconds done, seconds in total)` after each
+        window skipped and each batch decoded.
     Raises:
       ValueError (an unknown language code, task, or an option the model cannot
       do) and FileFormatError (a file that is not WAV audio) before any decoding.
     """
-    single = isinstance(audio, (str, os.PathLike)) or (
+    single = isinstance(audio, (str, os.PathLike, audio_lib.WavFile, audio_lib.Samples)) or (
         isinstance(audio, np.ndarray) and audio.ndim == 1)
     items = [audio] if single else list(audio)
     t = check_options(w, language, task)
     if batch_size < 1 or max_text_tokens < 1:
         raise ValueError(f"batch_size and max_text_tokens must be >= 1, got {batch_size}, "
                          f"{max_text_tokens}")
-    samples = [read_audio(item) for item in items]  # every file is checked first
-    frames = [len(s) // audio_lib.HOP for s in samples]
-    languages, probabilities = detect(w, t, samples, language, batch_size)
+    check_thresholds(no_speech_threshold, logprob_threshold)
+    sources = [read_audio(item) for item in items]  # every file is checked first
+    frames = [s.num_samples // audio_lib.HOP for s in sources]
+    languages, probabilities = detect(w, t, sources, language, batch_size)
     prompts = [whisper.prompt_ids(list(w.vocab), lang if w.multilingual else None, task,
                                   timestamps) for lang in languages]
-    decode = functools.partial(decode_windows, w, samples, prompts, max_text_tokens)
+    windows = Windows(w, sources, prompts, max_text_tokens, no_speech_threshold,
+                      logprob_threshold)
     total = sum(frames) / FRAMES_PER_SECOND
     report = (lambda done: progress(done / FRAMES_PER_SECOND, total)) if progress else None
     if timestamps:
-        segments = seek_windows(decode, frames, t.timestamp_begin, batch_size, report)
+        segments = seek_windows(windows, frames, t.timestamp_begin, batch_size, report)
     else:
-        segments = consecutive_windows(decode, frames, batch_size, report)
+        segments = consecutive_windows(windows, frames, batch_size, report)
     results = []
     for lang, prob, segs in zip(languages, probabilities, segments):
         ids = [i for _, _, piece in segs for i in piece]
@@ -295,15 +341,15 @@ def transcribe(w: Whisper, audio: Union[AudioInput, Sequence[AudioInput]], *,
     return results[0] if single else results
 
 
-def detect(w: Whisper, t: whisper.Tokens, samples: list[np.ndarray], language: str,
+def detect(w: Whisper, t: whisper.Tokens, sources: list, language: str,
            batch_size: int) -> tuple[list[str], list[Optional[float]]]:
     """Each file's language and its probability (None where not detected)."""
     if language != "auto" or not w.multilingual:
-        return ["en" if language == "auto" else language] * len(samples), [None] * len(samples)
-    rows = padded_rows(len(samples), batch_size)
+        return ["en" if language == "auto" else language] * len(sources), [None] * len(sources)
+    rows = padded_rows(len(sources), batch_size)
     languages, probabilities = [], []
-    for i in range(0, len(samples), rows):
-        chunk = [window_features(s, 0) for s in samples[i:i + rows]]
+    for i in range(0, len(sources), rows):
+        chunk = [window_features(s, 0) for s in sources[i:i + rows]]
         features = np.stack(chunk + [chunk[0]] * (rows - len(chunk)))
         for code, p in whisper.detect_language(w.model, w.params, list(w.vocab),
                                                features)[:len(chunk)]:
@@ -312,56 +358,124 @@ def detect(w: Whisper, t: whisper.Tokens, samples: list[np.ndarray], language: s
     return languages, probabilities
 
 
-def decode_windows(w: Whisper, samples: list[np.ndarray], prompts: list[list[int]],
-                   max_text_tokens: int, windows: list[tuple[int, int]], rows: int
-                   ) -> list[list[int]]:
-    """Generated ids of the windows [(file, first frame)], as one batch of `rows` rows
-    (the last window repeated as padding)."""
-    padded = windows + [windows[-1]] * (rows - len(windows))
-    features = np.stack([window_features(samples[f], seek) for f, seek in padded])
-    out = whisper.generate_ids(w.model, w.params, list(w.vocab), features,
-                               [prompts[f] for f, _ in padded], suppress_ids=w.suppress_ids,
-                               suppress_ids_begin=w.suppress_ids_begin,
-                               max_text_tokens=max_text_tokens)
-    return out[:len(windows)]
+@dataclasses.dataclass
+class Windows:
+    """Reads, checks and decodes the 30 s windows of a run's files.
+
+    `features(f, seek)` reads one window of file f (None if digitally silent);
+    `decode([(f, features)], rows)` decodes windows as one batch of `rows` rows
+    and returns each one's ids, or None where the no-speech rule drops it.
+    """
+
+    w: Whisper
+    sources: list
+    prompts: list
+    max_text_tokens: int
+    no_speech_threshold: Optional[float]
+    logprob_threshold: Optional[float]
+
+    def features(self, f: int, seek: int) -> Optional[np.ndarray]:
+        chunk = window_samples(self.sources[f], seek)
+        return None if audio_lib.is_silent(chunk) else features_of(chunk)
+
+    def decode(self, batch: list[tuple[int, np.ndarray]], rows: int
+               ) -> list[Optional[list[int]]]:
+        padded = batch + [batch[-1]] * (rows - len(batch))
+        out = whisper.generate(self.w.model, self.w.params, list(self.w.vocab),
+                               np.stack([x for _, x in padded]),
+                               [self.prompts[f] for f, _ in padded],
+                               suppress_ids=self.w.suppress_ids,
+                               suppress_ids_begin=self.w.suppress_ids_begin,
+                               max_text_tokens=self.max_text_tokens)
+        return [None if self.no_speech(g) else g.ids for g in out[:len(batch)]]
+
+    def no_speech(self, g: whisper.Generated) -> bool:
+        """openai-whisper's rule: likely no speech, unless the text is confident."""
+        if self.no_speech_threshold is None or g.no_speech_prob is None:
+            return False
+        return g.no_speech_prob > self.no_speech_threshold and not (
+            self.logprob_threshold is not None and g.avg_logprob > self.logprob_threshold)
 
 
-def consecutive_windows(decode, frames: list[int], batch_size: int, report
+def consecutive_windows(windows: Windows, frames: list[int], batch_size: int, report
                         ) -> list[list[tuple[float, float, list[int]]]]:
-    """Every file cut in consecutive 30 s windows (at least one), decoded in batches."""
-    windows = [(f, seek) for f, n in enumerate(frames)
-               for seek in range(0, max(n, 1), WINDOW_FRAMES)]
-    rows = padded_rows(len(windows), batch_size)
-    segments = [[] for _ in frames]
-    done = 0
-    for i in range(0, len(windows), rows):
-        batch = windows[i:i + rows]
-        for (f, seek), ids in zip(batch, decode(batch, rows)):
-            end = min(seek + WINDOW_FRAMES, frames[f])
-            segments[f].append((seek / FRAMES_PER_SECOND, end / FRAMES_PER_SECOND, ids))
-            done += end - seek
+    """Every file cut in consecutive 30 s windows (at least one), read one at a time;
+    silent windows are skipped, the others decoded in batches of `batch_size`."""
+    starts = [(f, seek) for f, n in enumerate(frames)
+              for seek in range(0, max(n, 1), WINDOW_FRAMES)]
+    rows = padded_rows(len(starts), batch_size)
+    found = {}  # (f, seek) -> ids
+    done, pending = 0, []
+
+    def size(f, seek):
+        return min(seek + WINDOW_FRAMES, frames[f]) - seek
+
+    def flush():
+        nonlocal done
+        for (f, seek), ids in zip([k for k, _ in pending],
+                                  windows.decode([(k[0], x) for k, x in pending], rows)):
+            if ids is not None:
+                found[f, seek] = ids
+            done += size(f, seek)
+        pending.clear()
         if report:
             report(done)
+
+    for f, seek in starts:
+        x = windows.features(f, seek)
+        if x is None:  # digitally silent: no text
+            done += size(f, seek)
+            if report:
+                report(done)
+            continue
+        pending.append(((f, seek), x))
+        if len(pending) == rows:
+            flush()
+    if pending:
+        flush()
+    segments = [[] for _ in frames]
+    for (f, seek), ids in sorted(found.items()):
+        end = min(seek + WINDOW_FRAMES, frames[f])
+        segments[f].append((seek / FRAMES_PER_SECOND, end / FRAMES_PER_SECOND, ids))
     return segments
 
 
-def seek_windows(decode, frames: list[int], timestamp_begin: int, batch_size: int, report
-                 ) -> list[list[tuple[float, float, list[int]]]]:
+def seek_windows(windows: Windows, frames: list[int], timestamp_begin: int, batch_size: int,
+                 report) -> list[list[tuple[float, float, list[int]]]]:
     """Timestamped windows: each file's next window starts where `split_segments` says;
-    the current windows of up to `batch_size` files are decoded together."""
+    the current windows of up to `batch_size` files are decoded together. A silent
+    window, or one the no-speech rule drops, is skipped whole."""
     seek = [0] * len(frames)
     segments = [[] for _ in frames]
     started = [False] * len(frames)  # an empty file still gets one window
     rows = padded_rows(len(frames), batch_size)
-    while True:
-        active = [f for f in range(len(frames)) if seek[f] < frames[f] or not started[f]]
-        if not active:
-            return segments
-        batch = [(f, seek[f]) for f in active[:rows]]
-        for (f, s), ids in zip(batch, decode(batch, rows)):
-            size = max(min(WINDOW_FRAMES, frames[f] - s), 0)
-            pieces, advance = split_segments(ids, timestamp_begin, s, size)
-            segments[f].extend(pieces)
-            started[f], seek[f] = True, s + max(advance, 1)
+
+    def size(f):
+        return max(min(WINDOW_FRAMES, frames[f] - seek[f]), 0)
+
+    def progressed():
         if report:
             report(sum(min(s, n) for s, n in zip(seek, frames)))
+
+    while True:
+        batch = []
+        for f in range(len(frames)):
+            while len(batch) < rows and (seek[f] < frames[f] or not started[f]):
+                started[f] = True
+                x = windows.features(f, seek[f])
+                if x is not None:
+                    batch.append((f, x))
+                    break
+                seek[f] += max(size(f), 1)  # digitally silent: skipped
+                progressed()
+        if not batch:
+            return segments
+        for (f, _), ids in zip(batch, windows.decode(batch, rows)):
+            s, n = seek[f], size(f)
+            if ids is None:  # no speech
+                seek[f] = s + max(n, 1)
+                continue
+            pieces, advance = split_segments(ids, timestamp_begin, s, n)
+            segments[f].extend(pieces)
+            seek[f] = s + max(advance, 1)
+        progressed()

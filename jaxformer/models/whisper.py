@@ -31,8 +31,11 @@ import numpy as np
 
 from jaxformer.config import TransformerConfig
 from jaxformer.errors import FileFormatError, require_file
-from jaxformer.decode import api as decoding, processors
-from jaxformer.decode.loop import decode_jit
+from jaxformer.decode import cache as cache_lib, processors, sampling
+from jaxformer.decode.cache import memory_cache
+from jaxformer.decode.inputs import check_encdec, decodable
+from jaxformer.decode.loop import (cached_logits_fn, decode_jit, decode_loop, init_state,
+                                   segment_lengths, segments_for)
 from jaxformer.decode.processors import NEG
 from jaxformer.interop import ct2
 from jaxformer.interop.flat import load_flat
@@ -207,6 +210,7 @@ class Tokens:
     languages: tuple[str, ...]  # codes, in vocabulary order
     language_ids: tuple[int, ...]
     multilingual: bool
+    no_speech: Optional[int] = None  # <|nospeech|> (<|nocaptions|> in older vocabularies)
 
     def language_id(self, code: str) -> int:
         """The id of <|code|>, or ValueError naming the code and listing known ones."""
@@ -228,7 +232,8 @@ def tokens_of(vocab: list[str]) -> Tokens:
                   timestamp_begin=no_timestamps + 1,
                   languages=tuple(c for c, _ in languages),
                   language_ids=tuple(i for _, i in languages),
-                  multilingual=len(vocab) >= MULTILINGUAL_VOCAB)
+                  multilingual=len(vocab) >= MULTILINGUAL_VOCAB,
+                  no_speech=ids.get("<|nospeech|>", ids.get("<|nocaptions|>")))
 
 
 def prompt_ids(vocab: list[str], language: Optional[str] = "en", task: str = "transcribe",
@@ -372,13 +377,64 @@ def whisper_processors(vocab: list[str], prompt: list[int], suppress_ids, suppre
     return out
 
 
-def generate_ids(model, params, vocab: list[str], features_BTM, prompts: list[list[int]], *,
-                 suppress_ids, suppress_ids_begin, max_text_tokens: int = 224,
-                 loop: str = "while") -> list[list[int]]:
+@dataclasses.dataclass(frozen=True)
+class Generated:
+    """One row's greedy decode after its prompt.
+
+    ids: the generated ids, timestamps included, EOS excluded (ctranslate2's
+      `sequences_ids`).
+    no_speech_prob: the probability of <|nospeech|> (<|nocaptions|>) right after
+      <|startoftranscript|>, from the unprocessed logits (openai-whisper's and
+      ctranslate2's `no_speech_prob`); None if the vocabulary has no such token.
+    avg_logprob: the summed log-probability of the generated tokens under the
+      processed logits, EOS included, over len(ids) + 1 (openai-whisper's
+      `avg_logprob`).
+    """
+
+    ids: list[int]
+    no_speech_prob: Optional[float]
+    avg_logprob: float
+
+
+@decode_jit(static_argnames=("model", "max_new_tokens", "processors", "no_speech_id", "loop",
+                             "segments"))
+def _generate_program(model, params, features_BTM, prefix_BP, *, max_new_tokens, processors,
+                      no_speech_id, loop, segments):
+    """Greedy decode that also records the no-speech probability of step 0 and the
+    summed log-probabilities: (tokens (B, N), lengths (B,), logprob (B,), no_speech (B,))."""
+    c = model.config
+    batch = features_BTM.shape[0]
+    cache = memory_cache(model, params, features_BTM, None,
+                         segment_lengths(max_new_tokens, segments)[0])
+    prefix_len_B = (None if prefix_BP is None
+                    else jnp.full((batch,), prefix_BP.shape[1], jnp.int32))
+    state = init_state(jnp.full((batch,), c.bos_id, jnp.int32),
+                       (cache, jnp.zeros((batch,), jnp.float32)), max_new_tokens,
+                       pad_id=c.pad_id, prefix_BP=prefix_BP, prefix_len_B=prefix_len_B,
+                       scores=True)
+    step_fn = cached_logits_fn(model, params)
+
+    def logits_fn(token_B, carry, step):
+        logits_BV, cache = step_fn(token_B, carry[0], step)
+        logits_BV32 = logits_BV.astype(jnp.float32)
+        p_B = jnp.exp(logits_BV32[:, no_speech_id] - jax.nn.logsumexp(logits_BV32, axis=-1))
+        return logits_BV, (cache, jnp.where(step == 0, p_B, carry[1]))
+
+    state = decode_loop(logits_fn, state, max_new_tokens, select=sampling.greedy,
+                        eos_id=c.eos_id, pad_id=c.pad_id, loop=loop, processors=processors,
+                        segments=segments,
+                        fold=lambda carry, n: (cache_lib.fold(carry[0], n), carry[1]))
+    return state.tokens_BN, state.lengths_B, state.logprob_B, state.cache[1]
+
+
+def generate(model, params, vocab: list[str], features_BTM, prompts: list[list[int]], *,
+             suppress_ids, suppress_ids_begin, max_text_tokens: int = 224,
+             loop: str = "while") -> list[Generated]:
     """Greedy decoding of each row after its prompt (all prompts of one length, each
-    starting with <|startoftranscript|>), with `whisper_processors`. Returns each
-    row's generated ids, timestamps included, EOS excluded (ctranslate2's
-    `sequences_ids`); at most `max_text_tokens` are generated."""
+    starting with <|startoftranscript|>), with `whisper_processors`, in one compiled
+    program: each row's `Generated` ids, no-speech probability and average
+    log-probability (what Whisper's no-speech rule reads). At most
+    `max_text_tokens` are generated."""
     width = {len(p) for p in prompts}
     if len(width) != 1 or len(prompts) != features_BTM.shape[0]:
         raise ValueError(f"prompts: one per row of the features ({features_BTM.shape[0]}), "
@@ -388,17 +444,35 @@ def generate_ids(model, params, vocab: list[str], features_BTM, prompts: list[li
                                                                     for p in prompts):
         raise ValueError("prompts: each starts with <|startoftranscript|>, and all end with "
                          "<|notimestamps|> or none does")
-    procs = whisper_processors(vocab, prompts[0], suppress_ids, suppress_ids_begin)
-    prefix = np.asarray([p[1:] for p in prompts], np.int32) if width > 1 else None
-    out = decoding.greedy_decode(model, params, features_BTM,
-                                 max_new_tokens=width - 1 + int(max_text_tokens),
-                                 prefix=prefix, processors=procs, loop=loop)
+    max_new_tokens = width - 1 + int(max_text_tokens)
+    procs, prefix_BP, _ = check_encdec(
+        model, features_BTM, None, max_new_tokens=max_new_tokens, loop=loop,
+        processors=whisper_processors(vocab, prompts[0], suppress_ids, suppress_ids_begin),
+        prefix=np.asarray([p[1:] for p in prompts], np.int32) if width > 1 else None)
+    no_speech = t.no_speech if t.no_speech is not None else t.eot
+    tokens, lengths, logprob, no_speech_p = (np.asarray(x) for x in _generate_program(
+        *decodable(model, params), jnp.asarray(features_BTM), prefix_BP,
+        max_new_tokens=max_new_tokens, processors=procs, no_speech_id=no_speech, loop=loop,
+        segments=segments_for(max_new_tokens)))
     eos = model.config.eos_id
     rows = []
-    for tokens, length in zip(np.asarray(out.tokens), np.asarray(out.lengths)):
-        text = tokens[width - 1:int(length)].tolist()
-        rows.append(text[:-1] if text and text[-1] == eos else text)
+    for row, length, total, p in zip(tokens, lengths, logprob, no_speech_p):
+        text = row[width - 1:int(length)].tolist()
+        ids = text[:-1] if text and text[-1] == eos else text
+        rows.append(Generated(ids, None if t.no_speech is None else float(p),
+                              float(total) / (len(ids) + 1)))
     return rows
+
+
+def generate_ids(model, params, vocab: list[str], features_BTM, prompts: list[list[int]], *,
+                 suppress_ids, suppress_ids_begin, max_text_tokens: int = 224,
+                 loop: str = "while") -> list[list[int]]:
+    """The ids of `generate`: each row's generated ids, timestamps included, EOS
+    excluded (ctranslate2's `sequences_ids`)."""
+    return [g.ids for g in generate(model, params, vocab, features_BTM, prompts,
+                                    suppress_ids=suppress_ids,
+                                    suppress_ids_begin=suppress_ids_begin,
+                                    max_text_tokens=max_text_tokens, loop=loop)]
 
 
 def transcribe_ids(model, params, vocab, model_dir, features_BTM, *, max_new_tokens: int = 224,

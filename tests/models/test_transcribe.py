@@ -298,3 +298,97 @@ def test_long_audio_in_windows_with_and_without_timestamps(whisper_tiny):
     line = json.loads(transcribe.to_json(timed[0]))
     assert set(line) == {"text", "language", "language_probability", "segments"}
     assert line["segments"][1] == dataclasses.asdict(second)
+
+
+# -- silence, empty files and long files (issue 47) -----------------------------------
+
+
+def _write_pcm16(path, samples_N, rate=SR):
+    _write_wav(path, np.round(np.asarray(samples_N) * 32767)[:, None], rate, 2)
+    return str(path)
+
+
+@pytest.mark.parametrize("rate, channels", [(16000, 1), (44100, 2), (22050, 1), (8000, 3)])
+def test_pieces_of_a_wav_file_equal_the_whole_file(tmp_path, rate, channels):
+    if rate != SR:
+        pytest.importorskip("scipy")
+    x_NC = np.random.default_rng(0).uniform(-0.9, 0.9, (rate * 3 + 13, channels))
+    _write_wav(tmp_path / "a.wav", np.round(x_NC * 32767), rate, 2)
+    f = audio.open_wav(str(tmp_path / "a.wav"))
+    whole = audio.read_wav(str(tmp_path / "a.wav"))
+    assert f.num_samples == len(whole)
+    n = len(whole)
+    for start, stop in ((0, 100), (5, SR), (SR + 7, 2 * SR), (n - 1000, n + 50), (0, n)):
+        np.testing.assert_array_equal(f.read(start, stop), whole[start:stop])
+
+
+def test_no_speech_prob_and_avg_logprob_match_ctranslate2(whisper_tiny):
+    w, _, runtime = whisper_tiny
+    vocab = list(w.vocab)
+    noise = 0.01 * np.random.default_rng(0).normal(size=5 * SR)
+    features = _features(noise, audio.read_wav(FOX))
+    prompt = whisper.prompt_ids(vocab, None)
+    ours = whisper.generate(w.model, w.params, vocab, features, [prompt] * 2,
+                            suppress_ids=w.suppress_ids, suppress_ids_begin=w.suppress_ids_begin)
+    import ctranslate2  # noqa: PLC0415
+
+    theirs = runtime.generate(ctranslate2.StorageView.from_array(
+        np.ascontiguousarray(features.transpose(0, 2, 1))), [prompt] * 2, beam_size=1,
+        return_no_speech_prob=True, return_scores=True)
+    for g, ref in zip(ours, theirs):
+        n = len(ref.sequences_ids[0])
+        assert g.ids == ref.sequences_ids[0]
+        np.testing.assert_allclose(g.no_speech_prob, ref.no_speech_prob, atol=1e-5)
+        # ctranslate2's score is the summed log-probability over n (length penalty 1).
+        np.testing.assert_allclose(g.avg_logprob, ref.scores[0] * n / (n + 1), atol=1e-4)
+    # The noise is no speech by Whisper's rule; the sentence is speech.
+    assert ours[0].no_speech_prob > 0.6 and ours[0].avg_logprob < -1.0
+    assert ours[1].no_speech_prob < 0.1 and ours[1].avg_logprob > -1.0
+
+
+def test_silence_noise_and_empty_files_give_empty_transcripts(whisper_tiny, tmp_path):
+    w, _, _ = whisper_tiny
+    vocab = list(w.vocab)
+    noise = 0.01 * np.random.default_rng(0).normal(size=5 * SR)
+    zeros = np.zeros(5 * SR, np.float32)
+    empty = _write_pcm16(tmp_path / "empty.wav", np.zeros(0))
+    # What the model says without the two rules: words for silence and for noise.
+    said = whisper.generate_ids(w.model, w.params, vocab, _features(zeros, noise),
+                                [whisper.prompt_ids(vocab, None)] * 2,
+                                suppress_ids=w.suppress_ids,
+                                suppress_ids_begin=w.suppress_ids_begin)
+    assert all(transcribe.decode_text(vocab, ids).strip() for ids in said)
+    kept = transcribe.transcribe(w, [noise, FOX], no_speech_threshold=None)
+    assert kept[0].text and "lazy dog" in kept[1].text  # the rule is what drops the noise
+    for timestamps in (False, True):  # two windows a batch: the compiles of the tests above
+        results = [*transcribe.transcribe(w, [zeros, empty], timestamps=timestamps),
+                   *transcribe.transcribe(w, [noise, FOX], timestamps=timestamps)]
+        assert [r.text for r in results[:3]] == ["", "", ""], timestamps
+        assert [r.segments for r in results[:3]] == [(), (), ()]
+        assert "lazy dog" in results[3].text
+    assert transcribe.transcribe(w, empty).text == ""
+    with pytest.raises(ValueError, match="no_speech_threshold"):
+        transcribe.transcribe(w, FOX, no_speech_threshold=float("nan"))
+
+
+def test_a_long_silent_file_is_read_in_pieces(whisper_tiny, tmp_path):
+    import tracemalloc  # noqa: PLC0415
+
+    w, _, _ = whisper_tiny
+    peaks = {}
+    for minutes in (2, 5):
+        path = _write_pcm16(tmp_path / f"{minutes}.wav", np.zeros(minutes * 60 * SR))
+        done = []
+        tracemalloc.start()
+        try:
+            results = transcribe.transcribe(w, [path, path], timestamps=minutes == 5,
+                                            progress=lambda *a: done.append(a))
+            peaks[minutes] = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert [r.text for r in results] == ["", ""]
+        total = 2 * minutes * 60.0
+        assert done[-1] == (total, total) and len(done) >= 2 * minutes * 2  # per window
+    whole = 5 * 60 * SR * 4  # the 5 minutes as float32: 19.2 MB
+    assert peaks[5] < whole / 3, peaks
+    assert peaks[5] < peaks[2] + 1_000_000, peaks  # does not grow with the length
