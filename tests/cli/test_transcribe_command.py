@@ -63,3 +63,38 @@ def test_a_file_that_is_not_audio_is_named(tmp_path, capsys):
     assert main(["transcribe", "--model", str(tmp_path), FOX]) == 2  # no model files
     err = capsys.readouterr().err
     assert str(tmp_path) in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_an_empty_or_silent_wav_is_an_empty_transcript(tmp_path, capsys):
+    import wave  # noqa: PLC0415
+
+    paths = []
+    for name, seconds in (("empty.wav", 0), ("silence.wav", 70)):
+        with wave.open(str(tmp_path / name), "wb") as f:
+            f.setnchannels(1), f.setsampwidth(2), f.setframerate(16000)
+            f.writeframes(bytes(2 * 16000 * seconds))
+        paths.append(str(tmp_path / name))
+    assert main(["transcribe", "--model", whisper_model_dir(), *paths, "--json",
+                 "--no-progress"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(line["text"], line["segments"]) for line in lines] == [("", []), ("", [])]
+
+
+def test_status_lines_come_at_a_low_rate_without_a_terminal():
+    import io  # noqa: PLC0415
+
+    from jaxformer.cli.transcribe import StatusLines  # noqa: PLC0415
+
+    now, out = [0.0], io.StringIO()
+    status = StatusLines(every=10.0, clock=lambda: now[0], file=out)
+    for second in range(1, 36):  # a call every second for 35 s
+        now[0] = float(second)
+        status(second * 100.0, 3600.0)
+    lines = out.getvalue().splitlines()
+    assert lines == ["jaxformer transcribe: 1000/3600 s of audio (28%), 10 s",
+                     "jaxformer transcribe: 2000/3600 s of audio (56%), 20 s",
+                     "jaxformer transcribe: 3000/3600 s of audio (83%), 30 s"]
+    status(3600.0, 3600.0)  # done: the results follow, no line
+    now[0] = 100.0
+    status(3600.0, 3600.0)
+    assert len(out.getvalue().splitlines()) == 3
