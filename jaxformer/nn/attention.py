@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxformer.config import TransformerConfig
-from jaxformer.nn import lora, tuning
+from jaxformer.nn import checks, lora, tuning
 from jaxformer.nn.attention_select import jax_nn_mask_arguments, resolved_attention_impl
 from jaxformer.nn.blockwise import blockwise_attention
 from jaxformer.nn.mask_structure import MaskSpec, dense_mask
@@ -132,12 +132,27 @@ def dot_product_attention(
     weights, so its output and gradients stay finite instead of NaN. The softmax
     runs in float32 whatever the compute dtype.
     """
+    checks.check_shape("query_BHTK", query_BHTK, (None,) * 4, "(batch, heads, queries, depth)")
     batch, heads, num_queries, depth = query_BHTK.shape
     # Keys and values may come in parts along S (a decode cache's read-only past
     # and its current chunk): each part is read in place, never concatenated.
     keys = key_BHSK if isinstance(key_BHSK, tuple) else (key_BHSK,)
     values = value_BHSK if isinstance(value_BHSK, tuple) else (value_BHSK,)
-    kv_heads = keys[0].shape[1]
+    if len(keys) != len(values) or not keys:
+        raise ValueError(f"key_BHSK and value_BHSK must come in the same number of parts, "
+                         f"got {len(keys)} and {len(values)}")
+    kv_heads = getattr(keys[0], "shape", (None, None))[1]
+    for i, (k, v) in enumerate(zip(keys, values)):
+        part = f"[{i}]" if len(keys) > 1 else ""
+        checks.check_shape(f"key_BHSK{part}", k, (batch, kv_heads, None, depth),
+                           "(batch, kv heads, keys, depth)")
+        checks.check_shape(f"value_BHSK{part}", v, k.shape, "(the keys' shape)")
+    if heads % kv_heads:
+        raise ValueError(f"query heads ({heads}) must be a multiple of kv heads ({kv_heads})")
+    if mask is not None:
+        num_keys = sum(k.shape[2] for k in keys)
+        checks.check_shape("mask", mask, ((1, batch), (1, heads), (1, num_queries),
+                                          (1, num_keys)), "broadcastable to (B, H, T, S)")
     group = heads // kv_heads  # R = H / G query heads per kv head
 
     def scores(key_BGSK):  # (B, H, T, S) of one part

@@ -40,8 +40,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxformer.nn import checks
 from jaxformer.nn.mask_structure import (MaskSpec, band, block_mask, block_visible,
-                                         first_key_block)
+                                         check_spec, first_key_block)
 
 # Tuned for CPU at T = 1k (benchmarks/long.py); multiples of 128, sensible for GPU/TPU tiles.
 DEFAULT_BLOCK_Q = 256
@@ -97,13 +98,18 @@ def blockwise_attention(
     The softmax statistics and the value sums are float32 whatever the input
     dtype; the output has the query's dtype.
     """
+    checks.check_shape("query_BHTK", query_BHTK, (None,) * 4, "(batch, heads, queries, depth)")
     batch, heads, num_queries, depth = query_BHTK.shape
+    checks.check_shape("key_BGSK", key_BGSK, (batch, None, None, depth),
+                       "(batch, kv heads, keys, depth)")
+    checks.check_shape("value_BGSK", value_BGSK, key_BGSK.shape, "(the keys' shape)")
     kv_heads, num_keys = key_BGSK.shape[1], key_BGSK.shape[2]
-    if heads % kv_heads:
+    if kv_heads < 1 or heads % kv_heads:
         raise ValueError(f"query heads ({heads}) must be a multiple of kv heads ({kv_heads})")
     group = heads // kv_heads
     scale = 1.0 / math.sqrt(depth) if scale is None else scale
     mask = MaskSpec() if mask is None else mask
+    check_spec(mask, batch, num_queries, num_keys)
     block_q, block_k = min(block_q, num_queries), min(block_k, num_keys)
     num_q_blocks, num_k_blocks = -(-num_queries // block_q), -(-num_keys // block_k)
     padded_t, padded_s = num_q_blocks * block_q, num_k_blocks * block_k

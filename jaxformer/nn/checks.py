@@ -34,6 +34,33 @@ def check_tokens(name: str, tokens, vocab_size: int, max_len: int | None = None)
                              f"{sorted(set(bad.tolist()))[:10]}")
 
 
+def shape_text(expected) -> str:
+    """(None, 1|4, 16) -> "(*, 1|4, 16)": a pattern for messages."""
+    def one(e):
+        if e is None:
+            return "*"
+        if isinstance(e, tuple):
+            return "|".join(str(v) for v in e)
+        return str(e)
+    return "(" + ", ".join(one(e) for e in expected) + ("," if len(expected) == 1 else "") + ")"
+
+
+def check_shape(name: str, x, expected, layout: str = "") -> None:
+    """`x.shape` matches `expected`: per axis an int, a tuple of allowed ints, or None
+    (any size). ValueError naming the argument, the layout, the expected and the
+    actual shape; shapes are static, so this runs at trace time (free under jit)."""
+    shape = getattr(x, "shape", None)
+    if shape is None:
+        raise TypeError(f"{name} must be an array {layout}, got {type(x).__name__}".strip())
+    ok = len(shape) == len(expected) and all(
+        e is None or (size in e if isinstance(e, tuple) else size == e)
+        for size, e in zip(shape, expected))
+    if not ok:
+        what = f" {layout}" if layout else ""
+        raise ValueError(f"{name} must have shape {shape_text(expected)}{what}, got "
+                         f"{tuple(shape)}")
+
+
 def check_rank(name: str, x, rank, layout: str) -> None:
     """`x` has rank `rank` (an int or a set of ints); `layout` names the axes for the message."""
     chex.assert_rank(x, rank, custom_message=f"argument {name} must be {layout}")

@@ -40,6 +40,8 @@ import flax.struct
 import jax.numpy as jnp
 from jax import lax
 
+from jaxformer.nn import checks
+
 Int = Union[int, jnp.ndarray]
 
 
@@ -80,6 +82,40 @@ class MaskSpec:
     @property
     def has_positions(self) -> bool:
         return self.q_positions is not None
+
+
+def check_spec(spec: MaskSpec, batch: Optional[int], num_queries: int, num_keys: int,
+               name: str = "mask") -> None:
+    """ValueError naming the field of `spec` whose shape does not fit `batch` rows of
+    `num_queries` queries and `num_keys` keys (`batch` None: any, but one for all
+    fields): per-token arrays (B|1, T) or (B|1, S), per-row arrays () or (B|1,).
+    Shapes are static: this costs nothing under jit."""
+    if not isinstance(spec, MaskSpec):
+        raise TypeError(f"{name} must be a MaskSpec or None, got {type(spec).__name__}")
+    if batch is None:
+        sizes = {x.shape[0] for x in (spec.q_segment_ids, spec.kv_segment_ids, spec.q_positions,
+                                      spec.kv_positions, spec.kv_lengths, spec.q_lengths,
+                                      spec.prefix_length)
+                 if getattr(x, "ndim", 0) >= 1 and x.shape[0] != 1}
+        batch = max(sizes) if sizes else 1
+    rows = (1, batch)
+    per_token = {"q_segment_ids": (rows, num_queries), "q_positions": (rows, num_queries),
+                 "kv_segment_ids": (rows, num_keys), "kv_positions": (rows, num_keys)}
+    for field, expected in per_token.items():
+        value = getattr(spec, field)
+        if value is not None:
+            checks.check_shape(f"{name}.{field}", value, expected,
+                               "(batch or 1, queries)" if field.startswith("q_")
+                               else "(batch or 1, keys)")
+    for field in ("kv_lengths", "q_lengths", "prefix_length", "q_offset"):
+        value = getattr(spec, field)
+        if value is None or isinstance(value, int):
+            continue
+        ndim = getattr(value, "ndim", None)
+        if field == "q_offset" or ndim == 0:
+            checks.check_shape(f"{name}.{field}", value, (), "(a scalar)")
+        else:
+            checks.check_shape(f"{name}.{field}", value, (rows,), "(batch or 1,) per row")
 
 
 def _slice(x: Optional[jnp.ndarray], start: Int, size: int) -> Optional[jnp.ndarray]:
@@ -132,6 +168,7 @@ def block_mask(spec: MaskSpec, q_start: Int, size_q: int, k_start: Int,
 
 def dense_mask(spec: MaskSpec, num_queries: int, num_keys: int) -> jnp.ndarray:
     """(B|1, 1, T, S) bool, the whole mask: for the dense path and for tests."""
+    check_spec(spec, None, num_queries, num_keys, "spec")
     return block_mask(spec, 0, num_queries, 0, num_keys)
 
 

@@ -25,9 +25,12 @@ from typing import Optional
 
 import jax.numpy as jnp
 
+from jaxformer.nn import checks
+
 
 def padding_mask(tokens_BS: jnp.ndarray, pad_id: int = 0) -> jnp.ndarray:
     """(B, S) token ids -> (B, 1, 1, S): True where the key is not PAD."""
+    checks.check_shape("tokens_BS", tokens_BS, (None, None), "(batch, length) token ids")
     return (tokens_BS != pad_id)[:, None, None, :]
 
 
@@ -38,12 +41,16 @@ def causal_mask(length: int) -> jnp.ndarray:
 
 def cross_mask(tgt_BT: jnp.ndarray, src_BS: jnp.ndarray, pad_id: int = 0) -> jnp.ndarray:
     """(B, 1, T, S): every target query may attend to every non-PAD source key."""
+    checks.check_shape("tgt_BT", tgt_BT, (None, None), "(batch, length) token ids")
+    checks.check_shape("src_BS", src_BS, (tgt_BT.shape[0], None),
+                       "(the target's batch, length) token ids")
     return jnp.broadcast_to(padding_mask(src_BS, pad_id),
                             (src_BS.shape[0], 1, tgt_BT.shape[1], src_BS.shape[1]))
 
 
 def decoder_self_mask(tgt_BT: jnp.ndarray, pad_id: int = 0) -> jnp.ndarray:
     """(B, 1, T, T): causal and not PAD, the decoder self-attention mask."""
+    checks.check_shape("tgt_BT", tgt_BT, (None, None), "(batch, length) token ids")
     return causal_mask(tgt_BT.shape[1]) & padding_mask(tgt_BT, pad_id)
 
 
@@ -64,6 +71,13 @@ def combine_masks(*masks: Optional[jnp.ndarray]) -> Optional[jnp.ndarray]:
     present = [m for m in masks if m is not None]
     if not present:
         return None
+    for i, mask in enumerate(present):
+        checks.check_shape(f"masks[{i}]", mask, (None,) * 4, "(B|1, H|1, T|1, S|1)")
+    try:
+        jnp.broadcast_shapes(*(m.shape for m in present))
+    except ValueError as error:
+        raise ValueError(f"masks do not broadcast together: shapes "
+                         f"{[tuple(m.shape) for m in present]}") from error
     combined = present[0]
     for mask in present[1:]:
         combined = combined & mask

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jaxformer.nn import checks, stack as layer_stack, stacking, tuning
 from jaxformer.nn.attention import KV, dense_init
 from jaxformer.nn.attention_select import uses_mask_spec
-from jaxformer.nn.mask_structure import MaskSpec
+from jaxformer.nn.mask_structure import MaskSpec, check_spec
 from jaxformer.config import TransformerConfig
 from jaxformer.nn.layers import (DecoderLayer, EncoderLayer, PositionEmbedding, TokenEmbedding,
                               layer_norm)
@@ -236,8 +236,10 @@ def _default_src_mask(src, pad_id: int) -> Optional[jnp.ndarray]:
 
 
 def _check_mask(name: str, mask, batch: int, queries: int, keys: int, heads: int) -> None:
-    """`checks.check_mask` for dense masks; a MaskSpec is structure, checked when built."""
-    if not isinstance(mask, MaskSpec):
+    """`checks.check_mask` for dense masks, `mask_structure.check_spec` for a MaskSpec."""
+    if isinstance(mask, MaskSpec):
+        check_spec(mask, batch, queries, keys, name)
+    else:
         checks.check_mask(name, mask, batch, queries, keys, heads=heads)
 
 
