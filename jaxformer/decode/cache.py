@@ -56,6 +56,7 @@ import jax.numpy as jnp
 
 from jaxformer.nn.attention import KV, kv_length_axis
 from jaxformer.config import TransformerConfig
+from jaxformer.nn import checks
 from jaxformer.nn.masks import padding_mask
 
 
@@ -194,6 +195,17 @@ def check_cache(cache: DecodeCache, config: TransformerConfig) -> None:
             chex.assert_shape(cache.cross_mask, (batch, 1, 1, memory_len))
 
 
+def check_tokens_for(cache: DecodeCache, config: TransformerConfig, tokens_BT,
+                     name: str = "tokens_BT") -> None:
+    """`check_cache`, and (B, T) tokens of the cache's batch that fit its slots."""
+    check_cache(cache, config)
+    checks.check_shape(name, tokens_BT, (cache.batch, None),
+                       f"(the cache's batch {cache.batch}, new tokens)")
+    if tokens_BT.shape[1] > cache.max_len:
+        raise ValueError(f"{name} feeds {tokens_BT.shape[1]} tokens, more than the cache's "
+                         f"{cache.max_len} slots")
+
+
 def self_attention_mask(cache: DecodeCache, num_queries: int) -> jnp.ndarray:
     """(B, 1, T, T_max): query in slot index+i sees key slots start_B[b]..index+i."""
     query_slot_T = cache.index + jnp.arange(num_queries)
@@ -246,7 +258,11 @@ def cached_forward(model, params, cache: DecodeCache,
       tokens_BT: (B, T) int ids.
     Returns:
       (logits (B, T, V) float32, the cache with the new keys/values and index + T).
+    Raises:
+      ValueError naming `cache` or `tokens_BT` when their shapes disagree with
+      each other or the model (`check_tokens_for`; at trace time, free under jit).
     """
+    check_tokens_for(cache, model.config, tokens_BT)
     num_queries = tokens_BT.shape[1]
     rings = [kv for kv, ring in zip(cache.self_kv, cache.local_flags) if ring]
     local_mask = None
@@ -276,6 +292,9 @@ def prefill(model, params, cache: DecodeCache, tokens_BP: jnp.ndarray,
     Returns:
       (the logits (B, V) float32 of the last prompt token, the filled cache).
     """
+    check_tokens_for(cache, model.config, tokens_BP, "tokens_BP")
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"chunk must be a positive int or None, got {chunk!r}")
     width = tokens_BP.shape[1]
     if chunk is None or chunk >= width:
         logits_BPV, cache = cached_forward(model, params, cache, tokens_BP)
@@ -337,6 +356,12 @@ def with_memory(model, params, cache: DecodeCache, memory_BSD: jnp.ndarray,
 
     `src_mask` (B, 1, 1, S) hides PAD memory positions (None: all visible).
     """
+    c = model.config
+    checks.check_shape("memory_BSD", memory_BSD, (cache.batch, None, c.d_model),
+                       f"(the cache's batch {cache.batch}, memory length, d_model)")
+    if src_mask is not None:
+        checks.check_shape("src_mask", src_mask, (cache.batch, 1, 1, memory_BSD.shape[1]),
+                           "(batch, 1, 1, memory length)")
     cross_kv = model.apply({"params": params}, memory_BSD, method=type(model).cross_kv)
     return cache.replace(cross_kv=tuple(cross_kv), cross_mask=src_mask)
 

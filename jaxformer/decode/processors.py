@@ -24,6 +24,8 @@ from typing import Callable, Sequence
 
 import jax.numpy as jnp
 
+from jaxformer.nn import checks
+
 NEG = jnp.finfo(jnp.float32).min
 
 Processor = Callable[[jnp.ndarray, jnp.ndarray, jnp.ndarray], jnp.ndarray]
@@ -43,6 +45,16 @@ def _check_ids(name: str, ids: tuple[int, ...], vocab_size: int) -> None:
                          f"0..{vocab_size - 1}")
 
 
+def check_inputs(owner: str, logits_BV, step, tokens_BN) -> None:
+    """A processor's arguments fit each other: logits (B, V), step a scalar, tokens
+    (B, N). ValueError naming the argument; shapes are static (free under jit)."""
+    checks.check_shape(f"{owner}: logits_BV", logits_BV, (None, None), "(batch, vocab)")
+    checks.check_shape(f"{owner}: step", jnp.asarray(step) if not hasattr(step, "shape")
+                       else step, (), "(a scalar step index)")
+    checks.check_shape(f"{owner}: tokens_BN", tokens_BN, (logits_BV.shape[0], None),
+                       "(the logits' batch, tokens so far)")
+
+
 def _banned_V(ids: tuple[int, ...], vocab_size: int) -> jnp.ndarray:
     return jnp.zeros((vocab_size,), bool).at[jnp.array(ids)].set(True)
 
@@ -57,6 +69,7 @@ class SuppressTokens:
         _check_ids("SuppressTokens", self.ids, vocab_size)
 
     def __call__(self, logits_BV, step, tokens_BN):
+        check_inputs("SuppressTokens", logits_BV, step, tokens_BN)
         del step, tokens_BN
         return jnp.where(_banned_V(self.ids, logits_BV.shape[-1]), NEG, logits_BV)
 
@@ -75,6 +88,7 @@ class SuppressAtStep:
             raise ValueError(f"SuppressAtStep: step must be >= 0, got {self.at}")
 
     def __call__(self, logits_BV, step, tokens_BN):
+        check_inputs("SuppressAtStep", logits_BV, step, tokens_BN)
         del tokens_BN
         banned_V = _banned_V(self.ids, logits_BV.shape[-1]) & (step == self.at)
         return jnp.where(banned_V, NEG, logits_BV)
@@ -93,6 +107,7 @@ class ForceToken:
             raise ValueError(f"ForceToken: step must be >= 0, got {self.at}")
 
     def __call__(self, logits_BV, step, tokens_BN):
+        check_inputs("ForceToken", logits_BV, step, tokens_BN)
         del tokens_BN
         only_V = jnp.arange(logits_BV.shape[-1]) == self.token_id
         forced_BV = jnp.where(only_V, 0.0, NEG).astype(logits_BV.dtype)
@@ -113,6 +128,7 @@ class MinLength:
             raise ValueError(f"MinLength: min_tokens must be >= 0, got {self.min_tokens}")
 
     def __call__(self, logits_BV, step, tokens_BN):
+        check_inputs("MinLength", logits_BV, step, tokens_BN)
         del tokens_BN
         eos_V = jnp.arange(logits_BV.shape[-1]) == self.eos_id
         return jnp.where(eos_V & (step + 1 < self.min_tokens), NEG, logits_BV)
@@ -157,6 +173,7 @@ def normalize(processors, vocab_size: int) -> tuple:
 
 def apply(processors: tuple, logits_BV, step, tokens_BN):
     """Apply `processors` in order (an empty tuple is the identity)."""
+    check_inputs("processors", logits_BV, step, tokens_BN)
     for p in processors:
         logits_BV = p(logits_BV, step, tokens_BN)
     return logits_BV

@@ -333,6 +333,7 @@ class TimestampRules:
                              f"{self.timestamp_begin} < vocab_size {vocab_size} expected")
 
     def __call__(self, logits_BV, step, tokens_BN):
+        processors.check_inputs("TimestampRules", logits_BV, step, tokens_BN)
         ids_V = jnp.arange(logits_BV.shape[-1])
         is_time_V = ids_V >= self.timestamp_begin
         col_N = jnp.arange(tokens_BN.shape[1])
