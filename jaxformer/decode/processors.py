@@ -23,6 +23,7 @@ import dataclasses
 from typing import Callable, Sequence
 
 import jax.numpy as jnp
+import numpy as np
 
 from jaxformer.nn import checks
 
@@ -49,8 +50,8 @@ def check_inputs(owner: str, logits_BV, step, tokens_BN) -> None:
     """A processor's arguments fit each other: logits (B, V), step a scalar, tokens
     (B, N). ValueError naming the argument; shapes are static (free under jit)."""
     checks.check_shape(f"{owner}: logits_BV", logits_BV, (None, None), "(batch, vocab)")
-    checks.check_shape(f"{owner}: step", jnp.asarray(step) if not hasattr(step, "shape")
-                       else step, (), "(a scalar step index)")
+    checks.check_shape(f"{owner}: step", step if hasattr(step, "shape") else np.asarray(step),
+                       (), "(a scalar step index)")
     checks.check_shape(f"{owner}: tokens_BN", tokens_BN, (logits_BV.shape[0], None),
                        "(the logits' batch, tokens so far)")
 
