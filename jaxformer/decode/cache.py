@@ -47,6 +47,7 @@ alone (their past is empty).
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Optional
 
 import chex
@@ -320,6 +321,8 @@ def fold(cache: DecodeCache, chunk_len: int) -> DecodeCache:
     Every slot of the current chunk must have been written: a slot that was
     not would stay visible to later queries (masks go by slot number).
     """
+    if isinstance(chunk_len, bool) or not isinstance(chunk_len, numbers.Integral) or chunk_len < 1:
+        raise ValueError(f"fold: chunk_len must be a positive int, got {chunk_len!r}")
 
     def joined(past: Optional[KV], chunk: KV) -> KV:
         if past is None:

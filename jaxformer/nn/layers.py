@@ -26,7 +26,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxformer.nn.attention import KV, MultiHeadAttention, dense_init, kv_length_axis
 from jaxformer.config import TransformerConfig
-from jaxformer.nn import lora, tuning
+from jaxformer.nn import checks, lora, tuning
 from jaxformer.nn.axes import ACTIVATION_BTD, constrain, logical
 from jaxformer.nn.norms import layer_norm
 
@@ -200,6 +200,9 @@ def ring_write(ring: jnp.ndarray, new: jnp.ndarray, first_slot: jnp.ndarray,
                axis: int) -> jnp.ndarray:
     """A ring of R slots along `axis` after writing the T entries of `new` at slots
     first_slot.. (slot s at ring position s mod R; only the newest R survive)."""
+    expected = list(ring.shape)
+    expected[axis] = None
+    checks.check_shape("new", new, tuple(expected), f"(the ring's shape, any size on axis {axis})")
     ring_len, count = ring.shape[axis], new.shape[axis]
     if count == 1:  # one decode step: a single slice write
         start = [0] * ring.ndim

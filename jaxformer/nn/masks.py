@@ -62,6 +62,8 @@ def sliding_window_mask(query_slots_T: jnp.ndarray, key_slots_S: jnp.ndarray,
     t - window < s <= t (Hugging Face's `kv_idx > q_idx - sliding_window`). Slots,
     not positions: within one sequence (or one packed segment) they differ alike.
     """
+    checks.check_shape("query_slots_T", query_slots_T, (None,), "(queries,) slots")
+    checks.check_shape("key_slots_S", key_slots_S, (None,), "(keys,) slots")
     distance_TS = query_slots_T[:, None] - key_slots_S[None, :]
     return (jnp.abs(distance_TS) < window)[None, None]
 

@@ -113,3 +113,12 @@ def test_greedy_scores_are_the_summed_log_probabilities_after_the_prefix(tiny):
         want = picked[row, forced:int(length)].sum()  # free picks, EOS included
         np.testing.assert_allclose(out.scores[row], want, rtol=1e-5, atol=1e-5)
     assert greedy_decode(model, params, src, max_new_tokens=5).scores is None
+
+
+def test_fold_takes_a_positive_chunk_length(tiny):
+    model, _, _ = tiny
+    cache = cache_lib.init_cache(model.config, B, 4)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="chunk_len must be a positive int"):
+            cache_lib.fold(cache, bad)
+    assert cache_lib.fold(cache, np.int64(3)).max_len == 7

@@ -107,3 +107,14 @@ def test_good_shapes_pass_broadcast_rows_included():
     out = blockwise_attention(Q, KV_, KV_, spec, block_q=4, block_k=4)
     dense, _ = attention.dot_product_attention(Q, KV_, KV_, dense_mask(spec, T, S))
     assert jnp.allclose(out, dense, atol=1e-6)
+
+
+def test_slots_and_ring_writes_name_the_argument():
+    from jaxformer.nn.layers import ring_write  # noqa: PLC0415
+
+    with pytest.raises(ValueError, match=r"key_slots_S must have shape \(\*,\)"):
+        masks.sliding_window_mask(jnp.arange(T), jnp.arange(S)[None], 4)
+    ring = jnp.zeros((B, G, 4, K))
+    with pytest.raises(ValueError, match=r"new must have shape \(2, 2, \*, 16\)"):
+        ring_write(ring, jnp.zeros((B, G, 1, 8)), jnp.asarray(0), axis=2)
+    assert ring_write(ring, jnp.ones((B, G, 1, K)), jnp.asarray(5), axis=2)[:, :, 1].all()
