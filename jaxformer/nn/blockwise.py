@@ -98,14 +98,9 @@ def blockwise_attention(
     The softmax statistics and the value sums are float32 whatever the input
     dtype; the output has the query's dtype.
     """
-    checks.check_shape("query_BHTK", query_BHTK, (None,) * 4, "(batch, heads, queries, depth)")
+    checks.check_qkv(query_BHTK, key_BGSK, value_BGSK)
     batch, heads, num_queries, depth = query_BHTK.shape
-    checks.check_shape("key_BGSK", key_BGSK, (batch, None, None, depth),
-                       "(batch, kv heads, keys, depth)")
-    checks.check_shape("value_BGSK", value_BGSK, key_BGSK.shape, "(the keys' shape)")
     kv_heads, num_keys = key_BGSK.shape[1], key_BGSK.shape[2]
-    if kv_heads < 1 or heads % kv_heads:
-        raise ValueError(f"query heads ({heads}) must be a multiple of kv heads ({kv_heads})")
     group = heads // kv_heads
     scale = 1.0 / math.sqrt(depth) if scale is None else scale
     mask = MaskSpec() if mask is None else mask

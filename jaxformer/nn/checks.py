@@ -61,6 +61,19 @@ def check_shape(name: str, x, expected, layout: str = "") -> None:
                          f"{tuple(shape)}")
 
 
+def check_qkv(query_BHTK, key_BGSK, value_BGSK) -> None:
+    """Queries (B, H, T, K), keys (B, G, S, K) with G dividing H, values of the keys'
+    shape: ValueError naming the argument (the fused attention functions)."""
+    check_shape("query_BHTK", query_BHTK, (None,) * 4, "(batch, heads, queries, depth)")
+    batch, heads, _, depth = query_BHTK.shape
+    check_shape("key_BGSK", key_BGSK, (batch, None, None, depth),
+                "(batch, kv heads, keys, depth)")
+    check_shape("value_BGSK", value_BGSK, key_BGSK.shape, "(the keys' shape)")
+    kv_heads = key_BGSK.shape[1]
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"query heads ({heads}) must be a multiple of kv heads ({kv_heads})")
+
+
 def check_rank(name: str, x, rank, layout: str) -> None:
     """`x` has rank `rank` (an int or a set of ints); `layout` names the axes for the message."""
     chex.assert_rank(x, rank, custom_message=f"argument {name} must be {layout}")

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer.config import TransformerConfig
+from jaxformer.nn import checks
 
 
 def rope_frequencies(head_dim: int, theta: float) -> np.ndarray:
@@ -83,6 +84,14 @@ def apply_rope(x_BTHK: jnp.ndarray, positions_BT: jnp.ndarray, theta: Optional[f
 
     `inv_freq` (K/2,) replaces the frequencies of `theta` (scaled RoPE, a local base).
     """
+    checks.check_shape("x_BTHK", x_BTHK, (None,) * 4, "(batch, length, heads, head_dim)")
+    batch, length, _, depth = x_BTHK.shape
+    if depth % 2:
+        raise ValueError(f"x_BTHK has an odd head_dim {depth}: RoPE rotates pairs")
+    checks.check_shape("positions_BT", positions_BT, ((1, batch), length),
+                       "(batch or 1, length)")
+    if inv_freq is not None:
+        checks.check_shape("inv_freq", inv_freq, (depth // 2,), "(head_dim / 2,)")
     angles_BT1P = rope_angles(positions_BT, x_BTHK.shape[-1], theta,
                               inv_freq)[:, :, None]  # P = K/2
     cos, sin = jnp.cos(angles_BT1P), jnp.sin(angles_BT1P)

@@ -24,7 +24,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from jaxformer.nn.mask_structure import MaskSpec
+from jaxformer.nn import checks
+from jaxformer.nn.mask_structure import MaskSpec, check_spec
 
 
 def _kernel_mask(mask_lib, mask: Optional[MaskSpec], num_queries: int, num_keys: int):
@@ -47,6 +48,9 @@ def splash_attention(query_BHTK: jnp.ndarray, key_BGSK: jnp.ndarray, value_BGSK:
     `mask` must pass `attention_select.splash_supports` (causal, window, segment ids);
     T and S multiples of the kernel's 128-token blocks.
     """
+    checks.check_qkv(query_BHTK, key_BGSK, value_BGSK)  # before the kernels load
+    if mask is not None:
+        check_spec(mask, query_BHTK.shape[0], query_BHTK.shape[2], key_BGSK.shape[2])
     # Pallas' TPU kernels load on first use, not with `import jaxformer`.
     from jax.experimental.pallas.ops.tpu.splash_attention import (  # noqa: PLC0415
         splash_attention_kernel as kernel_lib, splash_attention_mask as mask_lib)

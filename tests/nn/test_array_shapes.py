@@ -118,3 +118,22 @@ def test_slots_and_ring_writes_name_the_argument():
     with pytest.raises(ValueError, match=r"new must have shape \(2, 2, \*, 16\)"):
         ring_write(ring, jnp.zeros((B, G, 1, 8)), jnp.asarray(0), axis=2)
     assert ring_write(ring, jnp.ones((B, G, 1, K)), jnp.asarray(5), axis=2)[:, :, 1].all()
+
+
+def test_splash_and_rope_name_the_argument():
+    from jaxformer.nn.rope import apply_rope  # noqa: PLC0415
+    from jaxformer.nn.splash import splash_attention  # noqa: PLC0415
+
+    # Checked before the TPU kernels load, so on any backend.
+    with pytest.raises(ValueError, match=r"value_BGSK must have shape \(2, 2, 12, 16\)"):
+        splash_attention(Q, KV_, KV_[:, :, :4])
+    with pytest.raises(ValueError, match=r"mask\.kv_segment_ids must have shape \(1\|2, 12\)"):
+        splash_attention(Q, KV_, KV_, _spec(kv_segment_ids=SEG_S[:, :4]))
+    x = jnp.ones((B, T, H, K))
+    with pytest.raises(ValueError, match=r"positions_BT must have shape \(1\|2, 8\)"):
+        apply_rope(x, jnp.arange(T), 1e4, "half")
+    with pytest.raises(ValueError, match=r"positions_BT must have shape \(1\|2, 8\)"):
+        apply_rope(x, jnp.zeros((B, T + 1), jnp.int32), 1e4, "half")
+    with pytest.raises(ValueError, match=r"inv_freq must have shape \(8,\)"):
+        apply_rope(x, jnp.arange(T)[None], None, "half", inv_freq=jnp.ones(4))
+    assert apply_rope(x, jnp.arange(T)[None], 1e4, "half").shape == x.shape
