@@ -8,6 +8,8 @@ for run directories and checkpoints: `TransformerConfig(**json.load(f))`.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import Literal, Optional
 
 import jax.numpy as jnp
@@ -266,7 +268,8 @@ class TransformerConfig(ConfigMixin):
         for name in ("attention_dropout", "residual_dropout", "embedding_dropout",
                      "ffn_dropout"):
             value = getattr(self, name)
-            _require(0.0 <= value < 1.0, name, f"must be in [0, 1), got {value!r}")
+            _require(is_finite_number(value) and 0.0 <= value < 1.0, name,
+                     f"must be in [0, 1), got {value!r}")
         for name, choices in _CHOICES.items():
             _require(getattr(self, name) in choices, name,
                      f"must be one of {choices}, got {getattr(self, name)!r}")
@@ -287,11 +290,12 @@ class TransformerConfig(ConfigMixin):
             f"got {self.num_kv_heads!r}")
         _require(self.rope == "none" or self.head_dim % 2 == 0, "rope",
                  f"needs an even head dim (rotated in pairs), got head_dim={self.head_dim}")
-        _require(self.rope_theta > 0, "rope_theta", f"must be positive, got {self.rope_theta!r}")
+        _require(is_positive_number(self.rope_theta), "rope_theta",
+                 f"must be a positive finite number, got {self.rope_theta!r}")
         self._check_blocks()
         self._check_lora()
-        _require(self.layer_norm_epsilon > 0, "layer_norm_epsilon",
-                 f"must be positive, got {self.layer_norm_epsilon!r}")
+        _require(is_positive_number(self.layer_norm_epsilon), "layer_norm_epsilon",
+                 f"must be a positive finite number, got {self.layer_norm_epsilon!r}")
         for name in ("pad_id", "bos_id", "eos_id"):
             value = getattr(self, name)
             _require(0 <= value < min(self.src_vocab_size, self.tgt_vocab_size), name,
@@ -323,8 +327,8 @@ class TransformerConfig(ConfigMixin):
         for name in ("query_scale", "attn_logit_softcapping", "final_logit_softcapping",
                      "rope_local_theta"):
             value = getattr(self, name)
-            _require(value is None or (isinstance(value, (int, float)) and value > 0), name,
-                     f"must be None or a positive number, got {value!r}")
+            _require(value is None or is_positive_number(value), name,
+                     f"must be None or a positive finite number, got {value!r}")
         for name in ("qk_norm", "norm_scale_plus_one"):
             _require(isinstance(getattr(self, name), bool), name,
                      f"must be a bool, got {getattr(self, name)!r}")
@@ -346,10 +350,11 @@ class TransformerConfig(ConfigMixin):
         _require(self.rope_scaling is None or self.rope_scaling in ROPE_SCALINGS,
                  "rope_scaling", f"{self.rope_scaling!r} is not implemented "
                  f"(implemented: None, {', '.join(map(repr, ROPE_SCALINGS))})")
-        _require(self.rope_scaling_factor > 0, "rope_scaling_factor",
-                 f"must be positive, got {self.rope_scaling_factor!r}")
+        _require(is_positive_number(self.rope_scaling_factor), "rope_scaling_factor",
+                 f"must be a positive finite number, got {self.rope_scaling_factor!r}")
         _require(self.rope_scaling != "llama3" or (
-            0 < self.rope_low_freq_factor < self.rope_high_freq_factor
+            is_finite_number(self.rope_high_freq_factor)
+            and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor
             and isinstance(self.rope_original_max_len, int) and self.rope_original_max_len > 0),
             "rope_low_freq_factor", "llama3 scaling needs 0 < rope_low_freq_factor < "
             "rope_high_freq_factor and a positive rope_original_max_len, got "
@@ -360,9 +365,8 @@ class TransformerConfig(ConfigMixin):
         _require(isinstance(self.lora_rank, int) and not isinstance(self.lora_rank, bool)
                  and self.lora_rank >= 0, "lora_rank",
                  f"must be a non-negative int (0: no adapters), got {self.lora_rank!r}")
-        _require(self.lora_alpha is None or (isinstance(self.lora_alpha, (int, float))
-                                             and self.lora_alpha > 0), "lora_alpha",
-                 f"must be None or a positive number, got {self.lora_alpha!r}")
+        _require(self.lora_alpha is None or is_positive_number(self.lora_alpha), "lora_alpha",
+                 f"must be None or a positive finite number, got {self.lora_alpha!r}")
         valid = LORA_TARGETS if self.gated_ffn else tuple(t for t in LORA_TARGETS
                                                           if t != "gate")
         for target in self.lora_targets:
@@ -440,6 +444,17 @@ class TransformerConfig(ConfigMixin):
     @property
     def params_dtype(self) -> jnp.dtype:
         return jnp.dtype(self.param_dtype)
+
+
+def is_finite_number(value) -> bool:
+    """A real number (int or float, numpy's too; not a bool), neither NaN nor infinite:
+    what every numeric setting of the library takes."""
+    return (isinstance(value, numbers.Real) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def is_positive_number(value) -> bool:
+    return is_finite_number(value) and value > 0
 
 
 def _require(ok: bool, field: str, message: str) -> None:

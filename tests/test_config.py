@@ -49,6 +49,23 @@ INVALID = {
     "odd_head_dim_with_rope": (dict(d_model=28, num_heads=4, rope="half"), "rope"),
     "unknown_rope_layout": (dict(rope="neox"), "rope"),
     "zero_rope_theta": (dict(rope="half", rope_theta=0.0), "rope_theta"),
+    # non-finite numbers (issue 47): NaN fails every comparison, infinity passes "> 0"
+    "infinite_rope_theta": (dict(rope="half", rope_theta=float("inf")), "rope_theta"),
+    "nan_rope_theta": (dict(rope="half", rope_theta=float("nan")), "rope_theta"),
+    "infinite_layer_norm_epsilon": (dict(layer_norm_epsilon=float("inf")),
+                                    "layer_norm_epsilon"),
+    "infinite_query_scale": (dict(query_scale=float("inf")), "query_scale"),
+    "infinite_softcap": (dict(final_logit_softcapping=float("inf")),
+                         "final_logit_softcapping"),
+    "infinite_rope_scaling_factor": (dict(rope_scaling="linear",
+                                          rope_scaling_factor=float("inf")),
+                                     "rope_scaling_factor"),
+    "infinite_llama3_high_freq": (dict(rope_scaling="llama3", rope_original_max_len=8,
+                                       rope_high_freq_factor=float("inf")),
+                                  "rope_low_freq_factor"),
+    "infinite_lora_alpha": (dict(lora_rank=2, lora_alpha=float("inf")), "lora_alpha"),
+    "nan_dropout": (dict(residual_dropout=float("nan")), "residual_dropout"),
+    "bool_rope_theta": (dict(rope="half", rope_theta=True), "rope_theta"),
     "unknown_norm_type": (dict(norm_type="batchnorm"), "norm_type"),
 }
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import json
 
+from jaxformer.cli.args import at_least, positive_int
 from jaxformer.cli.runs import language_model
-from jaxformer.cli.usage import UsageError, require_positive
+from jaxformer.cli.usage import UsageError
 
 
 def add_parser(commands, add_common_flags) -> None:
@@ -31,22 +32,23 @@ def add_parser(commands, add_common_flags) -> None:
                         help="a GGUF file or a Hugging Face checkpoint directory")
     parser.add_argument("--data", action="append", required=True, metavar="PATH",
                         help="text file or glob, one document per file (repeatable)")
-    parser.add_argument("--seq-len", type=int,
+    parser.add_argument("--seq-len", type=at_least(2),
                         help="window length in tokens (default: the run's, or 512 capped "
                              "by the model's context)")
-    parser.add_argument("--batch", type=int, default=8, help="windows per batch (default 8)")
+    parser.add_argument("--batch", type=positive_int, default=8, help="windows per batch (default 8)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_common_flags(parser)
     parser.set_defaults(func=run)
 
 
 def run(args) -> int:
-    from jaxformer.train.data import TextData  # noqa: PLC0415
+    from jaxformer.train.data import TextData, document_paths  # noqa: PLC0415
     from jaxformer.train.evaluation import evaluate_lm  # noqa: PLC0415
 
-    require_positive("--batch", args.batch)
-    if args.seq_len is not None and args.seq_len < 2:
-        raise UsageError(f"--seq-len must be at least 2, got {args.seq_len}")
+    try:  # the files are there before the model loads (TextData reads them below)
+        document_paths(args.data)
+    except ValueError as error:
+        raise UsageError(f"--data: {error}") from error
     model, params, tokenizer = language_model(args.run, args.model)
     context = model.config.decoder_len
     seq_len = args.seq_len or min(512, context)

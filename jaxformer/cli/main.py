@@ -59,9 +59,11 @@ import time
 import traceback
 from typing import Optional, Sequence
 
+from jaxformer.cli import args as args_lib
 from jaxformer.cli import evaluate as evaluate_command
 from jaxformer.cli import export as export_command
 from jaxformer.cli import transcribe as transcribe_command
+from jaxformer.cli.args import non_negative_int, positive_int
 from jaxformer.cli.chat import chat_prompts, read_template
 from jaxformer.cli.export import source_chat_template
 from jaxformer.cli.runs import has_checkpoint, language_model, load_run, read_run_config
@@ -103,6 +105,8 @@ def _model_fields(flag: str, task: Optional[str]) -> tuple:
     return ("num_decoder_layers",) if decoder_only and flag == "layers" else fields
 
 
+DEFAULT_NEW_TOKENS = 200  # generate/decode --max-new-tokens when not given
+
 _PROCESS_FLAGS = {"coordinator": "--coordinator", "num_processes": "--num-processes",
                   "process_id": "--process-id"}
 
@@ -112,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxformer.train.task import TASK_TYPES  # noqa: PLC0415
     from jaxformer.train.train_config import TrainConfig  # noqa: PLC0415
 
-    parser = argparse.ArgumentParser(
+    parser = args_lib.Parser(
         prog="jaxformer", description="The Transformer in JAX/Flax: train on synthetic tasks "
                                       "or text, then decode with the trained model.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -125,15 +129,15 @@ def build_parser() -> argparse.ArgumentParser:
     model = train.add_argument_group("model")
     model.add_argument("--preset", choices=sorted(PRESETS), default=None,
                        help="model preset to start from (default copy_task)")
-    model.add_argument("--d-model", type=int, help="model width D")
-    model.add_argument("--heads", type=int, help="attention heads H")
-    model.add_argument("--d-ff", type=int, help="feed-forward width F")
-    model.add_argument("--layers", type=int, help="encoder and decoder layers (each)")
+    model.add_argument("--d-model", type=positive_int, help="model width D")
+    model.add_argument("--heads", type=positive_int, help="attention heads H")
+    model.add_argument("--d-ff", type=positive_int, help="feed-forward width F")
+    model.add_argument("--layers", type=positive_int, help="encoder and decoder layers (each)")
     model.add_argument("--norm", choices=("post", "pre"),
                        help="LayerNorm placement (default post; Post-LN needs --warmup)")
     model.add_argument("--dtype", choices=("float32", "bfloat16"),
                        help="compute dtype; parameters stay float32 (default float32)")
-    model.add_argument("--dropout", type=float, help="one rate for every dropout site")
+    model.add_argument("--dropout", type=args_lib.fraction, help="one rate for every dropout site")
     model.add_argument("--scan-layers", action="store_true", default=None,
                        help="run each stack as one scanned layer (compile time flat in depth)")
     model.add_argument("--remat", choices=("none", "full", "save_proj", "save_dots"),
@@ -144,21 +148,21 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--attention-impl", choices=("einsum", "jax", "blockwise", "auto"),
                        help="blockwise: memory linear in --seq-len (long documents); auto: "
                             "picked by backend and length (default einsum)")
-    model.add_argument("--vocab", type=int, help="vocabulary incl. PAD/BOS/EOS (default 32)")
+    model.add_argument("--vocab", type=positive_int, help="vocabulary incl. PAD/BOS/EOS (default 32)")
     data = train.add_argument_group("task and optimisation")
     data.add_argument("--task", choices=tuple(TASK_TYPES),
                       help="synthetic task, or lm: the decoder-only LM on --data (default copy)")
-    data.add_argument("--min-len", type=int, help="shortest source (default 1)")
-    data.add_argument("--max-len", type=int, help="longest source (default 10)")
-    data.add_argument("--steps", type=int, help="optimizer steps (default 800)")
-    data.add_argument("--batch", type=int,
+    data.add_argument("--min-len", type=positive_int, help="shortest source (default 1)")
+    data.add_argument("--max-len", type=positive_int, help="longest source (default 10)")
+    data.add_argument("--steps", type=positive_int, help="optimizer steps (default 800)")
+    data.add_argument("--batch", type=positive_int,
                       help="global batch, split over all devices (default 64)")
-    data.add_argument("--lr", type=float, help="peak learning rate (default 1e-3)")
-    data.add_argument("--warmup", type=int,
+    data.add_argument("--lr", type=args_lib.positive_float, help="peak learning rate (default 1e-3)")
+    data.add_argument("--warmup", type=non_negative_int,
                       help="linear warmup steps (default min(100, steps // 8))")
-    data.add_argument("--weight-decay", type=float, help="AdamW decay on matrices (0.01)")
-    data.add_argument("--label-smoothing", type=float, help="(default 0)")
-    data.add_argument("--seed", type=int, help="the one seed of the run (default 0)")
+    data.add_argument("--weight-decay", type=args_lib.fraction, help="AdamW decay on matrices (0.01)")
+    data.add_argument("--label-smoothing", type=args_lib.fraction, help="(default 0)")
+    data.add_argument("--seed", type=args_lib.seed, help="the one seed of the run (default 0)")
     text = train.add_argument_group("text (--task lm)")
     text.add_argument("--data", action="append", metavar="PATH",
                       help="text file or glob, one document per file (repeatable)")
@@ -166,21 +170,22 @@ def build_parser() -> argparse.ArgumentParser:
                       help="held-out files (default: a held-out 5%% of the --data documents)")
     text.add_argument("--tokenizer", metavar="FILE",
                       help="a Hugging Face tokenizers JSON file (default: bytes)")
-    text.add_argument("--seq-len", type=int,
+    text.add_argument("--seq-len", type=args_lib.at_least(2),
                       help=f"training window in tokens (default {TrainConfig.seq_len})")
-    text.add_argument("--eval-every", type=int, default=0,
+    text.add_argument("--eval-every", type=non_negative_int, default=0,
                       help="held-out evaluation interval in steps (default: at the end)")
-    text.add_argument("--samples", type=int, default=3,
+    text.add_argument("--samples", type=non_negative_int, default=3,
                       help="held-out prompts continued by sampling at the end")
-    text.add_argument("--sample-tokens", type=int, default=160,
-                      help="tokens sampled per continuation")
+    text.add_argument("--sample-tokens", type=positive_int, default=160,
+                      help="tokens sampled per continuation (at most what the model's "
+                           "context leaves after the prompt)")
     tune = train.add_argument_group("fine-tuning (--task lm)")
     tune.add_argument("--init", metavar="PATH",
                       help="start from a pretrained LM (a GGUF file or a Hugging Face "
                            "directory): its architecture, weights and tokenizer")
-    tune.add_argument("--lora", type=int, metavar="RANK",
+    tune.add_argument("--lora", type=positive_int, metavar="RANK",
                       help="train only low-rank adapters of this rank (needs --init)")
-    tune.add_argument("--lora-alpha", type=float, metavar="A",
+    tune.add_argument("--lora-alpha", type=args_lib.positive_float, metavar="A",
                       help="adapter scale alpha / rank (default alpha = rank)")
     tune.add_argument("--lora-targets", metavar="q,k,v,o,...",
                       type=lambda s: tuple(t.strip() for t in s.split(",") if t.strip()),
@@ -193,12 +198,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --resume: if the latest checkpoint is damaged, continue from "
                           "the newest step that restores (the damaged steps are kept, "
                           "renamed <step>.damaged)")
-    run.add_argument("--save-every", type=int, default=200, help="checkpoint interval")
-    run.add_argument("--log-every", type=int, default=20,
+    run.add_argument("--save-every", type=positive_int, default=200, help="checkpoint interval")
+    run.add_argument("--log-every", type=positive_int, default=20,
                      help="steps between progress/metrics updates")
-    run.add_argument("--eval-examples", type=int, default=1000,
+    run.add_argument("--eval-examples", type=positive_int, default=1000,
                      help="held-out sequences decoded at the end")
-    run.add_argument("--show", type=int, default=5, help="held-out examples printed")
+    run.add_argument("--show", type=non_negative_int, default=5, help="held-out examples printed")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.add_argument("--no-cpu-tuning", action="store_true",
                      help="on a CPU, train without jaxformer.backends.cpu's tuning (same "
@@ -209,14 +214,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="device mesh, e.g. data=2,fsdp=2,tensor=2 (one size may be -1: "
                             "the rest; default: every device on data, or on --resume the "
                             "saved run's mesh if it fits)")
-    scale.add_argument("--cpu-devices", type=int, metavar="N",
+    scale.add_argument("--cpu-devices", type=positive_int, metavar="N",
                        help="split the CPU into N devices (per process)")
     scale.add_argument("--coordinator", metavar="HOST:PORT",
                        help="process 0's address, the same on every process (or 'auto': "
                             "Slurm / Open MPI / Cloud TPU detection)")
-    scale.add_argument("--num-processes", type=int, metavar="N", help="processes in the run")
-    scale.add_argument("--process-id", type=int, metavar="I", help="this process, 0..N-1")
-    scale.add_argument("--coordinator-timeout", type=float, default=300.0, metavar="S",
+    scale.add_argument("--num-processes", type=positive_int, metavar="N", help="processes in the run")
+    scale.add_argument("--process-id", type=non_negative_int, metavar="I", help="this process, 0..N-1")
+    scale.add_argument("--coordinator-timeout", type=args_lib.positive_float, default=300.0, metavar="S",
                        help="seconds to wait for the coordinator and the other processes")
     train.set_defaults(func=_train_command)
 
@@ -239,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--system", metavar="TEXT",
                           help="with --chat: a system message before each prompt")
     _add_sampling_flags(generate, temperature=None)
-    generate.add_argument("--prefill-chunk", type=int, metavar="N",
+    generate.add_argument("--prefill-chunk", type=positive_int, metavar="N",
                           help="fill the KV cache N prompt tokens at a time (bounded memory "
                                "for long prompts; default: the whole prompt in one pass)")
     _add_compile_cache_flag(generate)
@@ -251,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "sources given as space-separated token ids (default: held-out examples).")
     decode.add_argument("sources", nargs="*", metavar="IDS", help='e.g. "5 6 7"')
     decode.add_argument("--run", required=True, help="the run directory (--out of train)")
-    decode.add_argument("--examples", type=int, default=5,
+    decode.add_argument("--examples", type=positive_int, default=5,
                         help="held-out examples decoded when no source is given")
     _add_sampling_flags(decode, temperature=0.0)
     _add_compile_cache_flag(decode)
@@ -263,14 +268,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_sampling_flags(parser, *, temperature: Optional[float]) -> None:
-    parser.add_argument("--max-new-tokens", type=int, default=200)
-    parser.add_argument("--temperature", type=float, default=temperature,
+    parser.add_argument("--max-new-tokens", type=positive_int, metavar="N",
+                        help=f"tokens to generate per input (default {DEFAULT_NEW_TOKENS}, "
+                             "fewer where the model's context has no room for them; a value "
+                             "given beyond the context is refused)")
+    parser.add_argument("--temperature", type=args_lib.non_negative_float, default=temperature,
                         help="0 = greedy (default " + (
                             f"{temperature})" if temperature is not None else
                             "0 with --model, 0.8 with --run)"))
-    parser.add_argument("--top-k", type=int)
-    parser.add_argument("--top-p", type=float)
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument("--top-k", type=positive_int, help="sample among the k likeliest tokens")
+    parser.add_argument("--top-p", type=args_lib.probability,
+                        help="sample in the nucleus of probability mass p, 0 < p <= 1")
+    parser.add_argument("--seed", type=args_lib.seed, default=0,
+                        help="sampling seed, 0 <= seed < 2**32")
 
 
 def _add_compile_cache_flag(parser) -> None:
@@ -297,7 +307,10 @@ def _compile_cache(directory: Optional[str]):
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of `jaxformer` and `python -m jaxformer`; returns the exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:  # a bad flag: one line (`args.Parser`), status 2; --help: status 0
+        args = parser.parse_args(argv)
+    except SystemExit as done:
+        return done.code
     if args.command is None:
         parser.print_help()
         return 2
@@ -349,14 +362,6 @@ def _train_command(args) -> int:
     from jaxformer.train.task import training_task, trains_language_model  # noqa: PLC0415
     from jaxformer.train.train_config import TrainConfig  # noqa: PLC0415
 
-    for name in ("save_every", "log_every", "eval_examples", "sample_tokens"):
-        if getattr(args, name) <= 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be positive, got "
-                             f"{getattr(args, name)}")
-    for name in ("show", "samples", "eval_every"):
-        if getattr(args, name) < 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got "
-                             f"{getattr(args, name)}")
     processes = _process_settings(args)
     if processes is not None and args.out is None:
         raise UsageError("several processes need --out: the one run directory, the same "
@@ -366,6 +371,7 @@ def _train_command(args) -> int:
     if args.fallback and not args.resume:
         raise UsageError("--fallback only applies with --resume")
     _check_init_flags(args)
+    _check_text_files(args)
     if args.out is not None:
         check_writable_dir(args.out, "--out")
     if args.resume:
@@ -536,14 +542,9 @@ def check_writable_dir(path: str, flag: str) -> None:
 
 def _process_settings(args):
     """`distributed.Settings` of --coordinator/--num-processes/--process-id (or the
-    environment; None: one process), checked with --cpu-devices before anything starts."""
+    environment; None: one process), checked before anything starts."""
     from jaxformer.parallel import distributed  # noqa: PLC0415
 
-    if args.cpu_devices is not None and args.cpu_devices < 1:
-        raise UsageError(f"--cpu-devices must be positive, got {args.cpu_devices}")
-    if not args.coordinator_timeout > 0:
-        raise UsageError(f"--coordinator-timeout must be positive, got "
-                         f"{args.coordinator_timeout}")
     try:
         return distributed.settings(args.coordinator, args.num_processes, args.process_id,
                                     names=_PROCESS_FLAGS)
@@ -627,6 +628,8 @@ def _check_init_flags(args) -> None:
                          f"{', '.join(shape)}")
     if args.task is None or not trains_language_model(args.task):
         raise UsageError("--init fine-tunes a language model: it needs --task lm")
+    if not os.path.exists(args.init):
+        raise UsageError(f"--init {args.init}: no such checkpoint directory or GGUF file")
     if args.lora is None and (args.lora_alpha is not None or args.lora_targets is not None):
         raise UsageError("--lora-alpha and --lora-targets need --lora RANK")
     from jaxformer.config import LORA_TARGETS  # noqa: PLC0415
@@ -637,14 +640,25 @@ def _check_init_flags(args) -> None:
                              f"valid: {', '.join(LORA_TARGETS)}")
 
 
+def _check_text_files(args) -> None:
+    """--data and --eval-data name readable files (read later, after JAX starts and
+    --init loads)."""
+    from jaxformer.train.data import document_paths  # noqa: PLC0415
+
+    for flag in ("data", "eval_data"):
+        if getattr(args, flag):
+            try:
+                document_paths(getattr(args, flag))
+            except ValueError as error:
+                raise UsageError(f"--{flag.replace('_', '-')}: {error}") from error
+
+
 def _load_init(args, model_overrides: dict, tokenizer_path: Optional[str]):
     """(model config, params, `tokenizers.Tokenizer`) of --init, with the flags' model
     overrides (dropout, scan, remat, precision, attention, LoRA); a --tokenizer that is
     not the checkpoint's is refused."""
     from jaxformer.cli.runs import load_pretrained  # noqa: PLC0415
 
-    if not os.path.exists(args.init):
-        raise UsageError(f"--init {args.init}: no such checkpoint directory or GGUF file")
     if tokenizer_path is not None:
         from tokenizers import Tokenizer  # noqa: PLC0415
 
@@ -754,8 +768,6 @@ def resume_mesh_spec(args, saved_spec: Optional[str]) -> Optional[str]:
 def _generate_command(args) -> int:
     if args.system is not None and not args.chat:
         raise UsageError("--system needs --chat")
-    if args.prefill_chunk is not None and args.prefill_chunk < 1:
-        raise UsageError(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
     template = read_template(args.model, args.run) if args.chat else None
     model, params, tokenizer = language_model(args.run, args.model)
     temperature = args.temperature if args.temperature is not None else (
@@ -767,16 +779,22 @@ def _generate_command(args) -> int:
     for text, prompt in zip(args.prompts, prompts):
         if not prompt:
             raise UsageError(f"prompt {text!r} encodes to no tokens")
+    max_new_tokens = new_token_budget(model.config.decoder_len, max(map(len, prompts)),
+                                      args.max_new_tokens)
     # One prompt streams its text as the tokens come; a batch prints when it ends.
     # A chat prints the replies alone.
     shown = [""] * len(prompts) if args.chat else args.prompts
     stream = None if args.json or len(prompts) > 1 else TextStream(
         tokenizer, shown[0], stop={model.config.eos_id, model.config.pad_id})
     started = time.perf_counter()
-    new_ids = _continue_prompts(model, params, prompts, args.max_new_tokens,
-                                temperature=temperature, top_k=args.top_k, top_p=args.top_p,
-                                seed=args.seed, on_token=stream and stream.on_token,
-                                prefill_chunk=args.prefill_chunk)
+    try:  # the flags were checked as parsed: the library's own checks are a backstop
+        new_ids = _continue_prompts(model, params, prompts, max_new_tokens,
+                                    temperature=temperature, top_k=args.top_k,
+                                    top_p=args.top_p, seed=args.seed,
+                                    on_token=stream and stream.on_token,
+                                    prefill_chunk=args.prefill_chunk)
+    except (TypeError, ValueError) as error:
+        raise UsageError(str(error)) from error
     seconds = round(time.perf_counter() - started, 3)
     for prompt, ids, before in zip(args.prompts, new_ids, shown):
         text = tokenizer.decode(ids)
@@ -813,7 +831,8 @@ def _decode_command(args) -> int:
     else:
         src = training_task(model_config, train_config).heldout_set(args.examples).src
     try:
-        kwargs = dict(max_new_tokens=min(args.max_new_tokens, model_config.max_len))
+        kwargs = dict(max_new_tokens=new_token_budget(model_config.decoder_len, 1,
+                                                      args.max_new_tokens))
         out = (greedy_decode(model, params, src, **kwargs) if args.temperature == 0 else
                sample(model, params, src, rng=jax.random.PRNGKey(args.seed),
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -876,25 +895,41 @@ def _show_examples(model, params, heldout, count: int) -> None:
         print(f"{src:<{width}}  {pred:<{width}}  {'yes' if ok else 'NO'}")
 
 
+def new_token_budget(context: int, prompt_width: int, requested: Optional[int]) -> int:
+    """How many tokens `generate` / `decode` ask for: --max-new-tokens as given, refused
+    beyond what a prompt of `prompt_width` tokens leaves of the model's `context`
+    (generation feeds back all but its last token); when not given, the default,
+    capped there."""
+    room = context - prompt_width + 1
+    if room < 1:
+        raise UsageError(f"a prompt of {prompt_width} tokens leaves no room in the model's "
+                         f"context of {context} tokens (max_len)")
+    if requested is None:
+        return min(DEFAULT_NEW_TOKENS, room)
+    if requested > room:
+        raise UsageError(f"--max-new-tokens {requested} does not fit: the model's context "
+                         f"is {context} tokens (max_len) and the "
+                         + (f"longest prompt has {prompt_width}, which leaves {room}"
+                            if prompt_width > 1 else f"most it generates is {room}"))
+    return requested
+
+
 def _continue_prompts(model, params, prompts, max_new_tokens: int, *,
                       temperature: float = 0.8, top_k=None, top_p=None, seed: int = 0,
                       on_token=None, prefill_chunk=None) -> list[list[int]]:
     """Sampled (temperature 0: greedy) continuations of token prompts: the new ids,
-    up to and without EOS. `on_token`: as `jaxformer.decode.api.generate`'s."""
+    up to and without EOS. `max_new_tokens`: within the model's context
+    (`new_token_budget`). `on_token`: as `jaxformer.decode.api.generate`'s."""
     import jax  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
 
     from jaxformer.decode.api import generate  # noqa: PLC0415
 
     width = max(len(p) for p in prompts)
-    limit = model.config.max_len - width + 1
-    if limit < 1:
-        raise UsageError(f"a prompt of {width} tokens leaves no room below the model's "
-                         f"max_len={model.config.max_len}")
     batch = np.full((len(prompts), width), model.config.pad_id, np.int32)
     for row, prompt in zip(batch, prompts):
         row[:len(prompt)] = prompt
-    out = generate(model, params, batch, max_new_tokens=min(max_new_tokens, limit),
+    out = generate(model, params, batch, max_new_tokens=max_new_tokens,
                    prompt_lengths=np.array([len(p) for p in prompts], np.int32),
                    rng=jax.random.PRNGKey(seed), temperature=temperature, top_k=top_k,
                    top_p=top_p, on_token=on_token, prefill_chunk=prefill_chunk)
@@ -908,8 +943,9 @@ def _show_continuations(model, params, data, count: int, max_new_tokens: int) ->
     if count == 0:
         return
     prompts = data.eval_prompts(count, min(64, model.config.max_len // 2))
-    texts = [data.tokenizer.decode(ids)
-             for ids in _continue_prompts(model, params, prompts, max_new_tokens)]
+    room = model.config.max_len - max(map(len, prompts)) + 1  # --sample-tokens' cap
+    texts = [data.tokenizer.decode(ids) for ids in
+             _continue_prompts(model, params, prompts, min(max_new_tokens, room))]
     for i, (prompt, text) in enumerate(zip(prompts, texts)):
         print(f"--- held-out prompt {i + 1} (sampled continuation after >>>)")
         print(f"{data.tokenizer.decode(prompt)}>>>{text}")

@@ -22,6 +22,7 @@ import os
 import sys
 import time
 
+from jaxformer.cli.args import positive_int
 from jaxformer.cli.usage import UsageError, require_positive
 
 FORMATS = ("text", "json", "srt")
@@ -47,7 +48,8 @@ def add_parser(commands, add_common_flags) -> None:
                         help="text, json (one line per file) or srt (default text)")
     parser.add_argument("--json", action="store_const", const="json", dest="format",
                         help="the same as --format json")
-    parser.add_argument("--batch", type=int, default=8, help="30 s windows decoded together")
+    parser.add_argument("--batch", type=positive_int, default=8,
+                        help="30 s windows decoded together")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar on a terminal; as when stderr is not a "
                              f"terminal, a long run prints one status line every "

@@ -19,6 +19,8 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
+from jaxformer.config import is_finite_number
+
 Selector = Callable[[jnp.ndarray, jax.Array], jnp.ndarray]
 
 NEG = jnp.finfo(jnp.float32).min
@@ -57,7 +59,7 @@ def make_sampler(temperature: float = 1.0, top_k: Optional[int] = None,
     """A selector that samples from softmax(logits / temperature), optionally filtered.
 
     Args:
-      temperature: > 0 scales the logits; 0 means greedy (argmax).
+      temperature: > 0 (finite) scales the logits; 0 means greedy (argmax).
       top_k: keep only the k most likely tokens (k >= 1); None = all.
       top_p: keep the nucleus of mass p, 0 < p <= 1; None = all.
     Raises:
@@ -66,11 +68,12 @@ def make_sampler(temperature: float = 1.0, top_k: Optional[int] = None,
     Cached: equal settings return the same function object, so a jitted loop
     that takes the selector as a static argument compiles once per setting.
     """
-    if not isinstance(temperature, (int, float)) or temperature < 0:
-        raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
-    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+    if not (is_finite_number(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)
+                              or top_k < 1):
         raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
-    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+    if top_p is not None and not (is_finite_number(top_p) and 0 < top_p <= 1):
         raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
     if temperature == 0:
         return greedy

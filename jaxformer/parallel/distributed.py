@@ -156,8 +156,8 @@ def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] =
     chosen = settings(coordinator, num_processes, process_id)
     if chosen is None:
         return 1
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+    if not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < float("inf")):
+        raise ValueError(f"timeout_s must be a positive finite number, got {timeout_s!r}")
     if chosen.coordinator == AUTO:
         kwargs = {}
     else:

@@ -45,13 +45,12 @@ import numpy as np
 from jaxformer.nn.mask_structure import MaskSpec
 
 
-def read_documents(patterns: Sequence[str]) -> list[tuple[str, bytes]]:
-    """[(path, bytes)] of every file the patterns name, each file one document.
+def document_paths(patterns: Sequence[str]) -> list[str]:
+    """The files the patterns name, each once, checked without reading them.
 
-    A pattern is a path or a glob (matches sorted; `**` recursive). Every path
-    is checked before any is read: a pattern matching nothing, a missing file,
-    a directory or an empty file is a ValueError naming it. The same file named
-    twice is read once.
+    A pattern is a path or a glob (matches sorted; `**` recursive). A pattern
+    matching nothing, a missing file, a directory or an empty file is a
+    ValueError naming it.
     """
     if isinstance(patterns, (str, os.PathLike)):
         patterns = [patterns]
@@ -73,8 +72,17 @@ def read_documents(patterns: Sequence[str]) -> list[tuple[str, bytes]]:
             if os.path.realpath(path) not in seen:
                 seen.add(os.path.realpath(path))
                 paths.append(path)
+    return paths
+
+
+def read_documents(patterns: Sequence[str]) -> list[tuple[str, bytes]]:
+    """[(path, bytes)] of every file the patterns name, each file one document.
+
+    Every path is checked (`document_paths`) before any is read. The same file
+    named twice is read once.
+    """
     documents = []
-    for path in paths:
+    for path in document_paths(patterns):
         try:
             with open(path, "rb") as f:
                 documents.append((path, f.read()))

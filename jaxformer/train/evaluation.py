@@ -77,6 +77,8 @@ def evaluate_lm(model: DecoderOnlyLM, params, data: TextData, *, batch_size: int
     """
     from tqdm.auto import tqdm  # noqa: PLC0415
 
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     mesh = make_mesh() if mesh is None else mesh
     shards = partitioning.batch_shards(mesh)
     batch_size = max(batch_size - batch_size % shards, shards)

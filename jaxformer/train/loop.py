@@ -193,13 +193,12 @@ def fit(model_config: TransformerConfig, train_config: TrainConfig, *,
 
     started = time.perf_counter()
     tc = train_config
-    if save_every <= 0 or log_every <= 0:
-        raise ValueError(f"save_every and log_every must be positive, got {save_every}, "
-                         f"{log_every}")
+    for name, value, low in (("save_every", save_every, 1), ("log_every", log_every, 1),
+                             ("eval_every", eval_every, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     if resume and checkpoint_dir is None:
         raise ValueError("resume=True needs checkpoint_dir")
-    if eval_every < 0:
-        raise ValueError(f"eval_every must be >= 0, got {eval_every}")
     mesh = make_mesh() if mesh is None else mesh
     own_task = task
     task = training_task(model_config, tc, data) if task is None else task

@@ -24,7 +24,7 @@ from typing import Any, Optional, Protocol
 
 import jax
 
-from jaxformer.config import TransformerConfig
+from jaxformer.config import TransformerConfig, is_finite_number
 from jaxformer.nn.model import DecoderOnlyLM, Transformer
 from jaxformer.train.data import TextData
 from jaxformer.train.evaluation import evaluate_lm
@@ -177,7 +177,7 @@ def check_task_fields(tc) -> None:
             raise ValueError("TrainConfig.data: task 'lm' needs text files (--data PATH)")
         if not isinstance(tc.seq_len, int) or tc.seq_len < 2:
             raise ValueError(f"TrainConfig.seq_len must be an int >= 2, got {tc.seq_len!r}")
-        if not 0.0 < tc.eval_fraction < 1.0:
+        if not (is_finite_number(tc.eval_fraction) and 0.0 < tc.eval_fraction < 1.0):
             raise ValueError(f"TrainConfig.eval_fraction must be in (0, 1), got "
                              f"{tc.eval_fraction!r}")
     else:

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Optional
 
-from jaxformer.config import ConfigMixin
+from jaxformer.config import ConfigMixin, is_finite_number, is_positive_number
 from jaxformer.train.task import check_task_fields
 
 
@@ -54,14 +53,14 @@ class TrainConfig(ConfigMixin):
         if not isinstance(self.warmup_steps, int) or not 0 <= self.warmup_steps < self.steps:
             raise ValueError(f"TrainConfig.warmup_steps must be an int in [0, steps={self.steps})"
                              f", got {self.warmup_steps!r}")
-        if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
-            raise ValueError(f"TrainConfig.learning_rate must be positive, got "
-                             f"{self.learning_rate!r}")
-        for name, high in (("weight_decay", 1.0), ("label_smoothing", 1.0),
-                           ("end_lr_fraction", 1.0 + 1e-12)):  # end_lr_fraction may be 1
-            if not 0.0 <= getattr(self, name) < high:
-                raise ValueError(f"TrainConfig.{name} must be in [0, 1), got "
+        for name in ("learning_rate", "clip_norm"):
+            if not is_positive_number(getattr(self, name)):
+                raise ValueError(f"TrainConfig.{name} must be a positive finite number, got "
                                  f"{getattr(self, name)!r}")
-        if not self.clip_norm > 0:
-            raise ValueError(f"TrainConfig.clip_norm must be positive, got {self.clip_norm!r}")
+        for name, high in (("weight_decay", 1.0), ("label_smoothing", 1.0), ("b1", 1.0),
+                           ("b2", 1.0), ("end_lr_fraction", 1.0 + 1e-12)):  # may be 1
+            value = getattr(self, name)
+            if not (is_finite_number(value) and 0.0 <= value < high):
+                raise ValueError(f"TrainConfig.{name} must be in [0, "
+                                 f"{'1]' if high > 1 else '1)'}, got {value!r}")
         check_task_fields(self)

@@ -46,7 +46,7 @@ def test_json_lines_of_a_44k_stereo_file(ct2_text, capsys):
     (["--language", "xx"], "xx"),
     (["--task", "translate"], "English-only"),
     (["--format", "srt"], "--format srt needs --timestamps"),
-    (["--batch", "0"], "--batch must be positive"),
+    (["--batch", "0"], "--batch: must be a positive integer"),
 ], ids=["language", "translate-english-only", "srt-without-timestamps", "batch"])
 def test_bad_options_are_one_line_and_exit_2(flags, message, capsys):
     assert main(["transcribe", "--model", whisper_model_dir(), FOX, *flags]) == 2

@@ -442,6 +442,8 @@ def test_lm_while_equals_scan_and_padding_width_does_not_matter():
     pytest.param(dict(prompt_BP=jnp.array([[5, 0, 6]])), "PAD", id="pad_inside_prompt"),
     pytest.param(dict(prompt_BP=jnp.array([[5, 16]])), "prompt_BP", id="id_out_of_range"),
     pytest.param(dict(temperature=1.0), "rng", id="sampling_without_rng"),
+    pytest.param(dict(temperature=float("nan"), rng=jax.random.PRNGKey(0)), "temperature",
+                 id="nan_temperature"),  # it sampled PAD everywhere (issue 47)
 ])
 def test_lm_bad_inputs_raise_before_compiling(kwargs, match):
     config, model, params, prompt, lengths = _build_lm("post")

@@ -56,6 +56,10 @@ def test_sampler_is_reproducible_and_follows_the_distribution():
     pytest.param(dict(top_k=0), "top_k", id="zero_top_k"),
     pytest.param(dict(top_p=0.0), "top_p", id="zero_top_p"),
     pytest.param(dict(top_p=1.5), "top_p", id="top_p_above_one"),
+    pytest.param(dict(temperature=float("nan")), "temperature", id="nan_temperature"),
+    pytest.param(dict(temperature=float("inf")), "temperature", id="infinite_temperature"),
+    pytest.param(dict(top_p=float("nan")), "top_p", id="nan_top_p"),
+    pytest.param(dict(top_k=True), "top_k", id="bool_top_k"),
 ])
 def test_make_sampler_rejects_bad_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -140,6 +140,9 @@ def test_bits_per_byte_counts_the_bytes_of_the_predicted_tokens(data, make_lm):
     assert 0 < docs <= 2 and metrics["bytes"] > 1000
     np.testing.assert_allclose(metrics["bits_per_byte"],
                                math.log2(259) * metrics["tokens"] / metrics["bytes"], rtol=1e-5)
+    for bad in (0, -8, 8.5):  # once rounded up to a whole batch per device without a word
+        with pytest.raises(ValueError, match="batch_size must be a positive int"):
+            evaluate_lm(model, params, data, batch_size=bad)
 
 
 def test_baselines_on_known_texts():
@@ -284,6 +287,24 @@ def test_generate_streams_one_prompt_as_its_tokens_come(lm_run, capsys, monkeypa
     assert len(pieces) == len(batched) - len("def f(")  # bytes: one character per step
 
 
+def test_generate_refuses_more_new_tokens_than_the_context_holds(lm_run, capsys):
+    """A prompt of P tokens leaves SEQ - P + 1 new ones: that many run, one more is refused
+    before anything is printed (it was capped without a word); not given, the default is
+    capped (as --help says)."""
+    out, _ = lm_run
+    prompt = "def f("  # BOS + 6 bytes
+    room = SEQ - (1 + len(prompt)) + 1
+    command = ["generate", "--run", out, "--temperature", "0", "--json", prompt]
+    capsys.readouterr()
+    for count in (room + 1, 10 ** 9):
+        assert main(command + ["--max-new-tokens", str(count)]) == 2
+        printed, err = capsys.readouterr()
+        assert printed == "" and len(err.splitlines()) == 1, err
+        assert f"--max-new-tokens {count} does not fit" in err and f"leaves {room}" in err
+    assert main(command + ["--max-new-tokens", str(room)]) == 0
+    assert len(json.loads(capsys.readouterr().out)["ids"]) <= room
+
+
 def test_decode_run_prints_the_greedy_decodes_of_a_copy_run(tmp_path, capsys):
     out = str(tmp_path / "copy")
     assert main(["train", "--preset", "tiny", "--layers", "1", "--max-len", "6", "--batch", "8",
@@ -308,7 +329,7 @@ def test_decode_run_prints_the_greedy_decodes_of_a_copy_run(tmp_path, capsys):
 @pytest.mark.parametrize("flags, message", [
     (["--data", "/nonexistent/*.txt"], "/nonexistent/*.txt"),
     (["--tokenizer", "/nonexistent.json"], "/nonexistent.json"),
-    (["--eval-every", "-1"], "--eval-every must be >= 0"),
+    (["--eval-every", "-1"], "--eval-every: must be an integer >= 0"),
 ], ids=["no-such-files", "no-such-tokenizer", "negative-eval-every"])
 def test_bad_lm_flags_are_refused_before_anything_runs(flags, message, tmp_path, capsys):
     out = tmp_path / "run"

@@ -170,6 +170,15 @@ def test_train_step_donates_the_state(one_device_run):
     assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(state.params))
 
 
+@pytest.mark.parametrize("kwargs", [dict(save_every=float("nan")), dict(log_every=0),
+                                    dict(eval_every=-1), dict(save_every=2.5)],
+                         ids=["nan-save-every", "zero-log-every", "negative-eval-every",
+                              "fractional-save-every"])
+def test_bad_intervals_are_refused_before_compiling(kwargs):
+    with pytest.raises(ValueError, match=f"{next(iter(kwargs))} must be an int"):
+        fit(MODEL, TRAIN, progress=False, **kwargs)
+
+
 def test_non_finite_loss_stops_naming_the_step(tmp_path):
     tc = TRAIN.replace(learning_rate=1e30, steps=10, warmup_steps=0)
     with pytest.raises(NonFiniteLossError, match=r"at step \d+") as info:
@@ -208,8 +217,13 @@ def test_bad_runs_are_refused_before_compiling(model, train, match):
     (dict(learning_rate=float("inf")), "learning_rate"),
     (dict(learning_rate=float("nan")), "learning_rate"),
     (dict(task="shuffle"), "task"), (dict(label_smoothing=1.5), "label_smoothing"),
+    (dict(clip_norm=float("inf")), "clip_norm"), (dict(clip_norm=float("nan")), "clip_norm"),
+    (dict(b1=float("nan")), "b1"), (dict(b2=1.0), "b2"),
+    (dict(weight_decay=float("nan")), "weight_decay"),
+    (dict(end_lr_fraction=float("inf")), "end_lr_fraction"),
 ], ids=["steps", "batch", "warmup-ge-steps", "negative-lr", "infinite-lr", "nan-lr",
-        "unknown-task", "smoothing"])
+        "unknown-task", "smoothing", "infinite-clip", "nan-clip", "nan-b1", "b2-one",
+        "nan-decay", "infinite-end-lr"])
 def test_bad_train_config_is_refused(changes, field):
     with pytest.raises(ValueError, match=field):
         TRAIN.replace(**changes)
