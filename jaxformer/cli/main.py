@@ -24,6 +24,9 @@ A run directory (`--out`, default runs/<task>-<norm>-<time>) holds:
     summary.json    the final JSON line
     tokenizer.json  (--init) the pretrained model's tokenizer, so the run stands alone
     chat_template.jinja  (--init) its chat template, if it has one (generate --chat)
+    train.lock      while `train` runs: its pid and host (`jaxformer.train.run_lock`); a
+                    second `train` on the directory is refused naming them, the lock of
+                    a process that died is taken over; readers take no lock
 
 With --task lm the model is `DecoderOnlyLM` on packed windows of the text
 (`jaxformer.train.data`), loss.png also shows the held-out loss, there is no
@@ -352,6 +355,11 @@ def _configs_from_args(args):
 
 
 def _train_command(args) -> int:
+    with contextlib.ExitStack() as held:  # the run directory's lock, for the whole run
+        return _train(args, held)
+
+
+def _train(args, held: contextlib.ExitStack) -> int:
     started = time.perf_counter()
     import jax  # noqa: PLC0415 (heavy imports after argument parsing)
 
@@ -361,6 +369,7 @@ def _train_command(args) -> int:
     from jaxformer.train.loop import fit, NonFiniteLossError  # noqa: PLC0415
     from jaxformer.train.task import training_task, trains_language_model  # noqa: PLC0415
     from jaxformer.train.train_config import TrainConfig  # noqa: PLC0415
+    from jaxformer.train.run_lock import LOCK_NAME  # noqa: PLC0415
 
     processes = _process_settings(args)
     if processes is not None and args.out is None:
@@ -404,12 +413,21 @@ def _train_command(args) -> int:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         kind = "finetune" if model_config is None else model_config.norm
         out = args.out or os.path.join("runs", f"{train_config.task}-{kind}-{stamp}")
-        if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-            raise UsageError(f"run directory {out} already exists and is not empty: pass "
-                             f"--resume to continue it, or choose another --out")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UsageError(f"run directory {out} already exists and is a file: choose "
+                         "another --out")
+    # One writer per run directory: process 0 holds its lock (`train.run_lock`) until
+    # the run ends; when process ids come from the cluster ("auto"), once it knows it.
+    if processes is None or processes.process_id == 0:
+        _lock_run(out, held)
+    if not args.resume and set(os.listdir(out) if os.path.isdir(out) else ()) - {LOCK_NAME}:
+        raise UsageError(f"run directory {out} already exists and is not empty: pass "
+                         f"--resume to continue it, or choose another --out")
 
     cpu_tuning = _cpu_tuning(args)  # before JAX starts
     _start_processes(args, processes)  # after the checks of --out: no process wrote yet
+    if processes is not None and processes.process_id is None and distributed.is_primary():
+        _lock_run(out, held)
     init_params = pretrained_tokenizer = None
     if model_config is None:  # --init: the checkpoint's model, weights and tokenizer
         model_config, init_params, pretrained_tokenizer = _load_init(
@@ -506,6 +524,23 @@ def _train_command(args) -> int:
                "eval_examples": metrics["examples"]}
     _write_summary(out, summary, result, params, started)
     return 0
+
+
+def _lock_run(out: str, held: contextlib.ExitStack) -> None:
+    """Hold the lock of run directory `out` until `held` closes (`train.run_lock`):
+    UsageError naming the holder if another live process has it; a stale lock (its
+    holder died) is taken over, saying so."""
+    from jaxformer.train.run_lock import RunLock, RunLockedError  # noqa: PLC0415
+
+    try:
+        lock = held.enter_context(RunLock(out))
+    except RunLockedError as error:
+        raise UsageError(str(error)) from error
+    except OSError as error:
+        raise UsageError(f"--out {out}: cannot lock the run directory: {error}") from error
+    if lock.stale_holder is not None:
+        print(f"jaxformer train: taking over {lock.path} from {lock.stale_holder}, "
+              "which ended without releasing it", file=sys.stderr, flush=True)
 
 
 def _write_summary(out: str, summary: dict, result, params, started: float) -> None:

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 
@@ -21,6 +22,7 @@ from jaxformer.config import TransformerConfig
 from jaxformer.nn.model import Transformer
 from jaxformer.train import evaluate, TrainConfig
 from jaxformer.train.task import training_task
+from jaxformer.train.run_lock import LOCK_NAME, RunLock
 
 from conftest import saved_run, snapshot, tree_equal
 
@@ -382,3 +384,44 @@ def test_generate_and_eval_refuse_bad_sources_in_one_line(finished_run, tmp_path
                  "hello"]) == 2  # one source only
     assert "not allowed with argument" in capsys.readouterr().err
 
+
+# --------------------------------------------------------------------------- one writer
+
+
+def test_a_second_train_on_a_run_directory_in_use_is_refused_naming_the_holder(
+        finished_run, tmp_path, capsys):
+    """The lock is held here (another open file: flock refuses it in-process too)."""
+    holder = f"pid {os.getpid()} on host {socket.gethostname()}"
+    run = finished_run[0]
+    before = snapshot(run)
+    with RunLock(run):  # a --resume while the run trains: it would write the same files
+        assert main(["train", "--out", run, "--resume", "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and holder in err and "is in use" in err, err
+    assert snapshot(run) == before
+    out = tmp_path / "run"
+    with RunLock(out):  # a new run in a directory whose first run is only starting
+        assert main(TINY + ["--out", str(out)]) == 2
+        assert holder in capsys.readouterr().err
+        assert os.listdir(out) == [LOCK_NAME]  # nothing written beside the holder's lock
+
+
+def test_a_stale_lock_is_taken_over_saying_whose_and_held_for_the_run(tmp_path, monkeypatch,
+                                                                      capsys):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / LOCK_NAME).write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname()}))
+    during = []
+
+    def fit_then_ctrl_c(*args, **kwargs):  # the lock during the run, then a second Ctrl-C
+        during.append(json.loads((out / LOCK_NAME).read_text())["pid"])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(jaxformer.train.loop, "fit", fit_then_ctrl_c)
+    assert main(TINY + ["--out", str(out)]) == 130
+    err = capsys.readouterr().err.splitlines()
+    assert f"pid {dead.pid} on host {socket.gethostname()}" in err[0] and "taking over" in err[0]
+    assert during == [os.getpid()]
+    assert not (out / LOCK_NAME).exists()  # released at the end, however the run ends

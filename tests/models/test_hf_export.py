@@ -71,9 +71,12 @@ def llama_run(tmp_path_factory):
 def test_a_run_exports_to_transformers_with_its_logits_and_tokens(llama_run, tmp_path, capsys):
     from jaxformer.text import ByteTokenizer
 
+    from jaxformer.train.run_lock import RunLock
+
     run, model, params = llama_run
     out = str(tmp_path / "hf")
-    assert main(["export", "--run", run, "--out", out]) == 0
+    with RunLock(run):  # a reader: it works while a `train` holds the run (issue 47)
+        assert main(["export", "--run", run, "--out", out]) == 0
     assert "LlamaForCausalLM" in capsys.readouterr().out
     ids = ByteTokenizer().encode_prompt(TEXT)  # BOS + bytes, as the run trained
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)

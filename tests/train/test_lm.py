@@ -305,6 +305,19 @@ def test_generate_refuses_more_new_tokens_than_the_context_holds(lm_run, capsys)
     assert len(json.loads(capsys.readouterr().out)["ids"]) <= room
 
 
+def test_readers_work_while_a_run_holds_its_lock(lm_run, tmp_path, capsys):
+    """generate/eval --run read the latest checkpoint while `train` holds the run's lock."""
+    from jaxformer.train.run_lock import RunLock
+
+    out, _ = lm_run
+    capsys.readouterr()
+    with RunLock(out):
+        assert main(["generate", "--run", out, "--max-new-tokens", "4", "def"]) == 0
+        assert main(["eval", "--run", out, "--data", JSON_SOURCES.replace("*", "tool"),
+                     "--no-progress"]) == 0
+        assert json.loads(capsys.readouterr().out.splitlines()[-1])["tokens"] > 0
+
+
 def test_decode_run_prints_the_greedy_decodes_of_a_copy_run(tmp_path, capsys):
     out = str(tmp_path / "copy")
     assert main(["train", "--preset", "tiny", "--layers", "1", "--max-len", "6", "--batch", "8",
