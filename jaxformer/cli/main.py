@@ -428,21 +428,26 @@ def _train(args, held: contextlib.ExitStack) -> int:
     _start_processes(args, processes)  # after the checks of --out: no process wrote yet
     if processes is not None and processes.process_id is None and distributed.is_primary():
         _lock_run(out, held)
+    checkpoint_dir = os.path.join(out, "checkpoints")
+    if args.resume and not (os.path.isdir(checkpoint_dir) and has_checkpoint(checkpoint_dir)):
+        raise UsageError(f"cannot resume: no checkpoint in {out}/checkpoints")  # (Orbax: JAX)
+    from jaxformer.parallel.partitioning import make_mesh, mesh_spec_string  # noqa: PLC0415
+    from jaxformer.parallel.sharding import check_divisible  # noqa: PLC0415
+
+    try:  # the devices known, the mesh and the batch before --init loads
+        mesh = make_mesh(resume_mesh_spec(args, saved.get("mesh") if args.resume else None))
+    except ValueError as error:
+        raise UsageError(f"--mesh {args.mesh}: {error}") from error
+    try:
+        check_divisible(train_config.batch_size, mesh, name="--batch")
+    except ValueError as error:
+        raise UsageError(str(error)) from error
     init_params = pretrained_tokenizer = None
     if model_config is None:  # --init: the checkpoint's model, weights and tokenizer
         model_config, init_params, pretrained_tokenizer = _load_init(
             args, model_overrides, tokenizer_path)
     model_config = model_config.replace(cpu_tuning=cpu_tuning)
-    checkpoint_dir = os.path.join(out, "checkpoints")
-    if args.resume and not (os.path.isdir(checkpoint_dir) and has_checkpoint(checkpoint_dir)):
-        raise UsageError(f"cannot resume: no checkpoint in {out}/checkpoints")  # (Orbax: JAX)
-    data = None
-    try:  # everything checkable before compiling: data/task vs model, batch vs devices
-        from jaxformer.parallel.partitioning import make_mesh, mesh_spec_string  # noqa: PLC0415
-        from jaxformer.parallel.sharding import check_divisible  # noqa: PLC0415
-
-        mesh = make_mesh(resume_mesh_spec(args, saved.get("mesh") if args.resume else None))
-        check_divisible(train_config.batch_size, mesh, name="--batch")
+    try:  # everything checkable before compiling: data/task vs model, mesh vs parameters
         task = training_task(model_config, train_config)
         model = task.model_class(model_config)
         _check_mesh_fits(model, mesh)

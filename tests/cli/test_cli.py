@@ -375,6 +375,8 @@ def test_generate_and_eval_refuse_bad_sources_in_one_line(finished_run, tmp_path
          "--prefill-chunk: must be a positive integer"),
         (["eval", "--model", str(tmp_path), "--data", str(text), "--batch", "0"],
          "--batch: must be a positive integer"),
+        (["decode", "--run", finished_run[0], "--max-new-tokens", "1000", "5 6"],
+         "--max-new-tokens 1000 does not fit: the model's context is 32 tokens"),
     ]
     for argv, message in cases:
         assert main(argv) == 2, argv

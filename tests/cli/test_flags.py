@@ -47,6 +47,7 @@ CASES = [
     (LM + ["--init", "{dir}", "--data", "{dir}/missing.txt"], "--data"),
     (LM + ["--init", "{dir}/missing.gguf"], "--init"),
     (LM + ["--init", "{dir}", "--lora", "0"], "--lora"),  # not a full fine-tune
+    (LM + ["--init", "{dir}", "--mesh", "pipe=1"], "--mesh"),  # the mesh before --init loads
     *[(GENERATE + [flag, value], flag) for flag, value in [
         ("--max-new-tokens", "0"), ("--max-new-tokens", "-5"), ("--temperature", "-1"),
         ("--temperature", "nan"), ("--temperature", "inf"), ("--top-p", "2"),
