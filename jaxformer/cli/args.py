@@ -53,7 +53,6 @@ def _bounded(kind, test, rule: str):
 positive_int = _bounded(int, lambda v: v >= 1, "a positive integer")
 non_negative_int = _bounded(int, lambda v: v >= 0, "an integer >= 0")
 seed = _bounded(int, lambda v: 0 <= v < SEED_LIMIT, "an integer in [0, 2**32)")
-finite_float = _bounded(float, lambda v: True, "a finite number")
 positive_float = _bounded(float, lambda v: v > 0, "a positive finite number")
 non_negative_float = _bounded(float, lambda v: v >= 0, "a finite number >= 0")
 probability = _bounded(float, lambda v: 0 < v <= 1, "in (0, 1]")
