@@ -856,23 +856,23 @@ def _decode_command(args) -> int:
     from jaxformer.nn.model import Transformer  # noqa: PLC0415
     from jaxformer.train.task import training_task  # noqa: PLC0415
 
+    try:  # before the checkpoint is read
+        rows = [[int(t) for t in source.split()] for source in args.sources]
+    except ValueError as error:
+        raise UsageError(f"sources must be space-separated token ids: {error}") from error
+    if not all(rows):
+        raise UsageError("a source is empty")
     model_config, train_config, params = load_run(args.run, language_model=False)
     model = Transformer(model_config)
-    if args.sources:
-        try:
-            rows = [[int(t) for t in source.split()] for source in args.sources]
-        except ValueError as error:
-            raise UsageError(f"sources must be space-separated token ids: {error}") from error
-        if not all(rows):
-            raise UsageError("a source is empty")
+    kwargs = dict(max_new_tokens=new_token_budget(model_config.decoder_len, 1,
+                                                  args.max_new_tokens))
+    if rows:
         src = np.full((len(rows), max(map(len, rows))), model_config.pad_id, np.int32)
         for i, row in enumerate(rows):
             src[i, :len(row)] = row
     else:
         src = training_task(model_config, train_config).heldout_set(args.examples).src
     try:
-        kwargs = dict(max_new_tokens=new_token_budget(model_config.decoder_len, 1,
-                                                      args.max_new_tokens))
         out = (greedy_decode(model, params, src, **kwargs) if args.temperature == 0 else
                sample(model, params, src, rng=jax.random.PRNGKey(args.seed),
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

@@ -57,6 +57,7 @@ CASES = [
     *[(DECODE + [flag, value], flag) for flag, value in [
         ("--max-new-tokens", "0"), ("--temperature", "nan"), ("--top-p", "1.5"),
         ("--top-k", "-1"), ("--examples", "0")]],
+    (DECODE + ["5 x"], "token ids"),  # a source: before the checkpoint is read
     *[(EVAL + [flag, value], flag) for flag, value in [
         ("--seq-len", "1"), ("--batch", "0"), ("--batch", "nan")]],
     (EVAL[:-1] + ["{dir}/missing.txt"], "--data"),
@@ -68,7 +69,8 @@ CASES = [
 
 def _case_id(case):
     argv, flag = case
-    value = argv[len(argv) - argv[::-1].index(flag)]  # after the flag's last occurrence
+    value = (argv[len(argv) - argv[::-1].index(flag)] if flag in argv  # its last value
+             else argv[-1])
     return f"{argv[0]}{flag}={os.path.basename(value)}"
 
 
