@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from typing import Callable, Optional
 
 import jax
@@ -77,7 +78,8 @@ def evaluate_lm(model: DecoderOnlyLM, params, data: TextData, *, batch_size: int
     """
     from tqdm.auto import tqdm  # noqa: PLC0415
 
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or \
+            batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     mesh = make_mesh() if mesh is None else mesh
     shards = partitioning.batch_shards(mesh)

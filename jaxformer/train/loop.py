@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import json
 import math
+import numbers
 import signal
 import sys
 import threading
@@ -195,7 +196,7 @@ def fit(model_config: TransformerConfig, train_config: TrainConfig, *,
     tc = train_config
     for name, value, low in (("save_every", save_every, 1), ("log_every", log_every, 1),
                              ("eval_every", eval_every, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     if resume and checkpoint_dir is None:
         raise ValueError("resume=True needs checkpoint_dir")
