@@ -3,7 +3,6 @@
 (Inert untrained adapters, merging and training: tests/train/test_finetune.py.)"""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
