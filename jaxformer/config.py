@@ -47,6 +47,14 @@ _CHOICES = {
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
+# Weight-only quantization (`jaxformer.nn.quant`): the layouts a quantized kernel may have.
+# "int8": int8, one float32 scale per output channel (symmetric). The block layouts run
+# along the kernel's input axis in blocks of `quant_block` with float16 block scales, as
+# GGUF's: "int4" four bits, two per uint8, w = scale * q + offset (GGUF Q4_1); "int4_sym"
+# four bits, w = scale * (q - 8) (GGUF Q4_0); "int8_block" int8, w = scale * q (GGUF Q8_0).
+WEIGHT_QUANT = ("int8", "int4", "int4_sym", "int8_block")
+
+
 # Fields of earlier versions, read and ignored (they changed no result): run
 # directories and checkpoints saved with them still load.
 LEGACY_FIELDS = ("kernel_grad",)
@@ -234,6 +242,16 @@ class TransformerConfig(ConfigMixin):
     lora_rank: int = 0
     lora_alpha: Optional[float] = None
     lora_targets: tuple = ("q", "v")
+    # Weight-only quantization (jaxformer.nn.quant; layouts: WEIGHT_QUANT): the attention
+    # and FFN kernels are held as integers with scales (params `kernel_q`, `scale`,
+    # `offset` instead of `kernel`) and dequantized inside the compiled matmul.
+    # `embed_quant`: the token tables and the output projection (tied or not); None: as
+    # weight_quant, "float": not quantized. `quant_block`: the block length of the block
+    # layouts along a kernel's input axis (GGUF: 32). Convert float parameters with
+    # `jaxformer.nn.quant.quantize_params`.
+    weight_quant: Optional[str] = None
+    embed_quant: Optional[str] = None
+    quant_block: int = 32
 
     def __post_init__(self):
         targets = self.lora_targets  # "q,v" (CLI) or a list (JSON): a hashable tuple
@@ -294,6 +312,7 @@ class TransformerConfig(ConfigMixin):
                  f"must be a positive finite number, got {self.rope_theta!r}")
         self._check_blocks()
         self._check_lora()
+        self._check_quant()
         _require(is_positive_number(self.layer_norm_epsilon), "layer_norm_epsilon",
                  f"must be a positive finite number, got {self.layer_norm_epsilon!r}")
         for name in ("pad_id", "bos_id", "eos_id"):
@@ -376,6 +395,36 @@ class TransformerConfig(ConfigMixin):
                  (self.lora_targets or not self.lora_rank), "lora_targets",
                  f"must name distinct projections (at least one with lora_rank > 0), "
                  f"got {self.lora_targets!r}")
+
+    def _check_quant(self) -> None:
+        for name, extra in (("weight_quant", (None,)), ("embed_quant", (None, "float"))):
+            _require(getattr(self, name) in extra + WEIGHT_QUANT, name,
+                     f"{getattr(self, name)!r} is not a quantized layout; valid: "
+                     f"{', '.join(map(repr, extra + WEIGHT_QUANT))}")
+        block = self.quant_block
+        _require(isinstance(block, int) and not isinstance(block, bool) and block > 0
+                 and block % 2 == 0, "quant_block",
+                 f"must be a positive even int (GGUF: 32), got {block!r}")
+        blocks = ("int4", "int4_sym", "int8_block")
+        inputs = {}
+        if self.quant_format("embed") in blocks:
+            inputs["d_model"] = self.d_model
+        if self.weight_quant in blocks:
+            inputs.update({"d_model": self.d_model, "d_ff": self.d_ff,
+                           "num_heads * head_dim": self.num_heads * self.head_dim})
+        for name, size in inputs.items():
+            _require(size % block == 0, "quant_block",
+                     f"{block} does not divide {name}={size} (a kernel's input axis, "
+                     "split into blocks)")
+
+    def quant_format(self, role: str) -> Optional[str]:
+        """The quantized layout of the "layers" (attention, FFN) or "embed" (token tables,
+        output projection) kernels; None for float."""
+        if role == "layers":
+            return self.weight_quant
+        if self.embed_quant is None:
+            return self.weight_quant
+        return None if self.embed_quant == "float" else self.embed_quant
 
     @property
     def lora_scale(self) -> float:

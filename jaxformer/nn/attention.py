@@ -48,8 +48,8 @@ from jaxformer.nn.blockwise import blockwise_attention
 from jaxformer.nn.mask_structure import MaskSpec, dense_mask
 from jaxformer.nn.splash import splash_attention
 from jaxformer.nn.tuning import apply_dropout
-from jaxformer.nn.axes import logical
 from jaxformer.nn.norms import layer_norm
+from jaxformer.nn.quant_dense import dense
 from jaxformer.nn.rope import apply_rope, layer_frequencies
 
 
@@ -226,24 +226,20 @@ class MultiHeadAttention(nn.Module):
 
     def setup(self):
         c = self.config
-        common = dict(dtype=c.compute_dtype, param_dtype=c.params_dtype,
-                      dot_general=tuning.dot_general(c))
         bias = c.has_attention_bias
 
-        def names(kernel, bias_names):  # logical axes (jaxformer.nn.axes)
-            return dict(kernel_init=logical(dense_init(), kernel),
-                        bias_init=logical(nn.initializers.zeros, bias_names))
+        def project(features, kernel_names, bias_names, letter, n_in=1):  # float or quantized
+            return dense(c, "layers", features, kernel_names, bias_names, n_in=n_in,
+                         use_bias=bias(letter), dtype=c.compute_dtype,
+                         kernel_init=dense_init())
 
-        self.query = nn.DenseGeneral(features=(c.num_heads, c.head_dim), use_bias=bias("q"),
-                                     **names(("embed", "heads", "kv"), ("heads", "kv")),
-                                     **common)
-        kv_names = names(("embed", "kv_heads", "kv"), ("kv_heads", "kv"))
-        self.key = nn.DenseGeneral(features=(c.kv_heads, c.head_dim), use_bias=bias("k"),
-                                   **kv_names, **common)
-        self.value = nn.DenseGeneral(features=(c.kv_heads, c.head_dim), use_bias=bias("v"),
-                                     **kv_names, **common)
-        self.out = nn.DenseGeneral(features=c.d_model, axis=(-2, -1), use_bias=bias("o"),
-                                   **names(("heads", "kv", "embed"), ("embed",)), **common)
+        self.query = project((c.num_heads, c.head_dim), ("embed", "heads", "kv"),
+                             ("heads", "kv"), "q")
+        self.key = project((c.kv_heads, c.head_dim), ("embed", "kv_heads", "kv"),
+                           ("kv_heads", "kv"), "k")
+        self.value = project((c.kv_heads, c.head_dim), ("embed", "kv_heads", "kv"),
+                             ("kv_heads", "kv"), "v")
+        self.out = project(c.d_model, ("heads", "kv", "embed"), ("embed",), "o", n_in=2)
         if c.qk_norm:
             self.query_norm = layer_norm(c)
             self.key_norm = layer_norm(c)

@@ -29,6 +29,8 @@ from jaxformer.config import TransformerConfig
 from jaxformer.nn import checks, lora, tuning
 from jaxformer.nn.axes import ACTIVATION_BTD, constrain, logical
 from jaxformer.nn.norms import layer_norm
+from jaxformer.nn import quant, quant_dense
+from jaxformer.nn.quant_dense import dense
 
 __all__ = ["DecoderLayer", "EncoderLayer", "FeedForward", "PositionEmbedding", "TokenEmbedding",
            "activation_fn", "layer_norm", "ring_write", "sinusoidal_table"]
@@ -57,7 +59,8 @@ def activation_fn(name: str) -> Callable[[jnp.ndarray], jnp.ndarray]:
 class TokenEmbedding(nn.Module):
     """Token ids -> vectors, and (tied output) vectors -> logits.
 
-    Parameter: `embedding` (V, D). Out-of-range ids look up NaN rows (JAX
+    Parameter: `embedding` (V, D), or with `config.quant_format("embed")` its quantized
+    leaves `embedding_q`, `scale` (+ `offset`) along D (`nn.quant_dense`). Out-of-range ids look up NaN rows (JAX
     gathers would otherwise clamp them silently to a valid id); eagerly they
     are refused before this point by `checks.check_tokens`.
     """
@@ -68,15 +71,27 @@ class TokenEmbedding(nn.Module):
     def setup(self):
         c = self.config
         stddev = c.d_model ** -0.5 if c.scale_embeddings else 1.0
-        self.embedding = self.param(
-            "embedding", logical(nn.initializers.normal(stddev), ("vocab", "embed")),
-            (self.vocab_size, c.d_model), c.params_dtype)
+        init, shape = nn.initializers.normal(stddev), (self.vocab_size, c.d_model)
+        self.quant = c.quant_format("embed")  # None: a float table
+        if self.quant is None:
+            self.embedding = self.param("embedding", logical(init, ("vocab", "embed")),
+                                        shape, c.params_dtype)
+        else:  # embedding_q (V, D or D/2), scale (V) or (V, D/block) (+ offset)
+            self.table = quant_dense.quantized_param(self, "embedding", self.quant, shape, 1,
+                                                     c.quant_block, ("vocab", "embed"), init)
 
     def __call__(self, tokens_BT: jnp.ndarray) -> jnp.ndarray:
         """(B, T) ids -> (B, T, D), times sqrt(D) if `config.scale_embeddings`."""
         ids = jnp.where(tokens_BT < 0, self.vocab_size, tokens_BT)  # negative ids would wrap
-        x_BTD = jnp.take(self.embedding, ids, axis=0, mode="fill", fill_value=jnp.nan)
         c = self.config
+        if self.quant is None:
+            x_BTD = jnp.take(self.embedding, ids, axis=0, mode="fill", fill_value=jnp.nan)
+        else:  # only the rows looked up are dequantized; a NaN scale marks a bad id
+            rows = {part: jnp.take(value, ids, axis=0, mode="fill",
+                                   fill_value=0 if part == "q" else jnp.nan)
+                    for part, value in self.table.items()}
+            x_BTD = quant.dequantize(rows, self.quant, c.quant_block, -1).astype(
+                c.params_dtype)
         if c.scale_embeddings and c.embedding_scale_dtype == "compute":
             # Gemma (Hugging Face): the normaliser rounded to the compute dtype.
             return x_BTD.astype(c.compute_dtype) * jnp.asarray(math.sqrt(c.d_model),
@@ -87,7 +102,14 @@ class TokenEmbedding(nn.Module):
 
     def attend(self, x_BTD: jnp.ndarray) -> jnp.ndarray:
         """(B, T, D) -> (B, T, V) logits against the embedding matrix (tied output)."""
-        return jnp.einsum("btd,vd->btv", x_BTD, self.embedding.astype(x_BTD.dtype))
+        if self.quant is None:
+            return jnp.einsum("btd,vd->btv", x_BTD, self.embedding.astype(x_BTD.dtype))
+        if self.quant == "int8":  # x (q s)^T = (x q^T) s: scale the output channels
+            return jnp.einsum("btd,vd->btv", x_BTD, self.table["q"].astype(x_BTD.dtype)
+                              ) * self.table["scale"].astype(x_BTD.dtype)
+        table = quant.dequantize(self.table, self.quant, self.config.quant_block, -1)
+        return jnp.einsum("btd,vd->btv", x_BTD,
+                          table.astype(self.config.params_dtype).astype(x_BTD.dtype))
 
 
 class PositionEmbedding(nn.Module):
@@ -144,31 +166,29 @@ class FeedForward(nn.Module):
     @nn.compact
     def __call__(self, x_BTD: jnp.ndarray, *, deterministic: bool = True) -> jnp.ndarray:
         c = self.config
-        common = dict(dtype=c.compute_dtype, use_bias=c.ffn_bias, param_dtype=c.params_dtype,
-                      dot_general=tuning.dot_general(c))
-        up = functools.partial(  # (D, F): up and gate projections
-            nn.Dense, features=c.d_ff, kernel_init=logical(dense_init(), ("embed", "mlp")),
-            bias_init=logical(nn.initializers.zeros, ("mlp",)), **common)
-        down = nn.Dense(c.d_model, kernel_init=logical(dense_init(), ("mlp", "embed")),
-                        bias_init=logical(nn.initializers.zeros, ("embed",)), name="wo",
-                        **common)
+        def up(name):  # (D, F): up and gate projections, float or quantized
+            return dense(c, "layers", c.d_ff, ("embed", "mlp"), ("mlp",), use_bias=c.ffn_bias,
+                         dtype=c.compute_dtype, kernel_init=dense_init(), name=name)
 
-        def project(dense, x, ins, outs):  # + its LoRA adapter if `config.lora_targets` it
-            y = dense(x)
-            if lora.targets(c, dense.name):
-                y = y + lora.LoRA(c, (x.shape[-1],), (dense.features,), ins, outs,
-                                  name=dense.name + lora.SUFFIX)(x).astype(y.dtype)
+        down = dense(c, "layers", c.d_model, ("mlp", "embed"), ("embed",), use_bias=c.ffn_bias,
+                     dtype=c.compute_dtype, kernel_init=dense_init(), name="wo")
+
+        def project(dense_, x, ins, outs):  # + its LoRA adapter if `config.lora_targets` it
+            y = dense_(x)
+            if lora.targets(c, dense_.name):
+                y = y + lora.LoRA(c, (x.shape[-1],), (y.shape[-1],), ins, outs,
+                                  name=dense_.name + lora.SUFFIX)(x).astype(y.dtype)
             return y
 
         mlp_in = (("embed",), ("mlp",))
         # checkpoint_name: what config.remat="save_proj" keeps (identity otherwise).
         if c.gated_ffn:
-            gate_BTF = checkpoint_name(project(up(name="gate"), x_BTD, *mlp_in), "ffn_gate")
-            up_BTF = checkpoint_name(project(up(name="wi"), x_BTD, *mlp_in), "ffn_wi")
+            gate_BTF = checkpoint_name(project(up("gate"), x_BTD, *mlp_in), "ffn_gate")
+            up_BTF = checkpoint_name(project(up("wi"), x_BTD, *mlp_in), "ffn_wi")
             h_BTF = activation_fn(c.activation)(gate_BTF) * up_BTF
         else:
             h_BTF = activation_fn(c.activation)(
-                checkpoint_name(project(up(name="wi"), x_BTD, *mlp_in), "ffn_wi"))
+                checkpoint_name(project(up("wi"), x_BTD, *mlp_in), "ffn_wi"))
         h_BTF = tuning.dropout(c, c.ffn_dropout)(h_BTF, deterministic=deterministic)
         return checkpoint_name(project(down, h_BTF, ("mlp",), ("embed",)), "ffn_wo")
 

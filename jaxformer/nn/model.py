@@ -34,7 +34,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxformer.nn import checks, stack as layer_stack, stacking, tuning
+from jaxformer.nn import checks, stack as layer_stack, stacking
 from jaxformer.nn.attention import KV, dense_init
 from jaxformer.nn.attention_select import uses_mask_spec
 from jaxformer.nn.mask_structure import MaskSpec, check_spec
@@ -43,6 +43,7 @@ from jaxformer.nn.layers import (DecoderLayer, EncoderLayer, PositionEmbedding, 
                               layer_norm)
 from jaxformer.nn.masks import causal_mask, decoder_self_mask, padding_mask, sliding_window_mask
 from jaxformer.nn.axes import logical
+from jaxformer.nn.quant_dense import dense
 
 
 class Encoder(nn.Module):
@@ -110,11 +111,9 @@ class Decoder(nn.Module):
                                           (c.tgt_vocab_size,), c.params_dtype)
         if not c.tie_output_embedding:
             # norm_dtype: logits are computed in float32 under precision="mixed".
-            self.out_proj = nn.Dense(c.tgt_vocab_size, dtype=c.norm_dtype,
-                                     use_bias=c.output_bias, param_dtype=c.params_dtype,
-                                     dot_general=tuning.dot_general(c),
-                                     kernel_init=logical(dense_init(), ("embed", "vocab")),
-                                     bias_init=logical(nn.initializers.zeros, ("vocab",)))
+            self.out_proj = dense(c, "embed", c.tgt_vocab_size, ("embed", "vocab"), ("vocab",),
+                                  use_bias=c.output_bias, dtype=c.norm_dtype,
+                                  kernel_init=dense_init())
 
     def cross_kv(self, memory_BSD: jnp.ndarray) -> tuple[KV, ...]:
         """Each layer's cross-attention keys/values of the memory, computed once."""
