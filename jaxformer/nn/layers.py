@@ -59,10 +59,11 @@ def activation_fn(name: str) -> Callable[[jnp.ndarray], jnp.ndarray]:
 class TokenEmbedding(nn.Module):
     """Token ids -> vectors, and (tied output) vectors -> logits.
 
-    Parameter: `embedding` (V, D), or with `config.quant_format("embed")` its quantized
-    leaves `embedding_q`, `scale` (+ `offset`) along D (`nn.quant_dense`). Out-of-range ids look up NaN rows (JAX
-    gathers would otherwise clamp them silently to a valid id); eagerly they
-    are refused before this point by `checks.check_tokens`.
+    Parameter: `embedding` (V, D), or with `config.quant_format("embed")` its
+    quantized leaves `embedding_q`, `scale` (+ `offset`) along D (`nn.quant_dense`).
+    Out-of-range ids look up NaN rows (JAX gathers would otherwise clamp them
+    silently to a valid id); eagerly they are refused before this point by
+    `checks.check_tokens`.
     """
 
     vocab_size: int
