@@ -29,7 +29,8 @@ LONGEST_FIRST = ("cli/test_cli.py", "test_docs.py", "parallel/test_partitioning.
                  "decode/test_decoding.py", "train/test_training.py", "train/test_lm.py",
                  "models/test_whisper.py", "nn/test_remat.py", "models/test_hf_dirs.py",
                  "test_gpu_benchmark.py",
-                 "nn/test_reduced_precision_values.py", "decode/test_ring_short_prompts.py")
+                 "nn/test_reduced_precision_values.py", "decode/test_ring_short_prompts.py",
+                 "models/test_smollm2_quant.py")
 
 
 def pytest_collection_modifyitems(items):

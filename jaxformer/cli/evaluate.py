@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 
 from jaxformer.cli.args import at_least, positive_int
-from jaxformer.cli.runs import language_model
+from jaxformer.cli.runs import add_quantize_flag, language_model
 from jaxformer.cli.usage import UsageError
 
 
@@ -37,6 +37,7 @@ def add_parser(commands, add_common_flags) -> None:
                              "by the model's context)")
     parser.add_argument("--batch", type=positive_int, default=8, help="windows per batch (default 8)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_quantize_flag(parser)
     add_common_flags(parser)
     parser.set_defaults(func=run)
 
@@ -49,7 +50,7 @@ def run(args) -> int:
         document_paths(args.data)
     except ValueError as error:
         raise UsageError(f"--data: {error}") from error
-    model, params, tokenizer = language_model(args.run, args.model)
+    model, params, tokenizer = language_model(args.run, args.model, args.quantize)
     context = model.config.decoder_len
     seq_len = args.seq_len or min(512, context)
     if seq_len > context:

@@ -69,7 +69,8 @@ from jaxformer.cli import transcribe as transcribe_command
 from jaxformer.cli.args import non_negative_int, positive_int
 from jaxformer.cli.chat import chat_prompts, read_template
 from jaxformer.cli.export import source_chat_template
-from jaxformer.cli.runs import has_checkpoint, language_model, load_run, read_run_config
+from jaxformer.cli.runs import (add_quantize_flag, has_checkpoint, language_model, load_run,
+                               read_run_config)
 from jaxformer.cli.streaming import TextStream
 from jaxformer.cli.usage import UsageError
 
@@ -250,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--prefill-chunk", type=positive_int, metavar="N",
                           help="fill the KV cache N prompt tokens at a time (bounded memory "
                                "for long prompts; default: the whole prompt in one pass)")
+    add_quantize_flag(generate)
     _add_compile_cache_flag(generate)
     generate.set_defaults(func=_generate_command)
 
@@ -809,7 +811,7 @@ def _generate_command(args) -> int:
     if args.system is not None and not args.chat:
         raise UsageError("--system needs --chat")
     template = read_template(args.model, args.run) if args.chat else None
-    model, params, tokenizer = language_model(args.run, args.model)
+    model, params, tokenizer = language_model(args.run, args.model, args.quantize)
     temperature = args.temperature if args.temperature is not None else (
         0.8 if args.run is not None else 0.0)
     if args.chat:

@@ -80,14 +80,27 @@ def run_tokenizer(run_dir: str, model_config, train_config, saved: dict):
         raise UsageError(f"{run_dir}: cannot load the run's tokenizer: {error}") from error
 
 
-def load_pretrained(model_path, flag: str = "--model"):
+QUANTIZE = ("int8", "int4", "int4_sym", "int8_block", "keep")
+
+
+def add_quantize_flag(parser) -> None:
+    parser.add_argument("--quantize", choices=QUANTIZE,
+                        help="hold the weights quantized (weight-only): int8 per channel, int4 "
+                             "blocks of 32 (GGUF Q4_1's layout), ...; keep: a GGUF file's "
+                             "Q8_0/Q4_0/Q4_1 blocks as they are")
+
+
+def load_pretrained(model_path, flag: str = "--model", quantize=None):
     """(DecoderOnlyLM, params, `tokenizers.Tokenizer`) of a Hugging Face directory or a
-    GGUF file (`jaxformer.models.load`), with UsageErrors for what is wrong with it."""
+    GGUF file (`jaxformer.models.load`, `quantize` as it takes it), with UsageErrors
+    for what is wrong with it."""
     from jaxformer.models import load  # noqa: PLC0415
     from jaxformer.nn.model import DecoderOnlyLM  # noqa: PLC0415
 
     try:
-        model, params, tokenizer = load(model_path)
+        # quantize only when asked: the plain call stays `load(path)`
+        model, params, tokenizer = load(model_path, **(
+            {} if quantize is None else {"quantize": quantize}))
     except ImportError as error:
         raise UsageError(f"{flag} {model_path}: {error} (pip install 'jaxformer[llm]')") from error
     except ValueError as error:  # FileFormatError, unsupported architectures and values
@@ -101,9 +114,10 @@ def load_pretrained(model_path, flag: str = "--model"):
     return model, params, tokenizer
 
 
-def language_model(run_dir=None, model_path=None):
+def language_model(run_dir=None, model_path=None, quantize=None):
     """(DecoderOnlyLM, params, tokenizer) of a `--task lm` run (`run_dir`) or of a
-    pretrained checkpoint (`model_path`: a Hugging Face directory or a GGUF file).
+    pretrained checkpoint (`model_path`: a Hugging Face directory or a GGUF file);
+    `quantize` (`--quantize`): its kernels quantized, weight-only.
 
     The tokenizer has the interface of `jaxformer.train.data` (encode to an id
     array without specials, decode, pad/bos/eos ids, byte_count).
@@ -112,11 +126,21 @@ def language_model(run_dir=None, model_path=None):
     from jaxformer.text import JSONTokenizer  # noqa: PLC0415
 
     if run_dir is not None:
+        if quantize == "keep":
+            raise UsageError("--quantize keep keeps a GGUF file's blocks (--model); a run's "
+                             "weights are float: --quantize int8 or int4")
         model_config, train_config, params = load_run(run_dir, language_model=True)
         saved = read_run_config(run_dir)[2]
+        if quantize is not None:
+            from jaxformer.nn.quant_params import quantize_params  # noqa: PLC0415
+
+            try:
+                model_config, params = quantize_params(model_config, params, quantize)
+            except ValueError as error:
+                raise UsageError(f"--quantize {quantize}: {error}") from error
         return (DecoderOnlyLM(model_config), params,
                 run_tokenizer(run_dir, model_config, train_config, saved))
-    model, params, tokenizer = load_pretrained(model_path)
+    model, params, tokenizer = load_pretrained(model_path, quantize=quantize)
     c = model.config
     return model, params, JSONTokenizer.wrap(tokenizer, pad_id=c.pad_id, bos_id=c.bos_id,
                                              eos_id=c.eos_id, vocab_size=c.tgt_vocab_size,

@@ -9,7 +9,9 @@ Needs the optional `gguf` package (`pip install 'jaxformer[llm]'`); the
     file.array("blk.0.attn_q.weight")  # float32, dequantized on demand
 
 Quantized tensors are dequantized to float32 with `gguf.quants.dequantize`,
-the reference implementation of llama.cpp's block formats. Only the types in
+the reference implementation of llama.cpp's block formats, or kept as they are
+(`file.blocks(name)`: Q8_0, Q4_0, Q4_1 as the arrays of `jaxformer.nn.quant`'s
+layouts). Only the types in
 `SUPPORTED_TYPES` are accepted; any other raises a `ValueError` naming the
 tensor and its type before anything is dequantized (`check_types`).
 Per-model mappings from GGUF names to jaxformer parameters live in
@@ -34,6 +36,13 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 Q = gguf.GGMLQuantizationType
 SUPPORTED_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
                              Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K})
+FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
+# Block types kept quantized as they are (`GGUFFile.blocks`) -> jaxformer's layout
+# (`jaxformer.nn.quant`), and the bytes of one block of 32 values: float16 scale
+# (+ float16 min), then the values (int8, or 4-bit pairs: byte j = values j, j + 16).
+KEPT_TYPES = {Q.Q8_0: "int8_block", Q.Q4_0: "int4_sym", Q.Q4_1: "int4"}
+BLOCK = 32
+_BLOCK_BYTES = {Q.Q8_0: 34, Q.Q4_0: 18, Q.Q4_1: 20}
 
 
 @dataclasses.dataclass
@@ -78,6 +87,41 @@ class GGUFFile:
             raise FileFormatError(self.path, f"tensor {name!r} holds NaN or infinite values",
                                   "the file is damaged: download it again")
         return values
+
+
+    def blocks(self, name: str) -> tuple[str, dict]:
+        """(layout, {"q", "scale"[, "offset"]}) of a Q8_0 / Q4_0 / Q4_1 tensor, its
+        blocks as they are (no arithmetic), in numpy order with the block axis last:
+        q (*rows, N) int8 or (*rows, N / 2) uint8, scale (and offset) (*rows, N / 32)
+        float16. Another type is refused by name (ValueError)."""
+        tensor = self.tensors[name]
+        kind = tensor.tensor_type
+        if kind not in KEPT_TYPES:
+            raise ValueError(
+                f"{self.path}: tensor {name!r} is {kind.name}, which jaxformer does not keep "
+                f"quantized (kept: {', '.join(t.name for t in KEPT_TYPES)}); load it "
+                "dequantized (no quantize=) or requantized (quantize='int8' / 'int4')")
+        shape = self.shape(name)
+        rows, n = shape[:-1], shape[-1]
+        try:
+            raw = np.asarray(tensor.data, np.uint8).reshape(rows + (n // BLOCK,
+                                                                    _BLOCK_BYTES[kind]))
+        except ValueError as error:
+            raise FileFormatError(self.path, f"tensor {name!r} cannot be decoded ({error})",
+                                  "the file is damaged: download it again") from error
+        scale = np.ascontiguousarray(raw[..., 0:2]).view(np.float16)[..., 0]
+        if not np.isfinite(scale).all():
+            raise FileFormatError(self.path, f"tensor {name!r} holds NaN or infinite scales",
+                                  "the file is damaged: download it again")
+        if kind == Q.Q8_0:
+            q = np.ascontiguousarray(raw[..., 2:]).view(np.int8).reshape(rows + (n,))
+            return KEPT_TYPES[kind], {"q": q, "scale": scale}
+        start = 2 if kind == Q.Q4_0 else 4
+        parts = {"q": np.ascontiguousarray(raw[..., start:]).reshape(rows + (n // 2,)),
+                 "scale": scale}
+        if kind == Q.Q4_1:
+            parts["offset"] = np.ascontiguousarray(raw[..., 2:4]).view(np.float16)[..., 0]
+        return KEPT_TYPES[kind], parts
 
 
 GGUF_MAGIC = b"GGUF"

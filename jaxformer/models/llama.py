@@ -31,6 +31,11 @@ this reader.
 An unknown architecture is refused by name from the first metadata entries,
 before the rest of the file is parsed.
 
+`load_gguf(path, quantize="keep")` keeps the file's Q8_0 / Q4_0 / Q4_1 blocks as
+they are (`kept_formats`: the config's weight_quant / embed_quant from the
+tensors' types; `params_from_gguf` moves each block array the way the float
+kernel moves, never dequantizing it); another block type is refused by name.
+
 GGUF name -> jaxformer parameter (numpy order of the GGUF tensor on the left):
 
     token_embd.weight     (V, D)    embed/embedding
@@ -68,9 +73,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer.config import TransformerConfig, llama
-from jaxformer.interop.gguf import GGUFFile, read_architecture, read_gguf
+from jaxformer.interop.gguf import (BLOCK, FLOAT_TYPES, KEPT_TYPES, GGUFFile,
+                                    read_architecture, read_gguf)
 from jaxformer.interop.progress import tensor_bar
 from jaxformer.nn.model import DecoderOnlyLM
+from jaxformer.nn.quant import check_format
+from jaxformer.nn.quant_dense import leaf_names
+from jaxformer.nn.quant_params import quantize_params
 from jaxformer.nn.rope import half_to_interleaved_rows
 from jaxformer.text.gguf_vocab import tokenizer_from_gguf
 
@@ -80,6 +89,9 @@ GEMMA = ("gemma2", "gemma3")
 # llama.cpp's local:global period when the file states none, and its 27B layer counts.
 _SWA_PERIOD = {"gemma2": 2, "gemma3": 6}
 _27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+# The layer kernels' GGUF names end so (attention and FFN projections).
+_KERNELS = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
+            "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
 # Metadata that would change the function but that jaxformer does not implement.
 _UNSUPPORTED_KEYS = ("{a}.attention.layer_norm_epsilon", "{a}.expert_count",
                      "{a}.rope.scaling.attn_factor", "{a}.attention.key_length_swa")
@@ -203,6 +215,43 @@ def config_from_gguf(file: GGUFFile, *, rope: str = "half", dtype: str = "float3
     return llama(**fields)
 
 
+def kept_formats(file: GGUFFile, config: TransformerConfig) -> dict:
+    """The config fields that keep the file's blocks as they are (`load(...,
+    quantize="keep")`): weight_quant from the layer kernels' one block type,
+    embed_quant from token_embd's (and output.weight's, which must agree).
+
+    Raises ValueError naming the tensor and its type for a block type jaxformer does not
+    keep (`interop.gguf.KEPT_TYPES`), for layer kernels of several types, and for a
+    file whose layer kernels are float (nothing to keep)."""
+    def kind(name):
+        return file.tensors[name].tensor_type
+
+    kernels = [n for n in expected_shapes(config, file.architecture)
+               if n.startswith("blk.") and n.endswith(_KERNELS)]
+    for name in kernels + ["token_embd.weight"] + (
+            [] if config.tie_output_embedding else ["output.weight"]):
+        if kind(name) not in KEPT_TYPES and kind(name) not in FLOAT_TYPES:
+            file.blocks(name)  # refuses by name
+    types = {kind(n) for n in kernels}
+    if types <= FLOAT_TYPES:
+        raise ValueError(f"{file.path}: quantize='keep' keeps quantized blocks, but the layer "
+                         f"kernels are {'/'.join(sorted(t.name for t in types))}: load it with "
+                         "quantize='int8' or 'int4' (or without quantize)")
+    if len(types) > 1:
+        raise ValueError(f"{file.path}: quantize='keep' needs one block type for every layer "
+                         f"kernel, the file mixes {', '.join(sorted(t.name for t in types))}: "
+                         "load it with quantize='int8' or 'int4' (or without quantize)")
+    tables = {kind("token_embd.weight")} | (
+        set() if config.tie_output_embedding else {kind("output.weight")})
+    if len(tables) > 1:
+        raise ValueError(f"{file.path}: quantize='keep' needs token_embd.weight and "
+                         f"output.weight of one type, got {kind('token_embd.weight').name} and "
+                         f"{kind('output.weight').name}")
+    table = tables.pop()
+    return dict(weight_quant=KEPT_TYPES[types.pop()], quant_block=BLOCK,
+                embed_quant="float" if table in FLOAT_TYPES else KEPT_TYPES[table])
+
+
 def expected_shapes(config: TransformerConfig, arch: str = "llama") -> dict[str, tuple[int, ...]]:
     """GGUF tensor name -> numpy shape that `config` implies (the file must match exactly)."""
     D, H, G, K, F, V = (config.d_model, config.num_heads, config.kv_heads, config.head_dim,
@@ -256,8 +305,11 @@ def params_from_gguf(file: GGUFFile, config: TransformerConfig, *,
                      progress: Optional[bool] = None) -> dict:
     """jaxformer `DecoderOnlyLM` parameters (float32 numpy -> `config.param_dtype`).
 
+    With a quantized `config` (`kept_formats`) the kernels of its quantized roles are
+    the file's blocks as they are (`GGUFFile.blocks`, rearranged to the kernel layout
+    of `nn.quant_dense`, never dequantized); the rest is dequantized as before.
     Checks every tensor's shape against `config` first (`check_shapes`).
-    `progress`: a bar on stderr per tensor dequantized (None: if stderr is a terminal).
+    `progress`: a bar on stderr per tensor read (None: if stderr is a terminal).
     """
     check_shapes(file, config)
     arch = file.architecture
@@ -272,56 +324,84 @@ def params_from_gguf(file: GGUFFile, config: TransformerConfig, *,
             value = value - 1.0  # the converter stored 1 + w
         return value
 
-    def heads(name, n, permute):  # (n*K, D) rows or (n*K,) bias -> (n, K, ...)
-        value = get(name).reshape(n, K, -1)
+    def heads(value, n, permute):  # (n*K, X) rows -> (n, K, X), rows in `rope`'s order
+        value = value.reshape(n, K, -1)
         return value[:, order] if permute else value
 
-    def kernel(name, n, permute):
-        return heads(name, n, permute).transpose(2, 0, 1)
+    def weight(name, role, to_kernel, float_shape=None, leaf="kernel"):
+        """{leaf: float} or the kept blocks {leaf_q, scale, offset}; `to_kernel` maps the
+        file's (rows, X) to the parameter layout (X: the input features, or their blocks)."""
+        fmt = config.quant_format(role)
+        if fmt is None:
+            value = to_kernel(get(name))
+            return {leaf: value if float_shape is None else value.reshape(float_shape)}
+        got, parts = file.blocks(name)
+        bar.update(1)
+        if got != fmt:
+            kind = file.tensors[name].tensor_type.name
+            raise ValueError(f"{file.path}: tensor {name!r} is {kind} ({got}), the config "
+                             f"keeps {role} kernels as {fmt}")
+        return {leaf_names(leaf, fmt)[part]: to_kernel(value) for part, value in parts.items()}
+
+    def qkv(name, n, permute):  # (n*K, D) -> (D, n, K)
+        return weight(name, "layers", lambda v: heads(v, n, permute).transpose(2, 0, 1))
 
     decoder = {"final_norm": {"scale": get("output_norm.weight")}}
     if not config.tie_output_embedding:
-        decoder["out_proj"] = {"kernel": get("output.weight").T}
+        decoder["out_proj"] = weight("output.weight", "embed", lambda v: v.T)
     for i in range(config.num_decoder_layers):
         b = f"blk.{i}."
-        attn = {"query": {"kernel": kernel(b + "attn_q.weight", H, True)},
-                "key": {"kernel": kernel(b + "attn_k.weight", G, True)},
-                "value": {"kernel": kernel(b + "attn_v.weight", G, False)},
-                "out": {"kernel": get(b + "attn_output.weight").T.reshape(H, K, D)}}
+        attn = {"query": qkv(b + "attn_q.weight", H, True),
+                "key": qkv(b + "attn_k.weight", G, True),
+                "value": qkv(b + "attn_v.weight", G, False),
+                "out": weight(b + "attn_output.weight", "layers", lambda v: v.T, (H, K, D))}
         for name, letter, n in (("query", "q", H), ("key", "k", G), ("value", "v", G)):
             if config.has_attention_bias(letter):
-                attn[name]["bias"] = heads(b + f"attn_{letter}.bias", n, letter != "v")[..., 0]
+                attn[name]["bias"] = heads(get(b + f"attn_{letter}.bias"), n,
+                                           letter != "v")[..., 0]
         if config.qk_norm:  # a per-feature scale: reordered with the rows
             attn["query_norm"] = {"scale": get(b + "attn_q_norm.weight")[order]}
             attn["key_norm"] = {"scale": get(b + "attn_k_norm.weight")[order]}
+        transpose = lambda v: v.T  # noqa: E731  (F, D) -> (D, F) and (D, F) -> (F, D)
         layer = {"self_attn_norm": {"scale": get(b + "attn_norm.weight")}, "self_attn": attn,
                  "ffn_norm": {"scale": get(b + "ffn_norm.weight")},
-                 "ffn": {"gate": {"kernel": get(b + "ffn_gate.weight").T},
-                         "wi": {"kernel": get(b + "ffn_up.weight").T},
-                         "wo": {"kernel": get(b + "ffn_down.weight").T}}}
+                 "ffn": {"gate": weight(b + "ffn_gate.weight", "layers", transpose),
+                         "wi": weight(b + "ffn_up.weight", "layers", transpose),
+                         "wo": weight(b + "ffn_down.weight", "layers", transpose)}}
         if arch in GEMMA:
             layer["self_attn_post_norm"] = {"scale": get(b + "post_attention_norm.weight")}
             layer["ffn_post_norm"] = {"scale": get(b + "post_ffw_norm.weight")}
         decoder[f"layers_{i}"] = layer
-    params = {"embed": {"embedding": get("token_embd.weight")}, "decoder": decoder}
+    params = {"embed": weight("token_embd.weight", "embed", lambda v: v, leaf="embedding"),
+              "decoder": decoder}
     bar.close()
-    return jax.tree_util.tree_map(lambda x: jnp.asarray(np.ascontiguousarray(x),
-                                                        config.params_dtype), params)
+    return jax.tree_util.tree_map(
+        lambda x: jnp.asarray(np.ascontiguousarray(x), config.params_dtype
+                              if np.issubdtype(x.dtype, np.float32) else x.dtype), params)
 
 
 def load_gguf(path, *, rope: str = "half", dtype: str = "float32", max_len: int | None = None,
-              progress: Optional[bool] = None):
+              progress: Optional[bool] = None, quantize: Optional[str] = None):
     """(DecoderOnlyLM, params, tokenizers.Tokenizer or None) from a GGUF file.
 
     `max_len` caps the context (default: the file's context length). An
     unsupported architecture is refused from the first metadata entries.
     `progress`: a bar on stderr while tensors are dequantized (None: if stderr
-    is a terminal; True / False force it on / off).
+    is a terminal; True / False force it on / off). `quantize`: None (float32
+    kernels), "keep" (the file's Q8_0 / Q4_0 / Q4_1 blocks kept as they are:
+    `kept_formats`) or a layout of `nn.quant` ("int8", "int4", ...: the
+    dequantized kernels quantized again, `nn.quant_params.quantize_params`).
     """
+    if quantize not in (None, "keep"):
+        check_format(quantize)
     arch = read_architecture(path)
     if arch is not None:  # else the full parse below finds it (or its absence)
         check_architecture(path, arch)
     file = read_gguf(path)
     config = config_from_gguf(file, rope=rope, dtype=dtype, max_len=max_len)
-    return (DecoderOnlyLM(config), params_from_gguf(file, config, progress=progress),
-            tokenizer_from_gguf(file))
+    if quantize == "keep":
+        config = config.replace(**kept_formats(file, config))
+    params = params_from_gguf(file, config, progress=progress)
+    if quantize not in (None, "keep"):
+        config, params = quantize_params(config, params, quantize)
+    return DecoderOnlyLM(config), params, tokenizer_from_gguf(file)

@@ -23,7 +23,7 @@ ENCODER_DECODER = ("WhisperForConditionalGeneration", "MarianMTModel")
 
 
 def load(path, *, dtype: str = "float32", max_len: Optional[int] = None,
-         progress: Optional[bool] = None):
+         progress: Optional[bool] = None, quantize: Optional[str] = None):
     """(model, params, tokenizer) from a checkpoint directory or a .gguf file.
 
     The model is a `DecoderOnlyLM`, or a `Transformer` for an encoder-decoder
@@ -33,8 +33,28 @@ def load(path, *, dtype: str = "float32", max_len: Optional[int] = None,
     `tokenizer.json`, e.g. Marian's SentencePiece files). `progress`: a tqdm bar
     on stderr, one step per tensor read (None: only if stderr is a terminal;
     True / False force it on / off).
+
+    `quantize`: None (float kernels); a layout of `jaxformer.nn.quant` ("int8",
+    "int4", "int4_sym", "int8_block"): weight-only post-training quantization of
+    the loaded float kernels (`nn.quant_params.quantize_params`); "keep": a GGUF
+    file's Q8_0 / Q4_0 / Q4_1 blocks kept as they are (`models.llama.kept_formats`;
+    another block type is refused by name). Anything else is refused before reading.
     """
+    from jaxformer.nn.quant import check_format  # noqa: PLC0415
+
+    if quantize not in (None, "keep"):
+        check_format(quantize)
     path = os.fspath(path)
+    if os.path.isdir(path) and quantize is not None:
+        if quantize == "keep":
+            raise ValueError(f"{path}: quantize='keep' keeps a GGUF file's quantized blocks; "
+                             "a Hugging Face directory holds float weights: use "
+                             "quantize='int8' or 'int4'")
+        from jaxformer.nn.quant_params import quantize_params  # noqa: PLC0415
+
+        model, params, tokenizer = load(path, dtype=dtype, max_len=max_len, progress=progress)
+        config, params = quantize_params(model.config, params, quantize)
+        return model.clone(config=config), params, tokenizer
     if os.path.isdir(path):
         from jaxformer.models import hf  # noqa: PLC0415 - optional readers
 
@@ -52,7 +72,8 @@ def load(path, *, dtype: str = "float32", max_len: Optional[int] = None,
     if os.path.isfile(path):
         from jaxformer.models.llama import load_gguf  # noqa: PLC0415 - optional readers
 
-        return load_gguf(path, dtype=dtype, max_len=max_len, progress=progress)
+        return load_gguf(path, dtype=dtype, max_len=max_len, progress=progress,
+                         quantize=quantize)
     raise FileFormatError(path, "no such checkpoint directory or GGUF file",
                           "pass a Hugging Face directory (config.json + *.safetensors) "
                           "or a .gguf file")

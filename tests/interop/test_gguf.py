@@ -202,3 +202,79 @@ def test_a_bar_counts_the_tensors_read_unless_off(tmp_path, lm, capsys, progress
     err = capsys.readouterr().err
     n = len(read_gguf(path).tensors)
     assert (f"0/{n} " in err and "reading tiny.gguf" in err) if progress else err == ""
+
+
+# -- quantized blocks kept as they are (load_gguf(..., quantize="keep")) ----------------
+
+QCONFIG = CONFIG.replace(d_ff=32)  # every kernel's input a whole number of 32-blocks
+
+
+@pytest.fixture(scope="module")
+def qlm():
+    model = jf.DecoderOnlyLM(QCONFIG)
+    return model, numpy_params(model, jax.ShapeDtypeStruct((1, 1), jnp.int32), seed=5)
+
+
+def quantized_file(path, params, kernels, table=Q.Q8_0, override=None):
+    """A GGUF file of `params` with every layer kernel in block type `kernels`, the token
+    table in `table` (gguf's reference quantizer); `override` {name: type}."""
+    tensors = gguf_tensors(params, QCONFIG)
+    kinds = {name: kernels for name in tensors if name.startswith("blk.")
+             and not name.endswith("norm.weight")}
+    kinds["token_embd.weight"] = table
+    kinds.update(override or {})
+    raw = {name: (gguf.quants.quantize(tensors.pop(name), kind), kind)
+           for name, kind in kinds.items() if kind != Q.F32}
+    return write_gguf(path, tensors, QCONFIG, raw=raw)
+
+
+@pytest.mark.parametrize("kind, fmt", [(Q.Q4_1, "int4"), (Q.Q4_0, "int4_sym"),
+                                       (Q.Q8_0, "int8_block")], ids=["Q4_1", "Q4_0", "Q8_0"])
+def test_kept_blocks_are_the_files_values_and_compute_its_logits(tmp_path, qlm, kind, fmt):
+    """The kept tree dequantizes to exactly what llama.cpp's reference dequantizes
+    (rows permuted, transposed, never rounded), and the model computes the float
+    model's logits."""
+    from jaxformer.nn.quant_params import dequantize_params, param_bytes  # noqa: PLC0415
+
+    path = quantized_file(tmp_path / "q.gguf", qlm[1], kind)
+    model, kept, _ = llama.load_gguf(path, quantize="keep")
+    assert (model.config.weight_quant, model.config.embed_quant) == (fmt, "int8_block")
+    float_model, floats, _ = llama.load_gguf(path)
+    config, back = dequantize_params(model.config, kept)
+    assert config == float_model.config
+    jax.tree_util.tree_map(np.testing.assert_array_equal, back, floats)
+    assert param_bytes(kept) < 0.4 * param_bytes(floats)  # norms are a large part here
+    tokens = jnp.array([[3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
+    np.testing.assert_allclose(model.apply({"params": kept}, tokens),
+                               float_model.apply({"params": floats}, tokens), atol=1e-5)
+
+
+def test_keeping_refuses_what_it_cannot_keep_by_name(tmp_path, qlm):
+    params = qlm[1]
+    q50 = quantized_file(tmp_path / "q50.gguf", params, Q.Q4_1,
+                         override={"blk.1.ffn_down.weight": Q.Q5_0})
+    with pytest.raises(ValueError, match="'blk.1.ffn_down.weight' is Q5_0, which jaxformer "
+                                         "does not keep quantized"):
+        llama.load_gguf(q50, quantize="keep")
+    llama.load_gguf(q50)  # dequantized, as before
+    mixed = quantized_file(tmp_path / "mixed.gguf", params, Q.Q4_1,
+                           override={"blk.0.attn_v.weight": Q.Q8_0})
+    with pytest.raises(ValueError, match="the file mixes Q4_1, Q8_0"):
+        llama.load_gguf(mixed, quantize="keep")
+    floats = write_gguf(tmp_path / "f32.gguf", gguf_tensors(params, QCONFIG), QCONFIG)
+    with pytest.raises(ValueError, match="the layer kernels are F32: load it with "
+                                         "quantize='int8' or 'int4'"):
+        llama.load_gguf(floats, quantize="keep")
+    with pytest.raises(ValueError, match="quantize='int3' is not a quantized layout"):
+        llama.load_gguf(floats, quantize="int3")
+
+
+def test_a_float_file_quantizes_at_load(tmp_path, qlm):
+    from jaxformer.nn.quant_params import quantize_params  # noqa: PLC0415
+
+    path = write_gguf(tmp_path / "f32.gguf", gguf_tensors(qlm[1], QCONFIG), QCONFIG)
+    model, params, _ = llama.load_gguf(path, quantize="int8")
+    float_model, floats, _ = llama.load_gguf(path)
+    config, want = quantize_params(float_model.config, floats, "int8")
+    assert model.config == config
+    jax.tree_util.tree_map(np.testing.assert_array_equal, params, want)

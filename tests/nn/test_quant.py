@@ -226,3 +226,48 @@ def test_encoder_decoder_takes_quantized_kernels(make_transformer, tokens):
     got = jax.jit(jf.Transformer(qconfig).apply)({"params": qparams}, src, tgt)
     want = jax.jit(jf.Transformer(fconfig).apply)({"params": fparams}, src, tgt)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+# Run in a child with 4 CPU devices: the int4 LM placed on fsdp=2 x tensor=2, then run.
+SHARDED = """
+import json, jax, jax.numpy as jnp, numpy as np
+import jaxformer as jf
+from jaxformer.nn.quant_params import quantize_params
+from jaxformer.parallel import partitioning
+config = jf.llama(d_model=64, num_heads=4, num_kv_heads=2, d_ff=128, tgt_vocab_size=48,
+                  src_vocab_size=48, tie_output_embedding=False, max_len=32)
+model = jf.DecoderOnlyLM(config)
+tokens = jnp.asarray(np.arange(3, 15).reshape(2, 6), jnp.int32)
+params = model.init(jax.random.key(0), tokens)["params"]
+qconfig, qparams = quantize_params(config, params, "int4")
+qmodel = jf.DecoderOnlyLM(qconfig)
+mesh = partitioning.make_mesh("fsdp=2,tensor=2")
+placed = partitioning.place_params(qmodel, qparams, mesh)
+layer = placed["decoder"]["layers_0"]
+spec = lambda x: [list(e) if isinstance(e, tuple) else e for e in x.sharding.spec]
+run = jax.jit(lambda p, t: qmodel.apply({"params": p}, t))
+print(json.dumps({"specs": {name: [spec(leaf) for leaf in module.values()] for name, module in
+                            [("query", layer["self_attn"]["query"]), ("wo", layer["ffn"]["wo"])]},
+                  "diff": float(jnp.abs(run(placed, tokens) - run(qparams, tokens)).max())}))
+"""
+
+
+def test_scales_are_placed_with_their_kernels_on_a_four_device_mesh():
+    """fsdp=2 x tensor=2: every leaf of a quantized projection (kernel_q, scale, offset)
+    split over the same mesh axes as its kernel; the sharded model computes the same."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+    proc = subprocess.run([sys.executable, "-c", SHARDED], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["specs"]["query"] == [["fsdp", "tensor"]] * 3  # (D, H, K): embed, heads
+    assert out["specs"]["wo"] == [["tensor", "fsdp"]] * 3     # (F, D): mlp, embed
+    assert out["diff"] < 1e-5

@@ -1,0 +1,64 @@
+"""SmolLM2-135M-Instruct's GGUF file (Q4_1 layers, a Q8_0 token table) kept quantized:
+`load(path, quantize="keep")` holds the file's blocks, computes the float model's logits,
+decodes as it does, and weighs under 0.3x the float32 tree."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxformer.nn.quant_params import param_bytes
+
+pytest.importorskip("gguf", reason="needs the `llm` extra: pip install 'jaxformer[llm]'")
+
+
+@pytest.fixture(scope="module")
+def kept(smollm2):
+    from jaxformer.models import load  # noqa: PLC0415
+
+    path = smollm2[3]
+    model, params, _ = load(path, max_len=256, quantize="keep")
+    return model, params
+
+
+def test_the_file_is_kept_as_q4_1_layers_and_a_q8_0_table(kept, smollm2):
+    from jaxformer.interop.gguf import read_gguf  # noqa: PLC0415
+
+    model, params = kept
+    assert (model.config.weight_quant, model.config.embed_quant) == ("int4", "int8_block")
+    query = params["decoder"]["layers_0"]["self_attn"]["query"]
+    assert query["kernel_q"].dtype == jnp.uint8 and query["kernel_q"].shape == (288, 9, 64)
+    file = read_gguf(smollm2[3])
+    float32_bytes = 4 * sum(math.prod(file.shape(n)) for n in file.tensors)
+    ratio = param_bytes(params) / float32_bytes
+    assert ratio <= 0.3, ratio  # 0.18: 96.6 MB of 538 MB
+    assert param_bytes(smollm2[1]) == float32_bytes  # the float tree: 538 MB
+
+
+def test_kept_model_computes_the_float_models_logits(kept, smollm2):
+    model, params = kept
+    float_model, floats, tokenizer, _ = smollm2
+    ids = jnp.asarray([tokenizer.encode("The capital of France is").ids])
+    got = jax.jit(lambda p, t: model.apply({"params": p}, t))(params, ids)
+    want = jax.jit(lambda p, t: float_model.apply({"params": p}, t))(floats, ids)
+    np.testing.assert_allclose(got, want, atol=1e-4 * float(jnp.abs(want).max()), rtol=0)
+
+
+def test_cli_generate_quantize_keep(kept, smollm2, monkeypatch, capsys):
+    """`jaxformer generate --model FILE --quantize keep`: the flag reaches `models.load`
+    (patched to return the module's kept load) and the kept model's cached greedy decode
+    continues as the float model does (docs/pretrained.md: " Paris.")."""
+    import json
+
+    import jaxformer.models
+    from jaxformer.cli.main import main
+
+    asked = []
+    monkeypatch.setattr(jaxformer.models, "load", lambda p, quantize: asked.append(quantize)
+                        or (kept[0], kept[1], smollm2[2]))
+    assert main(["generate", "--model", smollm2[3], "--quantize", "keep", "--json",
+                 "--max-new-tokens", "4", "The capital of France is"]) == 0
+    assert asked == ["keep"]
+    assert json.loads(capsys.readouterr().out)["text"].startswith(" Paris.")
