@@ -252,6 +252,10 @@ class TransformerConfig(ConfigMixin):
     weight_quant: Optional[str] = None
     embed_quant: Optional[str] = None
     quant_block: int = 32
+    # The decode cache's self-attention keys and values (jaxformer.nn.kv_quant): None
+    # (the compute dtype) or "int8" (int8 with one float32 scale per head and token,
+    # quantized when written, dequantized when read).
+    kv_cache_quant: Optional[str] = None
 
     def __post_init__(self):
         targets = self.lora_targets  # "q,v" (CLI) or a list (JSON): a hashable tuple
@@ -401,6 +405,8 @@ class TransformerConfig(ConfigMixin):
             _require(getattr(self, name) in extra + WEIGHT_QUANT, name,
                      f"{getattr(self, name)!r} is not a quantized layout; valid: "
                      f"{', '.join(map(repr, extra + WEIGHT_QUANT))}")
+        _require(self.kv_cache_quant in (None, "int8"), "kv_cache_quant",
+                 f"must be None or 'int8', got {self.kv_cache_quant!r}")
         block = self.quant_block
         _require(isinstance(block, int) and not isinstance(block, bool) and block > 0
                  and block % 2 == 0, "quant_block",

@@ -34,7 +34,6 @@ import jax.numpy as jnp
 
 from jaxformer.decode import cache as cache_lib
 from jaxformer.decode import processors as processors_lib
-from jaxformer.nn.attention import KV
 from jaxformer.decode.inputs import check_encdec, decodable
 from jaxformer.decode.cache import memory_cache
 from jaxformer.decode.loop import (TRACE_COUNTS, DecodeResult, cached_logits_fn, decode_jit,
@@ -101,7 +100,7 @@ def beam_step(state: BeamState, logits_RV: jnp.ndarray, cache, *, beam_size: int
     # element, so only the self-attention cache is gathered).
     rows_R = (jnp.arange(batch)[:, None] * width + parent_BW).reshape(-1)
     def reorder(kvs):  # every beam continues its parent's keys and values
-        return None if kvs is None else tuple(KV(kv.key[rows_R], kv.value[rows_R]) for kv in kvs)
+        return None if kvs is None else tuple(type(kv)(*(x[rows_R] for x in kv)) for kv in kvs)
     cache = cache.replace(self_kv=reorder(cache.self_kv), past_kv=reorder(cache.past_kv))
     return state.replace(
         step=state.step + 1, token_R=token_BW.reshape(-1), cache=cache,

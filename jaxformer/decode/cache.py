@@ -55,6 +55,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from jaxformer.nn import kv_quant
 from jaxformer.nn.attention import KV, kv_length_axis
 from jaxformer.config import TransformerConfig
 from jaxformer.nn import checks
@@ -124,7 +125,8 @@ def init_cache(config: TransformerConfig, batch: int, max_len: int,
       config: the model's configuration (layers, heads, head dim).
       batch: B, rows decoded together (batch * beams for beam search).
       max_len: T_max, slots to allocate = prompt length + new tokens fed.
-      dtype: of keys/values; defaults to the compute dtype.
+      dtype: of keys/values; defaults to the compute dtype (an int8 cache,
+        `config.kv_cache_quant`, dequantizes to the compute dtype when read).
     """
     for name, value in (("batch", batch), ("max_len", max_len)):
         if not isinstance(value, int) or value < 1:
@@ -136,9 +138,9 @@ def init_cache(config: TransformerConfig, batch: int, max_len: int,
     dtype = config.compute_dtype if dtype is None else jnp.dtype(dtype)
     local = config.local_layers(config.num_decoder_layers)
     layers = []
-    for ring in local:
+    for ring in local:  # int8 with per-(head, token) scales if config.kv_cache_quant
         shape = kv_shape(config, batch, min(max_len, config.sliding_window) if ring else max_len)
-        layers.append(KV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)))
+        layers.append(kv_quant.empty(shape, config.kv_cache_quant == "int8", dtype))
     return DecodeCache(self_kv=tuple(layers), index=jnp.zeros((), jnp.int32),
                        start_B=jnp.zeros((batch,), jnp.int32),
                        length_axis=kv_length_axis(config), local=local,
@@ -177,13 +179,24 @@ def check_cache(cache: DecodeCache, config: TransformerConfig) -> None:
                          f"config's local layers are {local}: build it with init_cache(config, ...)")
     batch, slots = cache.batch, cache.max_len - cache.past_len
     ring = min(slots + cache.past_len, config.sliding_window or 1)
+    quantized = config.kv_cache_quant == "int8"
+    if any(isinstance(kv, kv_quant.QuantKV) != quantized for kv in cache.self_kv):
+        raise ValueError(f"cache keys/values are {cache.self_kv[0].key.dtype}, the config's "
+                         f"kv_cache_quant is {config.kv_cache_quant!r}: build it with "
+                         "init_cache(config, ...)")
+
+    def check_slots(kv, shape):
+        chex.assert_shape([kv.key, kv.value], shape)
+        if quantized:
+            chex.assert_shape([kv.key_scale, kv.value_scale], shape[:-1])
+
     for kv, is_ring in zip(cache.self_kv, local):
-        chex.assert_shape(list(kv), kv_shape(config, batch, ring if is_ring else slots))
+        check_slots(kv, kv_shape(config, batch, ring if is_ring else slots))
     if cache.past_kv is not None:
         if len(cache.past_kv) != config.num_decoder_layers:
             raise ValueError("cache.past_kv must have one KV per decoder layer")
         for kv, is_ring in zip(cache.past_kv, local):
-            chex.assert_shape(list(kv), kv_shape(config, batch, 0 if is_ring else cache.past_len))
+            check_slots(kv, kv_shape(config, batch, 0 if is_ring else cache.past_len))
     chex.assert_shape(cache.index, ())
     chex.assert_type([cache.index, cache.start_B], jnp.int32)
     if cache.cross_kv is not None:
@@ -327,15 +340,15 @@ def fold(cache: DecodeCache, chunk_len: int) -> DecodeCache:
     def joined(past: Optional[KV], chunk: KV) -> KV:
         if past is None:
             return chunk
-        return KV(*(jnp.concatenate(pair, axis=cache.length_axis)
-                    for pair in zip(past, chunk)))
+        return type(chunk)(*(jnp.concatenate(pair, axis=cache.length_axis)
+                             for pair in zip(past, chunk)))
 
     pasts = (None,) * len(cache.self_kv) if cache.past_kv is None else cache.past_kv
     axis = cache.length_axis
 
-    def resized(kv: KV, length: int) -> KV:
-        return KV(*(jnp.zeros(x.shape[:axis] + (length,) + x.shape[axis + 1:], x.dtype)
-                    for x in kv))
+    def resized(kv: KV, length: int) -> KV:  # a KV or a QuantKV (kv_quant)
+        return type(kv)(*(jnp.zeros(x.shape[:axis] + (length,) + x.shape[axis + 1:], x.dtype)
+                          for x in kv))
 
     past, chunk = [], []
     for kv, old, ring in zip(cache.self_kv, pasts, cache.local_flags):
@@ -345,7 +358,7 @@ def fold(cache: DecodeCache, chunk_len: int) -> DecodeCache:
             # A ring shorter than the window has never wrapped (it held every slot so
             # far): it grows towards the window with the slots to come.
             grow = min(cache.window, slots + chunk_len) - slots
-            chunk.append(kv if grow <= 0 else KV(*(
+            chunk.append(kv if grow <= 0 else type(kv)(*(
                 jnp.concatenate([x, resized(KV(x, x), grow).key], axis=axis) for x in kv)))
         else:
             past.append(joined(old, kv))

@@ -29,7 +29,8 @@ from jaxformer.config import TransformerConfig
 from jaxformer.nn import checks, lora, tuning
 from jaxformer.nn.axes import ACTIVATION_BTD, constrain, logical
 from jaxformer.nn.norms import layer_norm
-from jaxformer.nn import quant, quant_dense
+from jaxformer.nn import kv_quant, quant, quant_dense
+from jaxformer.nn.kv_quant import QuantKV
 from jaxformer.nn.quant_dense import dense
 
 __all__ = ["DecoderLayer", "EncoderLayer", "FeedForward", "PositionEmbedding", "TokenEmbedding",
@@ -354,22 +355,40 @@ class DecoderLayer(nn.Module):
 
         def self_attend(h_BTD):
             kv = self.self_attn.kv(h_BTD, positions_BT, inv_freq)
+            axis = kv_length_axis(self.config)
+            # An int8 cache (`kv_quant.QuantKV`) stores the new keys quantized and its
+            # earlier slots are read dequantized; a float cache is a `KV` of the compute dtype.
+            quantized = isinstance(cache, QuantKV)
+            stored = kv_quant.quantize_kv(kv) if quantized else kv
+
+            def readable(c):
+                return kv_quant.dequantize_kv(c, kv.key.dtype) if quantized else c
+
             if cache is not None and ring_index is not None:
-                axis = kv_length_axis(self.config)
-                seen = KV((cache.key, kv.key), (cache.value, kv.value))
+                ring = readable(cache)
+                seen = KV((ring.key, kv.key), (ring.value, kv.value))
                 out = self.self_attn(h_BTD, seen, self_mask, positions_BT=positions_BT,
                                      deterministic=deterministic, inv_freq=inv_freq)
-                return out, KV(*(ring_write(old, new.astype(old.dtype), ring_index, axis)
-                                 for old, new in zip(cache, kv)))
+                return out, type(cache)(*(ring_write(old, new.astype(old.dtype), ring_index, axis)
+                                          for old, new in zip(cache, stored)))
+            written = None
             if cache is not None:
-                start = [0, 0, 0, 0]
-                start[kv_length_axis(self.config)] = cache_index
-                kv = KV(jax.lax.dynamic_update_slice(cache.key, kv.key.astype(cache.key.dtype), start),
-                        jax.lax.dynamic_update_slice(cache.value, kv.value.astype(cache.value.dtype), start))
-            seen = kv if past is None else KV((past.key, kv.key), (past.value, kv.value))
-            out = self.self_attn(h_BTD, seen, self_mask, positions_BT=positions_BT,
+                def write(old, new):
+                    start = [0] * old.ndim
+                    start[axis] = cache_index
+                    return jax.lax.dynamic_update_slice(old, new.astype(old.dtype), start)
+
+                written = type(cache)(*(write(old, new) for old, new in zip(cache, stored)))
+                # The new slots are read as computed (not rounded: a prefill attends over
+                # its exact keys), the earlier ones as the cache holds them.
+                kv = KV(*(write(old, new) for old, new in zip(readable(written), kv))
+                        ) if quantized else written
+            if past is not None:
+                past_kv = readable(past)
+                kv = KV((past_kv.key, kv.key), (past_kv.value, kv.value))
+            out = self.self_attn(h_BTD, kv, self_mask, positions_BT=positions_BT,
                                  deterministic=deterministic, inv_freq=inv_freq)
-            return out, (kv if cache is not None else None)
+            return out, written
 
         y_BTD, new_cache = _residual(self.config, self.self_attn_norm, self.dropout,
                                      self_attend, y_BTD, deterministic,

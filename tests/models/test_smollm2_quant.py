@@ -62,3 +62,26 @@ def test_cli_generate_quantize_keep(kept, smollm2, monkeypatch, capsys):
                  "--max-new-tokens", "4", "The capital of France is"]) == 0
     assert asked == ["keep"]
     assert json.loads(capsys.readouterr().out)["text"].startswith(" Paris.")
+
+
+def test_int8_kv_cache_keeps_the_greedy_tokens(kept, smollm2):
+    """The kept model with an int8 KV cache (`kv_cache_quant`) decodes the float cache's 32
+    greedy tokens for test_smollm2.py's prompts but its "def fibonacci(n):" one, which
+    diverges at step 6 on a near tie (8 vs 7 spaces: the float top-2 gap is 0.012)."""
+    import jaxformer as jf
+
+    model, params = kept
+    tokenizer = smollm2[2]
+    prompts = ["The capital of France is",
+               "<|im_start|>user\nWhat is 12 times 7?<|im_end|>\n<|im_start|>assistant\n",
+               "Once upon a time, in a small village by the sea, there lived an old "
+               "fisherman who", "JAX is"]
+    ids = [tokenizer.encode(p).ids for p in prompts]
+    lengths = np.array([len(i) for i in ids])
+    batch = np.full((len(ids), lengths.max()), model.config.pad_id, np.int32)
+    for row, i in enumerate(ids):
+        batch[row, :len(i)] = i
+    runs = [jf.generate(jf.DecoderOnlyLM(model.config.replace(kv_cache_quant=kv)), params,
+                        jnp.asarray(batch), max_new_tokens=32, prompt_lengths=lengths)
+            for kv in (None, "int8")]
+    np.testing.assert_array_equal(runs[1].tokens, runs[0].tokens)
