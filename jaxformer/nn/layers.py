@@ -74,25 +74,25 @@ class TokenEmbedding(nn.Module):
         c = self.config
         stddev = c.d_model ** -0.5 if c.scale_embeddings else 1.0
         init, shape = nn.initializers.normal(stddev), (self.vocab_size, c.d_model)
-        self.quant = c.quant_format("embed")  # None: a float table
-        if self.quant is None:
+        self.fmt = c.quant_format("embed")  # None: a float table
+        if self.fmt is None:
             self.embedding = self.param("embedding", logical(init, ("vocab", "embed")),
                                         shape, c.params_dtype)
         else:  # embedding_q (V, D or D/2), scale (V) or (V, D/block) (+ offset)
-            self.table = quant_dense.quantized_param(self, "embedding", self.quant, shape, 1,
+            self.table = quant_dense.quantized_param(self, "embedding", self.fmt, shape, 1,
                                                      c.quant_block, ("vocab", "embed"), init)
 
     def __call__(self, tokens_BT: jnp.ndarray) -> jnp.ndarray:
         """(B, T) ids -> (B, T, D), times sqrt(D) if `config.scale_embeddings`."""
         ids = jnp.where(tokens_BT < 0, self.vocab_size, tokens_BT)  # negative ids would wrap
         c = self.config
-        if self.quant is None:
+        if self.fmt is None:
             x_BTD = jnp.take(self.embedding, ids, axis=0, mode="fill", fill_value=jnp.nan)
         else:  # only the rows looked up are dequantized; a NaN scale marks a bad id
             rows = {part: jnp.take(value, ids, axis=0, mode="fill",
                                    fill_value=0 if part == "q" else jnp.nan)
                     for part, value in self.table.items()}
-            x_BTD = quant.dequantize(rows, self.quant, c.quant_block, -1).astype(
+            x_BTD = quant.dequantize(rows, self.fmt, c.quant_block, -1).astype(
                 c.params_dtype)
         if c.scale_embeddings and c.embedding_scale_dtype == "compute":
             # Gemma (Hugging Face): the normaliser rounded to the compute dtype.
@@ -104,12 +104,12 @@ class TokenEmbedding(nn.Module):
 
     def attend(self, x_BTD: jnp.ndarray) -> jnp.ndarray:
         """(B, T, D) -> (B, T, V) logits against the embedding matrix (tied output)."""
-        if self.quant is None:
+        if self.fmt is None:
             return jnp.einsum("btd,vd->btv", x_BTD, self.embedding.astype(x_BTD.dtype))
-        if self.quant == "int8":  # x (q s)^T = (x q^T) s: scale the output channels
+        if self.fmt == "int8":  # x (q s)^T = (x q^T) s: scale the output channels
             return jnp.einsum("btd,vd->btv", x_BTD, self.table["q"].astype(x_BTD.dtype)
                               ) * self.table["scale"].astype(x_BTD.dtype)
-        table = quant.dequantize(self.table, self.quant, self.config.quant_block, -1)
+        table = quant.dequantize(self.table, self.fmt, self.config.quant_block, -1)
         return jnp.einsum("btd,vd->btv", x_BTD,
                           table.astype(self.config.params_dtype).astype(x_BTD.dtype))
 

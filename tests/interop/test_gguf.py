@@ -267,6 +267,12 @@ def test_keeping_refuses_what_it_cannot_keep_by_name(tmp_path, qlm):
         llama.load_gguf(floats, quantize="keep")
     with pytest.raises(ValueError, match="quantize='int3' is not a quantized layout"):
         llama.load_gguf(floats, quantize="int3")
+    from jaxformer.models import load  # noqa: PLC0415
+
+    with pytest.raises(ValueError, match="a Hugging Face directory holds float weights"):
+        load(tmp_path, quantize="keep")  # refused before anything is read
+    with pytest.raises(ValueError, match="quantize='int3' is not a quantized layout"):
+        load(tmp_path, quantize="int3")
 
 
 def test_a_float_file_quantizes_at_load(tmp_path, qlm):
