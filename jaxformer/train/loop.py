@@ -110,6 +110,11 @@ def train_functions(model_config: TransformerConfig, train_config: TrainConfig,
     `train_config.task` names, without data: only its model class, input shapes and
     device batches matter here, so every run of a config shares the compiled step).
     """
+    if model_config.weight_quant or model_config.quant_format("embed"):
+        raise ValueError("TransformerConfig.weight_quant: quantized kernels are frozen integers "
+                         "and cannot be trained; train the float model "
+                         "(jaxformer.nn.quant_params.dequantize_params; LoRA on a quantized "
+                         "base is not supported yet)")
     mesh = make_mesh() if mesh is None else mesh
     check_divisible(train_config.batch_size, mesh)
     check_precision_backend(model_config, mesh.devices.flat)

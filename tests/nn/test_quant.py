@@ -271,3 +271,10 @@ def test_scales_are_placed_with_their_kernels_on_a_four_device_mesh():
     assert out["specs"]["query"] == [["fsdp", "tensor"]] * 3  # (D, H, K): embed, heads
     assert out["specs"]["wo"] == [["tensor", "fsdp"]] * 3     # (F, D): mlp, embed
     assert out["diff"] < 1e-5
+
+
+def test_training_a_quantized_model_is_refused_in_one_line():
+    from jaxformer.train import train_functions, TrainConfig
+
+    with pytest.raises(ValueError, match="quantized kernels are frozen integers"):
+        train_functions(jf.tiny(weight_quant="int8"), TrainConfig())
