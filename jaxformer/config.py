@@ -248,7 +248,7 @@ class TransformerConfig(ConfigMixin):
     # `embed_quant`: the token tables and the output projection (tied or not); None: as
     # weight_quant, "float": not quantized. `quant_block`: the block length of the block
     # layouts along a kernel's input axis (GGUF: 32). Convert float parameters with
-    # `jaxformer.nn.quant.quantize_params`.
+    # `jaxformer.nn.quant_params.quantize_params`.
     weight_quant: Optional[str] = None
     embed_quant: Optional[str] = None
     quant_block: int = 32

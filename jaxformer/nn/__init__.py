@@ -2,7 +2,8 @@
 
 Modules: `axes` (logical axis names), `checks` (input checks), `masks` and
 `mask_structure` (`MaskSpec`, masks never materialised), `rope`, `norms`,
-`attention`, `attention_select` (which kernel runs), `blockwise` (flash-style
+`attention`, `attention_select` (which kernel runs), `quant` (int8/int4 layouts), `quant_dense`
+(`QuantDense`), `quant_params` (`quantize_params`), `kv_quant` (the int8 KV cache), `blockwise` (flash-style
 attention), `splash` (the TPU kernel), `layers`, `lora`, `stems`, `stack`
 (unrolled or scanned stacks, remat), `stacking` (parameter layout converters),
 `model` (`Transformer`, `DecoderOnlyLM`), `precision`, `tuning`. The names below
@@ -17,6 +18,7 @@ from jaxformer.nn.lora import merge_lora, split_adapters
 from jaxformer.nn.mask_structure import MaskSpec, dense_mask
 from jaxformer.nn.masks import (causal_mask, combine_masks, cross_mask, decoder_self_mask,
                                 padding_mask)
+from jaxformer.nn.quant_params import dequantize_params, param_bytes, quantize_params
 from jaxformer.nn.model import (Decoder, DecoderOnlyLM, Encoder, Transformer,
                                 attention_weights, count_params)
 from jaxformer.nn.stacking import stack_layers, unstack_layers
@@ -27,4 +29,4 @@ __all__ = ["KV", "MultiHeadAttention", "dot_product_attention", "resolved_attent
            "MaskSpec", "dense_mask", "causal_mask", "combine_masks", "cross_mask",
            "decoder_self_mask", "padding_mask", "Decoder", "DecoderOnlyLM", "Encoder",
            "Transformer", "attention_weights", "count_params", "stack_layers",
-           "unstack_layers"]
+           "unstack_layers", "dequantize_params", "param_bytes", "quantize_params"]

@@ -3,7 +3,6 @@ stored as int8 with per-(head, token) scales decode the float cache's greedy tok
 every path that touches the cache (one-pass and chunked prefill, segments, sliding-window
 rings, beam search), in well under half the bytes."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
