@@ -6,7 +6,7 @@ or a GGUF file -> (model, params, tokenizer).
 
 from jaxformer.models.hf_export import save_hf
 from jaxformer.models.llama import load_gguf
-from jaxformer.models.load import load
+from jaxformer.models.loader import load
 from jaxformer.models.torch_modules import from_torch_decoder_only, from_torch_transformer
 
 __all__ = ["audio", "hf", "hf_encdec", "hf_export", "llama", "torch_modules", "transcribe",
