@@ -13,6 +13,7 @@ Modules, one job each::
     evaluation    evaluate (teacher-forced + greedy exact match), evaluate_lm (bits per byte)
     loop          fit: data, mesh, checkpoints, progress; TrainFunctions, train_functions
     checkpoint    Checkpoints: Orbax save / restore / resume
+    settle        settled_on_failure: a failed Orbax read leaves none of the others in flight
 
 The names below are the public surface; the modules are free to move.
 """

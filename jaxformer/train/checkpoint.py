@@ -19,11 +19,10 @@ latest step is reported in one line naming the newest step that does restore;
 `restore(..., fallback=True)` continues from that step instead, after moving the
 damaged ones aside (renamed `<step>.damaged`, never deleted). A save killed
 midway leaves only Orbax's temporary directory, which `remove_unfinished_saves`
-deletes (training calls it when it starts). Quietly: a
-corrupt array index is read alone before Orbax's concurrent reads (`_check_index`),
-and the one harmless leftover of a failed concurrent read, a tensorstore callback
-into Orbax's closed event loop, is kept off stderr (`ignore_closed_loop_callbacks`,
-installed as `sys.unraisablehook` by the first `Checkpoints`).
+deletes (training calls it when it starts). Quietly: the one line and nothing
+after it. A corrupt array index is read alone before Orbax's concurrent reads
+(`_check_index`), and a read that fails leaves none of the others in flight
+(`settle.settled_on_failure`: each would print a traceback when collected).
 
 Layer layouts (`config.scan_layers`): a checkpoint of a scanned model holds
 stacked layers (`layers/...`), an unscanned one per-layer layers (`layers_0`,
@@ -34,14 +33,13 @@ stacked layers (`layers/...`), an unscanned one per-layer layers (`layers_0`,
 from __future__ import annotations
 
 import os
-import sys
-import traceback
 from typing import Any, Optional
 
 import jax
 import orbax.checkpoint as ocp
 
 from jaxformer.nn import stacking
+from jaxformer.train.settle import settled_on_failure
 
 
 class CheckpointError(Exception):
@@ -76,8 +74,6 @@ class Checkpoints:
         # readable before any restore.
         self._manager = ocp.CheckpointManager(self.directory, options=options,
                                               item_handlers=ocp.StandardCheckpointHandler())
-        if not getattr(sys.unraisablehook, "jaxformer_filter", False):
-            sys.unraisablehook = ignore_closed_loop_callbacks(sys.unraisablehook)
 
     def steps(self) -> list[int]:
         """Steps with a complete checkpoint, ascending."""
@@ -165,11 +161,15 @@ class Checkpoints:
                 lambda x: x.sharding, abstract))
         self._check_against_saved(step, path, abstract)
         _check_index(path)
-        try:
-            restored = self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
-        except Exception as error:  # orbax/tensorstore raise many types; one message
-            raise CheckpointDamaged(f"checkpoint {path} is unreadable or corrupt: "
-                                    f"{first_line(error)}") from error
+        # Settled: a failed read leaves none of the others in flight (they would
+        # each print a traceback when collected, thousands of lines).
+        with settled_on_failure():
+            try:
+                restored = self._manager.restore(step,
+                                                 args=ocp.args.StandardRestore(abstract))
+            except Exception as error:  # orbax/tensorstore raise many types; one message
+                raise CheckpointDamaged(f"checkpoint {path} is unreadable or corrupt: "
+                                        f"{first_line(error)}") from error
         got = jax.tree_util.tree_structure(restored)
         want = jax.tree_util.tree_structure(target)
         if got != want:
@@ -187,7 +187,8 @@ class Checkpoints:
         """Compare the saved arrays' metadata with `target` by parameter path, before
         any array is read: missing, unexpected and mis-shaped entries, together."""
         try:
-            metadata = self._manager.item_metadata(step)
+            with settled_on_failure():
+                metadata = self._manager.item_metadata(step)
         except Exception:  # unreadable: restore() reports it
             return
         saved = _shapes_by_path(getattr(metadata, "tree", metadata))
@@ -208,7 +209,8 @@ class Checkpoints:
 
     def _saved_layout(self, step: int) -> Optional[str]:
         try:
-            metadata = self._manager.item_metadata(step)
+            with settled_on_failure():
+                metadata = self._manager.item_metadata(step)
         except Exception:  # unreadable: restore() below reports it
             return None
         return stacking.layout(getattr(metadata, "tree", metadata))
@@ -272,11 +274,8 @@ def _in_layout(abstract: Any, stacked: bool) -> Any:
 def _check_index(path: str) -> None:
     """Read the index (OCDBT manifest and B-tree) of the arrays saved at `path`, alone.
 
-    A corrupt index then fails here, in one synchronous read, instead of in the
-    many concurrent reads of an Orbax restore. Those fail on the first error and
-    Orbax closes its event loop while tensorstore still completes the others: each
-    late completion raises "Event loop is closed" in a tensorstore thread, and
-    Python prints every such traceback to stderr (hundreds of lines).
+    A corrupt index then fails here, in one synchronous read, named as such,
+    instead of failing every one of the concurrent reads of an Orbax restore.
     """
     item = os.path.join(path, "default")
     if not os.path.exists(os.path.join(item, "manifest.ocdbt")):
@@ -296,19 +295,3 @@ def first_line(error: BaseException, limit: int = 160) -> str:
     lines = str(error).strip().splitlines()
     text = f"{type(error).__name__}: {lines[0] if lines else ''}"
     return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def ignore_closed_loop_callbacks(hook):
-    """`sys.unraisablehook` that drops only "Event loop is closed" from a late
-    `call_soon_threadsafe` (see `_check_index`: corrupt array data with an intact
-    index still fails in concurrent reads), and passes everything else to `hook`."""
-    def filtered(unraisable):
-        error = unraisable.exc_value
-        frames = traceback.extract_tb(unraisable.exc_traceback)
-        if (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
-                and any(f.name == "call_soon_threadsafe" for f in frames)):
-            return
-        hook(unraisable)
-
-    filtered.jaxformer_filter = True
-    return filtered
