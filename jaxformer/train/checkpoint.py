@@ -33,6 +33,7 @@ stacked layers (`layers/...`), an unscanned one per-layer layers (`layers_0`,
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Optional
 
 import jax
@@ -169,7 +170,7 @@ class Checkpoints:
                                                  args=ocp.args.StandardRestore(abstract))
             except Exception as error:  # orbax/tensorstore raise many types; one message
                 raise CheckpointDamaged(f"checkpoint {path} is unreadable or corrupt: "
-                                        f"{first_line(error)}") from error
+                                        f"{_storage_cause(error)}") from error
         got = jax.tree_util.tree_structure(restored)
         want = jax.tree_util.tree_structure(target)
         if got != want:
@@ -289,9 +290,23 @@ def _check_index(path: str) -> None:
                                 f"read: {first_line(error)}") from error
 
 
+def _storage_cause(error: BaseException, limit: int = 160) -> str:
+    """`first_line` of the error at the bottom of `error`'s causes, which names the
+    array and the damage (Orbax's wrapper names a slice and holds a whole TensorStore
+    spec), less tensorstore's restatement of the checkpoint's path."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    lines = str(error).strip().splitlines()
+    text = re.sub(r' in OCDBT database at [^:]*"(?=:)', "", lines[0] if lines else "")
+    return _cut(f"{type(error).__name__}: {text}", limit)
+
+
 def first_line(error: BaseException, limit: int = 160) -> str:
     """"TypeName: the first line of the message", cut to `limit` characters (storage
     libraries put whole specs, tens of lines, into their messages)."""
     lines = str(error).strip().splitlines()
-    text = f"{type(error).__name__}: {lines[0] if lines else ''}"
+    return _cut(f"{type(error).__name__}: {lines[0] if lines else ''}", limit)
+
+
+def _cut(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."

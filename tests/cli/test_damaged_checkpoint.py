@@ -17,6 +17,7 @@ in every try and the command test in most.
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -139,6 +140,9 @@ def test_library_restore_of_damaged_steps_prints_nothing_even_at_exit(run, tmp_p
     for line, path in zip(lines, runs):
         assert line.startswith(f"checkpoint {path}/checkpoints/{STEPS} is "), line
         assert "step 2 restores" in line and len(line) < 400, line
+    for line in lines[:4]:  # a truncated data file: the array named, and the damage
+        assert re.search(r'unreadable or corrupt: ValueError: OUT_OF_RANGE: Error reading '
+                         r'"(params|opt_state)\.[\w.]+/[\d.]+": Requested byte range', line), line
     assert {path: snapshot(path) for path in set(runs)} == before  # refusing changes nothing
 
 
