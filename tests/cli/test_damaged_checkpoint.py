@@ -26,7 +26,8 @@ import pytest
 
 import jaxformer as jf
 from jaxformer.cli.compile_cache import compilation_cache
-from jaxformer.train import ByteTokenizer, TextData, TrainConfig, fit
+from jaxformer.text import ByteTokenizer
+from jaxformer.train import TextData, TrainConfig, fit
 
 from conftest import REPO, snapshot
 
