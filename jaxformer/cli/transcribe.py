@@ -62,7 +62,13 @@ def run(args) -> int:
     from jaxformer.models import audio as audio_lib  # noqa: PLC0415
     from jaxformer.models import transcribe  # noqa: PLC0415
 
+    from jaxformer.models.whisper import check_language_code  # noqa: PLC0415
+
     require_positive("--batch", args.batch)
+    try:  # before the model is read
+        check_language_code(args.language)
+    except ValueError as error:
+        raise UsageError(f"--language: {error}") from error
     if args.format == "srt" and not args.timestamps:
         raise UsageError("--format srt needs --timestamps")
     if not os.path.isdir(args.model):

@@ -191,6 +191,24 @@ def special_ids(model_dir: str) -> dict:
 # -- token conventions ------------------------------------------------------------------
 
 TASKS = ("transcribe", "translate")
+# Every language code a Whisper vocabulary can hold (openai-whisper's LANGUAGES, in
+# vocabulary order; large-v3 added "yue"): a code outside it is refused before any
+# model is read. Which of them a given model knows is its vocabulary's business.
+LANGUAGE_CODES = (
+    "en", "zh", "de", "es", "ru", "ko", "fr", "ja", "pt", "tr", "pl", "ca", "nl", "ar", "sv",
+    "it", "id", "hi", "fi", "vi", "he", "uk", "el", "ms", "cs", "ro", "da", "hu", "ta", "no",
+    "th", "ur", "hr", "bg", "lt", "la", "mi", "ml", "cy", "sk", "te", "fa", "lv", "bn", "sr",
+    "az", "sl", "kn", "et", "mk", "br", "eu", "is", "hy", "ne", "mn", "bs", "kk", "sq", "sw",
+    "gl", "mr", "pa", "si", "km", "sn", "yo", "so", "af", "oc", "ka", "be", "tg", "sd", "gu",
+    "am", "yi", "lo", "uz", "fo", "ht", "ps", "tk", "nn", "mt", "sa", "lb", "my", "bo", "tl",
+    "mg", "as", "tt", "haw", "ln", "ha", "ba", "jw", "su", "yue")
+
+
+def check_language_code(code: str) -> None:
+    """ValueError unless `code` is "auto" or a Whisper language code (`LANGUAGE_CODES`)."""
+    if code != "auto" and code not in LANGUAGE_CODES:
+        raise ValueError(f"unknown language {code!r}: Whisper's codes are ISO 639-1 style, "
+                         f"e.g. {', '.join(LANGUAGE_CODES[:8])} (or 'auto')")
 TIME_PRECISION = 0.02  # seconds per timestamp token: <|0.00|>, <|0.02|>, ...
 MULTILINGUAL_VOCAB = 51865  # openai-whisper's test: English-only (".en") vocabularies are smaller
 

@@ -54,6 +54,27 @@ def test_bad_options_are_one_line_and_exit_2(flags, message, capsys):
     assert message in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_an_unknown_language_is_refused_before_the_model_is_read(monkeypatch, capsys):
+    from jaxformer.models import transcribe  # noqa: PLC0415
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was read before --language was checked")
+
+    monkeypatch.setattr(transcribe, "load", no_load)
+    assert main(["transcribe", "--model", whisper_model_dir(), FOX, "--language", "english"]) == 2
+    err = capsys.readouterr().err
+    assert "--language: unknown language 'english'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_whisper_language_codes_are_transformers():
+    """The fixed list is transformers' Whisper LANGUAGES, in vocabulary order."""
+    tokenization = pytest.importorskip("transformers.models.whisper.tokenization_whisper",
+                                       reason="transformers (the test extra) has the list")
+    from jaxformer.models import whisper  # noqa: PLC0415
+
+    assert whisper.LANGUAGE_CODES == tuple(tokenization.LANGUAGES)
+
+
 def test_a_file_that_is_not_audio_is_named(tmp_path, capsys):
     not_audio = tmp_path / "notes.wav"
     not_audio.write_text("hello")
