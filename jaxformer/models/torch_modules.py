@@ -193,7 +193,7 @@ def from_torch_transformer(
     params = jax.tree_util.tree_map(jnp.asarray, params)
     config, params = _layout(config, params, scan_layers)
 
-    from jaxformer.nn.model import Transformer  # late: keeps `import jaxformer.interop` light
+    from jaxformer.nn.model import Transformer  # late: keeps `import jaxformer.models` light
     tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
     _verify_structure(params, Transformer(config), tokens, tokens)
     return config, params
