@@ -465,19 +465,19 @@ def _train(args, held: contextlib.ExitStack) -> int:
 
     primary = distributed.is_primary()  # writes the run directory and prints
     if not args.resume and primary:
+        from jaxformer.train.run import CHAT_TEMPLATE, TOKENIZER, Run  # noqa: PLC0415
+
         os.makedirs(out, exist_ok=True)
-        saved = {"preset": None if args.init else preset, "model": model_config.to_dict(),
-                 "train": train_config.to_dict(), "mesh": mesh_spec_string(mesh),
+        extra = {"preset": None if args.init else preset, "mesh": mesh_spec_string(mesh),
                  "processes": jax.process_count()}
         if args.init is not None:  # the run stands alone: tokenizer and chat template copied
-            pretrained_tokenizer.save(os.path.join(out, "tokenizer.json"))
-            saved["init"] = {"path": os.path.abspath(args.init), "tokenizer": "tokenizer.json"}
+            pretrained_tokenizer.save(os.path.join(out, TOKENIZER))
+            extra["init"] = {"path": os.path.abspath(args.init), "tokenizer": TOKENIZER}
             template = source_chat_template(args.init)
             if template is not None:
-                with open(os.path.join(out, "chat_template.jinja"), "w") as f:
+                with open(os.path.join(out, CHAT_TEMPLATE), "w") as f:
                     f.write(template)
-        with open(os.path.join(out, "config.json"), "w") as f:
-            json.dump(saved, f, indent=2)
+        saved = Run.create(out, model_config, train_config, **extra).saved
     if args.resume and saved.get("init"):
         preset = f"fine-tuned {saved['init']['path']}"
     elif args.init is not None:

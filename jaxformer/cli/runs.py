@@ -1,30 +1,28 @@
-"""Run directories of `jaxformer train`: their config, their latest parameters, and
-pretrained language models (`jaxformer.models.load`) behind one interface."""
+"""The command line's view of models: run directories of `jaxformer train`
+(`jaxformer.train.run.Run`) and pretrained language models (`jaxformer.models.load`)
+behind one interface, what is wrong with either as one-line UsageErrors."""
 
 from __future__ import annotations
 
-import json
 import os
 
 from jaxformer.cli.usage import UsageError
 
 
+def open_run(run_dir: str, context: str = ""):
+    """The `jaxformer.train.run.Run` of `run_dir`; what is wrong with it as one line."""
+    from jaxformer.train.run import Run, RunError  # noqa: PLC0415
+
+    try:
+        return Run.open(run_dir)
+    except RunError as error:
+        raise UsageError(f"{context}{error}") from error
+
+
 def read_run_config(run_dir: str, context: str = ""):
     """(model config, train config, the saved dict) from `run_dir`/config.json."""
-    from jaxformer.config import TransformerConfig  # noqa: PLC0415
-    from jaxformer.train.train_config import TrainConfig  # noqa: PLC0415
-
-    config_path = os.path.join(run_dir, "config.json")
-    if not os.path.isfile(config_path):
-        raise UsageError(f"{context}{config_path} does not exist (not a run directory)")
-    try:
-        with open(config_path) as f:
-            saved = json.load(f)
-        return (TransformerConfig.from_dict(saved["model"]),
-                TrainConfig.from_dict(saved["train"]), saved)
-    except (ValueError, KeyError, TypeError) as error:
-        raise UsageError(f"{context}{config_path} is not a valid run config: "
-                         f"{error}") from error
+    run = open_run(run_dir, context)
+    return run.model_config, run.train_config, run.saved
 
 
 def load_run(run_dir: str, *, language_model: bool):
@@ -32,24 +30,18 @@ def load_run(run_dir: str, *, language_model: bool):
 
     `language_model`: the command needs a decoder-only LM run (else a seq2seq one).
     """
-    from jaxformer.train.checkpoint import CheckpointError, Checkpoints  # noqa: PLC0415
-    from jaxformer.train.loop import train_functions  # noqa: PLC0415
-    from jaxformer.train.task import trains_language_model  # noqa: PLC0415
+    from jaxformer.train.checkpoint import CheckpointError  # noqa: PLC0415
+    from jaxformer.train.run import RunError  # noqa: PLC0415
 
-    model_config, train_config, _ = read_run_config(run_dir)
-    if trains_language_model(train_config.task) != language_model:
+    run = open_run(run_dir)
+    if run.trains_language_model != language_model:
         want = "a --task lm run" if language_model else "a copy/reverse/sort run"
-        raise UsageError(f"{run_dir} is a {train_config.task} run; this command needs {want}")
-    directory = os.path.join(run_dir, "checkpoints")
-    if not os.path.isdir(directory) or not has_checkpoint(directory):
-        raise UsageError(f"no checkpoint in {directory}")
+        raise UsageError(f"{run_dir} is a {run.train_config.task} run; this command needs "
+                         f"{want}")
     try:
-        with Checkpoints(directory, create=False) as checkpoints:
-            state = checkpoints.restore(
-                train_functions(model_config, train_config).abstract_state())
-    except CheckpointError as error:
+        return run.model_config, run.train_config, run.latest_params()
+    except (RunError, CheckpointError) as error:
         raise UsageError(str(error)) from error
-    return model_config, train_config, state.params
 
 
 def has_checkpoint(directory: str) -> bool:
@@ -60,24 +52,13 @@ def has_checkpoint(directory: str) -> bool:
 
 
 def run_tokenizer(run_dir: str, model_config, train_config, saved: dict):
-    """The tokenizer of an LM run: a fine-tuning run's (`--init`) tokenizer.json in the
-    run directory, wrapped with the model's special ids; else the train config's."""
-    from jaxformer.text import JSONTokenizer, training_tokenizer  # noqa: PLC0415
+    """The tokenizer an LM run trains with (`Run.tokenizer`), as one line if it fails."""
+    from jaxformer.train.run import Run, RunError  # noqa: PLC0415
 
-    init = saved.get("init")
     try:
-        if init is None:
-            return training_tokenizer(train_config.tokenizer)
-        from tokenizers import Tokenizer  # noqa: PLC0415
-
-        path = os.path.join(run_dir, init["tokenizer"])
-        if not os.path.isfile(path):
-            raise ValueError(f"{path} is missing (the fine-tuned model's tokenizer)")
-        c = model_config
-        return JSONTokenizer.wrap(Tokenizer.from_file(path), pad_id=c.pad_id, bos_id=c.bos_id,
-                                  eos_id=c.eos_id, vocab_size=c.tgt_vocab_size, name=path)
-    except Exception as error:  # noqa: BLE001 (tokenizers raises plain Exceptions)
-        raise UsageError(f"{run_dir}: cannot load the run's tokenizer: {error}") from error
+        return Run(run_dir, model_config, train_config, saved).tokenizer()
+    except RunError as error:
+        raise UsageError(str(error)) from error
 
 
 QUANTIZE = ("int8", "int4", "int4_sym", "int8_block", "keep")
@@ -130,7 +111,7 @@ def language_model(run_dir=None, model_path=None, quantize=None):
             raise UsageError("--quantize keep keeps a GGUF file's blocks (--model); a run's "
                              "weights are float: --quantize int8 or int4")
         model_config, train_config, params = load_run(run_dir, language_model=True)
-        saved = read_run_config(run_dir)[2]
+        saved = open_run(run_dir).saved
         if quantize is not None:
             from jaxformer.nn.quant_params import quantize_params  # noqa: PLC0415
 

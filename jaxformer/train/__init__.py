@@ -13,6 +13,8 @@ Modules, one job each::
     evaluation    evaluate (teacher-forced + greedy exact match), evaluate_lm (bits per byte)
     loop          fit: data, mesh, checkpoints, progress; TrainFunctions, train_functions
     checkpoint    Checkpoints: Orbax save / restore / resume
+    run           Run: a run directory (config, latest parameters, tokenizer, chat template)
+    run_lock      RunLock: one writer per run directory
     settle        settled_on_failure: a failed Orbax read leaves none of the others in flight
 
 The names below are the public surface; the modules are free to move.
@@ -24,6 +26,7 @@ from jaxformer.train.evaluation import evaluate, evaluate_lm
 from jaxformer.train.loop import FitResult, NonFiniteLossError, TrainFunctions, fit, train_functions
 from jaxformer.train.loss import loss_and_metrics, model_logits
 from jaxformer.train.optimizer import make_optimizer
+from jaxformer.train.run import Run, RunError
 from jaxformer.train.state import TrainState, init_train_state
 from jaxformer.train.step import make_train_step
 from jaxformer.train.task import SyntheticTask, TextTask, TrainingTask, training_task
@@ -34,4 +37,4 @@ __all__ = ["CheckpointError", "Checkpoints", "LMBatch", "TextData",
            "segment_mask", "Batch", "FitResult", "NonFiniteLossError", "TrainConfig",
            "TrainFunctions", "TrainState", "evaluate", "evaluate_lm", "fit", "init_train_state",
            "loss_and_metrics", "make_optimizer", "make_train_step", "model_logits",
-           "train_functions", "SyntheticTask", "TextTask", "TrainingTask", "training_task"]
+           "train_functions", "SyntheticTask", "TextTask", "TrainingTask", "training_task", "Run", "RunError"]

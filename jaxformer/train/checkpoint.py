@@ -145,6 +145,24 @@ class Checkpoints:
                 return state
             raise CheckpointDamaged(f"{damaged}; no earlier step restores either") from damaged
 
+    def saved_structure(self, sharding: Optional[jax.sharding.Sharding] = None) -> Any:
+        """The newest readable step's state as a tree of `jax.ShapeDtypeStruct`s (dicts,
+        as saved), each with `sharding` (default: this process's first device): a target
+        that needs neither the model nor the optimizer (`restore(saved_structure())`)."""
+        sharding = sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        for step in reversed(self.steps()):
+            try:
+                with settled_on_failure():
+                    metadata = self._manager.item_metadata(step)
+            except Exception:  # unreadable: an older step's may do
+                continue
+            tree = getattr(metadata, "tree", metadata)
+            return jax.tree_util.tree_map(
+                lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+                dict(tree))
+        raise CheckpointDamaged(f"no checkpoint in {self.directory} has readable metadata"
+                                if self.steps() else f"no checkpoint found in {self.directory}")
+
     def _restore_step(self, target: Any, abstract: Any, step: int,
                       convert_layout: bool) -> Any:
         path = os.path.join(self.directory, str(step))
