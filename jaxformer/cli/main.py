@@ -427,7 +427,9 @@ def _train(args, held: contextlib.ExitStack) -> int:
                          f"--resume to continue it, or choose another --out")
 
     cpu_tuning = _cpu_tuning(args)  # before JAX starts
-    _start_processes(args, processes)  # after the checks of --out: no process wrote yet
+    # After the checks of --out: no process wrote yet. Giving up on the others releases
+    # the lock (and the directory it made) first: that exit skips every `with` block.
+    _start_processes(args, processes, on_give_up=held.close)
     if processes is not None and processes.process_id is None and distributed.is_primary():
         _lock_run(out, held)
     checkpoint_dir = os.path.join(out, "checkpoints")
@@ -620,7 +622,7 @@ def _cpu_tuning(args) -> bool:
     return True
 
 
-def _start_processes(args, processes) -> None:
+def _start_processes(args, processes, on_give_up=None) -> None:
     """--cpu-devices, then join the other processes (before JAX starts its devices)."""
     from jaxformer.parallel import distributed  # noqa: PLC0415
     from jaxformer.parallel.sharding import use_cpu_cores_as_devices  # noqa: PLC0415
@@ -635,7 +637,8 @@ def _start_processes(args, processes) -> None:
                       f"{processes.coordinator} (up to {args.coordinator_timeout:g} s)",
                       file=sys.stderr, flush=True)
             distributed.initialize(processes.coordinator, processes.num_processes,
-                                   processes.process_id, timeout_s=args.coordinator_timeout)
+                                   processes.process_id, timeout_s=args.coordinator_timeout,
+                                   on_give_up=on_give_up)
     except (RuntimeError, ValueError) as error:  # incl. CoordinatorUnreachable
         raise UsageError(str(error)) from error
 

@@ -215,7 +215,9 @@ def check_tokens_for(cache: DecodeCache, config: TransformerConfig, tokens_BT,
     check_cache(cache, config)
     checks.check_shape(name, tokens_BT, (cache.batch, None),
                        f"(the cache's batch {cache.batch}, new tokens)")
-    if tokens_BT.shape[1] > cache.max_len:
+    # Rings take any number of tokens (each keeps the last `sliding_window`); a full
+    # layer's cache only as many as it has slots.
+    if not all(cache.local_flags) and tokens_BT.shape[1] > cache.max_len:
         raise ValueError(f"{name} feeds {tokens_BT.shape[1]} tokens, more than the cache's "
                          f"{cache.max_len} slots")
 

@@ -35,7 +35,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 ENV = {"coordinator": "JAXFORMER_COORDINATOR", "num_processes": "JAXFORMER_NUM_PROCESSES",
        "process_id": "JAXFORMER_PROCESS_ID"}
@@ -145,11 +145,15 @@ def check_port_free(address: str) -> None:
 
 
 def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] = None,
-               process_id: Optional[int] = None, *, timeout_s: float = 300.0) -> int:
+               process_id: Optional[int] = None, *, timeout_s: float = 300.0,
+               on_give_up: Optional[Callable[[], None]] = None) -> int:
     """Join the run's processes (see the module docstring); returns the process count.
 
     Call it before anything touches JAX's devices. One process (no settings
-    anywhere): does nothing and returns 1.
+    anywhere): does nothing and returns 1. If they do not all join within
+    `timeout_s`, the process prints one line and exits with status 2 (JAX's own
+    deadline would abort it); `on_give_up()` runs first (e.g. releasing a lock:
+    no `finally` or `with` block runs after that exit).
     """
     import jax  # noqa: PLC0415
 
@@ -174,7 +178,7 @@ def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] =
     watchdog = threading.Timer(timeout_s, _give_up, args=(
         f"jaxformer: {who} waited {timeout_s:g} s for {waited_for}; they did not all come. "
         "Start every process with the same coordinator and process count (or allow more "
-        "time: --coordinator-timeout).",))
+        "time: --coordinator-timeout).", on_give_up))
     watchdog.daemon = True
     watchdog.start()
     try:  # JAX's own deadline later than the watchdog's: its expiry is a C++ abort
@@ -186,9 +190,13 @@ def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] =
     return jax.process_count()
 
 
-def _give_up(message: str) -> None:
+def _give_up(message: str, on_give_up: Optional[Callable[[], None]]) -> None:
     print(message, file=sys.stderr, flush=True)
-    os._exit(2)  # the main thread is blocked inside JAX's C++ wait
+    try:
+        if on_give_up is not None:
+            on_give_up()
+    finally:
+        os._exit(2)  # the main thread is blocked inside JAX's C++ wait
 
 
 def is_primary() -> bool:

@@ -73,3 +73,17 @@ def test_a_ring_grows_at_each_fold_until_it_holds_a_window():
         sizes.append(cache.self_kv[0].key.shape[cache.length_axis])  # layer 0 is local
     assert sizes == [6, WINDOW, WINDOW]
     cache_lib.check_cache(cache, CONFIG)
+
+
+def test_a_prompt_longer_than_every_layer_s_ring_decodes_like_recomputation(make_lm):
+    """Every layer local (Mistral): the cache is rings only, of `window` slots, and a
+    prompt longer than the window is prefilled in one pass (each ring keeps its last
+    `window` keys): the shape checks must not refuse it, and the tokens equal
+    recomputation."""
+    config = CONFIG.replace(attention_pattern=None, sliding_window=4, num_decoder_layers=2)
+    model, params = make_lm(config, seed=3)
+    row = np.random.default_rng(5).integers(3, 16, 10).astype(np.int32)
+    want, _ = full_recompute_greedy(model, params, [row], 4)
+    out = decoding.generate(model, params, jnp.asarray(row[None]), max_new_tokens=4)
+    assert all(config.local_layers(2))
+    np.testing.assert_array_equal(np.asarray(out.tokens), want)
