@@ -147,3 +147,21 @@ def test_examples_benchmarks_and_docs_import_only_public_names():
                       if a.name not in public and not (node.module == "jaxformer" and (
                           PACKAGE / a.name).is_dir())]  # a package: its own __all__
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_command_line_and_models_load_without_the_optional_packages():
+    """A base install (`pip install -e .`, README's first command) has no gguf, tokenizers,
+    safetensors, jinja2 or torch: `jaxformer --help` and `import jaxformer.models` must not
+    import them (each is blocked here as if missing)."""
+    import subprocess
+    import sys
+    blocked = ("gguf", "tokenizers", "safetensors", "jinja2", "torch", "transformers")
+    code = ("import sys\n"
+            f"for name in {blocked!r}: sys.modules[name] = None\n"
+            "import jaxformer.models, jaxformer.text\n"
+            "from jaxformer.cli.main import build_parser\n"
+            "build_parser()\n"
+            "print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=REPO, timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr[-2000:]

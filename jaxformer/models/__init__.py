@@ -5,9 +5,19 @@ or a GGUF file -> (model, params, tokenizer).
 """
 
 from jaxformer.models.hf_export import save_hf
-from jaxformer.models.llama import load_gguf
 from jaxformer.models.loader import load
 from jaxformer.models.torch_modules import from_torch_decoder_only, from_torch_transformer
+
+
+def __getattr__(name: str):
+    """`load_gguf` on first use: its module needs the optional `gguf` package (the `llm`
+    extra), and `import jaxformer.models` must work without it."""
+    if name == "load_gguf":
+        from jaxformer.models.llama import load_gguf  # noqa: PLC0415
+
+        return load_gguf
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["audio", "hf", "hf_encdec", "hf_export", "llama", "torch_modules", "transcribe",
            "whisper", "load", "load_gguf", "save_hf", "from_torch_decoder_only",
