@@ -11,7 +11,7 @@ from conftest import REPO
 
 # Each package may import itself and the ones before it, never one after it.
 LAYERS = ("errors", "config", "backends", "nn", "parallel", "interop", "text", "decode", "train",
-          "models", "cli")
+          "models", "nnx", "harness", "serve", "cli")
 PACKAGE = pathlib.Path(REPO) / "jaxformer"
 
 
