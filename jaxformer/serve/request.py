@@ -1,6 +1,6 @@
 """What a client asks the serving engine for and what it gets back (no JAX here).
 
-The engine (`jaxformer.serve.engine`) and the HTTP server (`jaxformer.serve.http`)
+The engine and the HTTP server
 meet at these types: the server turns a JSON body into a `Request`, the engine
 streams `TokenEvent`s for it and ends with one whose `finish_reason` is set.
 """
