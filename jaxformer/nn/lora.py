@@ -17,6 +17,11 @@ Pieces::
     LoRA(config, in_shape, out_shape, in_names, out_names)   the adapter module
     is_adapter_path(path), split_adapters(params) -> (adapters, base), join(a, b)
     merge_lora(config, params) -> (config without LoRA, params with B A folded in)
+
+QLoRA: the base may be quantized (`config.weight_quant`, `jaxformer.nn.quant_params`);
+training updates the float adapters only, and `merge_lora` dequantizes the base
+first (the adapted model's function has no exact integer form): its result is a
+float model (quantize it again with `quantize_params` if wanted).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from flax import traverse_util
 
 from jaxformer.config import TransformerConfig
 from jaxformer.nn.axes import logical
+from jaxformer.nn.quant_params import dequantize_params, is_quantized
 
 SUFFIX = "_lora"
 # config.lora_targets -> the projection's module name.
@@ -109,7 +115,13 @@ def merge_lora(config: TransformerConfig, params: Any) -> tuple[TransformerConfi
     """(config with lora_rank=0, params without adapters): each targeted kernel W
     becomes W + (A B) * scale (computed in float32, stored in W's dtype), so the
     plain model gives the adapted model's outputs. Either layout (per-layer or
-    scanned: the leading layer axis is kept)."""
+    scanned: the leading layer axis is kept).
+
+    A quantized base (QLoRA) is dequantized first (`dequantize_params`): the result
+    is the float model (config without `weight_quant`/`embed_quant`) whose kernels
+    are the dequantized base plus the adapters' product."""
+    if is_quantized(config, params):
+        config, params = dequantize_params(config, params)
     plain = config.replace(lora_rank=0)
     if not config.lora_rank:
         return plain, params

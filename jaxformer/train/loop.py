@@ -110,11 +110,12 @@ def train_functions(model_config: TransformerConfig, train_config: TrainConfig,
     `train_config.task` names, without data: only its model class, input shapes and
     device batches matter here, so every run of a config shares the compiled step).
     """
-    if model_config.weight_quant or model_config.quant_format("embed"):
+    quantized = model_config.weight_quant or model_config.quant_format("embed")
+    if quantized and not model_config.lora_rank:
         raise ValueError("TransformerConfig.weight_quant: quantized kernels are frozen integers "
-                         "and cannot be trained; train the float model "
-                         "(jaxformer.nn.quant_params.dequantize_params; LoRA on a quantized "
-                         "base is not supported yet)")
+                         "and cannot be trained; train LoRA adapters on them (QLoRA: "
+                         "lora_rank > 0) or the float model "
+                         "(jaxformer.nn.quant_params.dequantize_params)")
     mesh = make_mesh() if mesh is None else mesh
     check_divisible(train_config.batch_size, mesh)
     check_precision_backend(model_config, mesh.devices.flat)
@@ -186,8 +187,8 @@ def fit(model_config: TransformerConfig, train_config: TrainConfig, *,
       on_step: called with the step count after every step (tests use it).
       init_params: start from these parameters (a pretrained model's:
         `jaxformer.models.load`) instead of random ones; any layer layout;
-        with `model_config.lora_rank > 0` they are the frozen base and only the
-        adapters (initialised from the seed) train. Ignored on `resume` (the
+        with `model_config.lora_rank > 0` they are the frozen base (which may be
+        quantized: QLoRA) and only the adapters (initialised from the seed) train. Ignored on `resume` (the
         checkpoint holds every parameter).
     Ctrl-C (SIGINT) finishes the current step, saves, and returns with
     `interrupted=True`; a second Ctrl-C aborts at once. A non-finite loss
