@@ -30,7 +30,7 @@ LONGEST_FIRST = ("cli/test_cli.py", "test_docs.py", "parallel/test_partitioning.
                  "models/test_whisper.py", "nn/test_remat.py", "models/test_hf_dirs.py",
                  "test_gpu_benchmark.py",
                  "nn/test_reduced_precision_values.py", "decode/test_ring_short_prompts.py",
-                 "models/test_smollm2_quant.py", "train/test_qlora.py",
+                 "models/test_smollm2_quant.py", "train/test_qlora.py", "cli/test_qlora_cli.py",
                  "cli/test_damaged_checkpoint.py")
 
 

@@ -10,6 +10,11 @@ model's blocks name; a model no supported architecture expresses (e.g. the
 LayerNorm + learned-position `lm` preset of `train --task lm`) is refused
 naming the field before its checkpoint is read. `--out` must not exist or be
 empty: nothing is overwritten.
+
+A quantized run (QLoRA: `train --init ... --lora R --quantize int8`) is written
+dequantized: transformers reads none of jaxformer's integer layouts as they are,
+so the kernels are the float values the quantized model multiplies by (plus the
+merged adapters), and the line printed says so ("dequantized from int8").
 """
 
 from __future__ import annotations
@@ -43,13 +48,26 @@ def add_parser(commands, add_common_flags) -> None:
     parser.set_defaults(func=run)
 
 
-def plain_params(model_config, params):
-    """(config, params) of the plain model a run's checkpoint stands for: LoRA adapters
-    (`--lora`) merged into their projections (`jaxformer.nn.lora.merge_lora`)."""
-    from jaxformer.nn.lora import merge_lora  # noqa: PLC0415
+def quantized_layouts(model_config) -> str:
+    """The quantized layouts of a config as words ("int8", "int4, embeddings int8"), or ""."""
+    layers, embed = model_config.weight_quant, model_config.quant_format("embed")
+    if embed in (None, layers):
+        return layers or ""
+    return f"{layers or 'float'}, embeddings {embed}"
 
-    return merge_lora(model_config, params) if model_config.lora_rank else (model_config,
-                                                                            params)
+
+def plain_params(model_config, params):
+    """(config, params) of the plain float model a run's checkpoint stands for: LoRA
+    adapters (`--lora`) merged into their projections (`jaxformer.nn.lora.merge_lora`),
+    a quantized base dequantized (`jaxformer.nn.quant_params.dequantize_params`)."""
+    from jaxformer.nn.lora import merge_lora  # noqa: PLC0415
+    from jaxformer.nn.quant_params import dequantize_params, is_quantized  # noqa: PLC0415
+
+    if model_config.lora_rank:
+        return merge_lora(model_config, params)
+    if is_quantized(model_config, params):
+        return dequantize_params(model_config, params)
+    return model_config, params
 
 
 def run_tokenizer(run_dir: str, saved: dict, train_config, model_config):
@@ -117,7 +135,8 @@ def run(args) -> int:
         if not trains_language_model(train_config.task):
             raise UsageError(f"{args.run} is a {train_config.task} run; export needs a "
                              "--task lm run")
-        merged_config = model_config.replace(lora_rank=0)
+        merged_config = model_config.replace(lora_rank=0, weight_quant=None, embed_quant=None)
+        quantized = quantized_layouts(model_config)
         arch = args.architecture or architecture_of(merged_config)
         try:  # before the checkpoint is read
             check_exportable(merged_config, arch)
@@ -138,6 +157,7 @@ def run(args) -> int:
         except ValueError as error:  # FileFormatError, unsupported architectures and values
             raise UsageError(str(error)) from error
         model_config = model.config
+        quantized = ""
         arch = args.architecture or architecture_of(model_config)
         chat_template = source_chat_template(args.model)
     try:
@@ -150,6 +170,7 @@ def run(args) -> int:
     except OSError as error:  # an unwritable place, a full disk: nothing is left behind
         raise UsageError(f"--out {args.out}: {error}") from error
     count = sum(int(v.size) for v in flatten(params).values())
-    print(f"jaxformer export: {arch}, {count:,} parameters"
+    dequantized = f", dequantized from {quantized}" if quantized else ""
+    print(f"jaxformer export: {arch}, {count:,} parameters{dequantized}"
           f"{'' if tokenizer is not None else ', no tokenizer'} -> {out}", flush=True)
     return 0

@@ -194,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--lora-targets", metavar="q,k,v,o,...",
                       type=lambda s: tuple(t.strip() for t in s.split(",") if t.strip()),
                       help="projections with adapters: q k v o gate up down (default q,v)")
+    add_quantize_flag(tune, "--init's weights, frozen under --lora adapters (QLoRA): ")
     run = train.add_argument_group("run")
     run.add_argument("--out", help="run directory (default runs/<task>-<norm>-<time>)")
     run.add_argument("--resume", action="store_true",
@@ -396,6 +397,9 @@ def _train(args, held: contextlib.ExitStack) -> int:
         saved_init = (saved.get("init") or {}).get("path")
         if args.init is not None and os.path.abspath(args.init) != saved_init:
             conflicts.append(f"--init {args.init} (saved: {saved_init})")
+        if args.quantize not in (None, "keep", model_config.weight_quant):
+            conflicts.append(f"--quantize {args.quantize} (saved: "
+                             f"{model_config.weight_quant or 'float'})")
         if conflicts:
             raise UsageError("--resume continues the saved run; these flags differ from "
                              f"{config_path}: {', '.join(conflicts)}")
@@ -666,6 +670,9 @@ def _check_init_flags(args) -> None:
                 if getattr(args, f) is not None]
         if lora and not args.resume:
             raise UsageError(f"{lora[0]} needs --init: adapters go on a pretrained model")
+        if args.quantize is not None and not args.resume:
+            raise UsageError("--quantize needs --init and --lora: it quantizes the pretrained "
+                             "base the adapters train on (QLoRA)")
         return
     shape = [f"--{f.replace('_', '-')}" for f in _SHAPE_FLAGS if getattr(args, f) is not None]
     if shape and not args.resume:
@@ -677,6 +684,9 @@ def _check_init_flags(args) -> None:
         raise UsageError(f"--init {args.init}: no such checkpoint directory or GGUF file")
     if args.lora is None and (args.lora_alpha is not None or args.lora_targets is not None):
         raise UsageError("--lora-alpha and --lora-targets need --lora RANK")
+    if args.lora is None and args.quantize is not None:
+        raise UsageError(f"--quantize {args.quantize} freezes the base as integers: it needs "
+                         "--lora RANK (QLoRA); full fine-tuning trains float weights")
     from jaxformer.config import LORA_TARGETS  # noqa: PLC0415
 
     for target in args.lora_targets or ():  # before the checkpoint is read
@@ -723,7 +733,7 @@ def _load_init(args, model_overrides: dict, tokenizer_path: Optional[str]):
             raise UsageError(f"--tokenizer {tokenizer_path} is not the tokenizer of --init "
                              f"{args.init}; fine-tuning uses the checkpoint's (drop "
                              f"--tokenizer)")
-    model, params, tokenizer = load_pretrained(args.init, "--init")
+    model, params, tokenizer = load_pretrained(args.init, "--init", args.quantize)
     try:
         config = model.config.replace(**model_overrides)
     except (ValueError, TypeError) as error:

@@ -64,9 +64,9 @@ def run_tokenizer(run_dir: str, model_config, train_config, saved: dict):
 QUANTIZE = ("int8", "int4", "int4_sym", "int8_block", "keep")
 
 
-def add_quantize_flag(parser) -> None:
+def add_quantize_flag(parser, what: str = "") -> None:
     parser.add_argument("--quantize", choices=QUANTIZE,
-                        help="hold the weights quantized (weight-only): int8 per channel, int4 "
+                        help=what + "hold the weights quantized (weight-only): int8 per channel, int4 "
                              "blocks of 32 (GGUF Q4_1's layout), ...; keep: a GGUF file's "
                              "Q8_0/Q4_0/Q4_1 blocks as they are")
 
