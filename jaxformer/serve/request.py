@@ -67,9 +67,19 @@ class TokenEvent:
     token: the new id (None on a final event that carries only the reason);
     logprob: its log-probability under the (temperature-scaled) distribution;
     top_logprobs: ((id, logprob), ...) best first, when asked for;
-    finish_reason: set on the request's last event only.
+    finish_reason: set on the request's last event only;
+    text: the text this event adds to the output (with the engine's tokenizer;
+      held back while it could start a stop string, never containing one);
+    prompt: True for the prompt's own tokens, streamed first when `echo` is set
+      (the first one has no logprob).
     """
     token: Optional[int]
     logprob: Optional[float] = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
     finish_reason: Optional[FinishReason] = None
+    text: str = ""
+    prompt: bool = False
+
+
+class QueueFull(RuntimeError):
+    """The engine's queue holds `max_queue` requests already (HTTP: 429, retry later)."""

@@ -1,0 +1,85 @@
+"""The engine's input checks: one ValueError (or TypeError) naming the problem, before any work."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import numpy as np
+
+from jaxformer.config import TransformerConfig, is_finite_number
+from jaxformer.serve.request import Request, SamplingParams
+from jaxformer.serve.select import MAX_LOGPROBS
+
+
+def positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def check_engine_args(config: TransformerConfig, *, slots, max_len, page_size, num_pages,
+                      prefill_chunk, max_queue) -> None:
+    for name, value in (("slots", slots), ("max_len", max_len), ("page_size", page_size),
+                        ("prefill_chunk", prefill_chunk), ("max_queue", max_queue)):
+        positive_int(name, value)
+    if num_pages is not None:
+        positive_int("num_pages", num_pages)
+    if max_len > config.decoder_len:
+        raise ValueError(f"max_len={max_len} exceeds the model's context "
+                         f"{config.decoder_len} (config.decoder_max_len or max_len)")
+    if any(config.local_layers(config.num_decoder_layers)):
+        raise ValueError("the engine does not serve sliding-window (local) layers yet: "
+                         f"sliding_window={config.sliding_window}; use jaxformer.generate")
+
+
+def check_params(p: SamplingParams, *, vocab_size: int, tokenizer) -> None:
+    if not isinstance(p, SamplingParams):
+        raise TypeError(f"params must be a SamplingParams, got {type(p).__name__}")
+    positive_int("max_tokens", p.max_tokens)
+    if not (is_finite_number(p.temperature) and p.temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0, got {p.temperature!r}")
+    if p.top_k is not None:
+        positive_int("top_k", p.top_k)
+    if p.top_p is not None and not (is_finite_number(p.top_p) and 0 < p.top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1], got {p.top_p!r}")
+    if isinstance(p.seed, bool) or not isinstance(p.seed, int) or not 0 <= p.seed < 2 ** 32:
+        raise ValueError(f"seed must be an int in [0, 2**32), got {p.seed!r}")
+    if p.logprobs is not None and (isinstance(p.logprobs, bool) or not isinstance(p.logprobs, int)
+                                   or not 0 <= p.logprobs <= MAX_LOGPROBS):
+        raise ValueError(f"logprobs must be an int in 0..{MAX_LOGPROBS}, got {p.logprobs!r}")
+    if isinstance(p.stop, str) or not all(isinstance(s, str) and s for s in p.stop):
+        raise ValueError(f"stop must be a tuple of non-empty strings, got {p.stop!r}")
+    if p.stop and tokenizer is None:
+        raise ValueError("stop strings need the engine's tokenizer (Engine(..., tokenizer))")
+    for token in p.stop_ids:
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+            raise ValueError(f"stop_ids must be token ids in 0..{vocab_size - 1}, got {token!r}")
+
+
+def check_request(request: Request, *, vocab_size: int, max_len: int, page_size: int,
+                  num_pages: int, tokenizer, adapters: dict[Optional[str], Any]) -> None:
+    """Everything `Engine.submit` refuses: a ValueError/TypeError naming the field."""
+    if not isinstance(request, Request):
+        raise TypeError(f"submit takes a Request, got {type(request).__name__}")
+    ids = request.prompt_ids
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__"):
+        raise TypeError(f"prompt_ids must be a sequence of token ids, got {type(ids).__name__}")
+    if len(ids) == 0:
+        raise ValueError("prompt_ids is empty: a prompt needs at least one token")
+    if len(ids) > max_len:
+        raise ValueError(f"the prompt has {len(ids)} tokens, more than the context "
+                         f"max_len={max_len}")
+    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))
+           or not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt_ids must be ints in 0..{vocab_size - 1}, got {bad[0]!r}")
+    check_params(request.params, vocab_size=vocab_size, tokenizer=tokenizer)
+    context = min(len(ids) + request.params.max_tokens - 1, max_len)
+    if math.ceil(context / page_size) > num_pages:
+        raise ValueError(f"the request needs {math.ceil(context / page_size)} pages of "
+                         f"{page_size} tokens, the pool has {num_pages} (num_pages)")
+    if request.adapter not in adapters:
+        known = sorted(a for a in adapters if a is not None)
+        raise ValueError(f"unknown adapter {request.adapter!r}; the engine serves {known}")
+    if request.request_id is not None and not isinstance(request.request_id, str):
+        raise TypeError(f"request_id must be a str or None, got {request.request_id!r}")

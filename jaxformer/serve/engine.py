@@ -1,0 +1,443 @@
+"""The serving engine: continuous batching over slots and a paged KV cache.
+
+    engine = Engine(model, params, tokenizer, slots=8, max_len=512)
+    engine.start()                                  # the step thread
+    handle = engine.submit(Request(prompt_ids, SamplingParams(max_tokens=64)))
+    for event in handle: ...                        # or `async for`, or handle.result()
+    engine.stop()
+
+A fixed number of slots share one compiled decode step (`paged.paged_forward`
+with one token per slot: no recompile as requests come and go; one program per
+view length bucket). Each engine step (JetStream's prefill / insert /
+generate, SGLang's chunked prefill beside the decodes):
+
+  1. cancelled requests leave (their pages are returned at once);
+  2. queued requests join free slots, if the pool can hold their prompt plus
+     `max_tokens` (pages already promised to running requests are counted);
+     with the prefix cache, a prompt's leading full pages already in the pool
+     are shared instead of computed;
+  3. one prefill chunk (at most `prefill_chunk` tokens, padded to one of a few
+     compiled sizes) of the oldest request still reading its prompt: a long
+     prompt never stalls the running requests for its whole prefill;
+  4. one decode step: every decoding slot feeds its last token and picks the
+     next with its own settings (`select.pick`); finished requests leave.
+
+Everything JAX runs on the step thread; `submit`, `cancel` and `metrics` are
+thread-safe. Greedy tokens equal `decode.generate` of the prompt alone.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import threading
+import time
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxformer.backends import cpu
+from jaxformer.decode.inputs import decodable
+from jaxformer.nn import stacking
+from jaxformer.nn.model import DecoderOnlyLM
+from jaxformer.serve import paged, select
+from jaxformer.serve.checks import check_engine_args, check_request
+from jaxformer.serve.handle import Handle
+from jaxformer.serve.pages import PagePool, PageTable
+from jaxformer.serve.request import FinishReason, QueueFull, Request, TokenEvent
+from jaxformer.serve.slots import Slot, token_event
+
+log = logging.getLogger(__name__)
+RATE_WINDOW_S = 10.0  # tokens_per_s is measured over this many recent seconds
+
+
+def bucket(value: int, sizes: tuple[int, ...]) -> int:
+    """The smallest of `sizes` (ascending) >= value, else value rounded up to the last."""
+    for size in sizes:
+        if size >= value:
+            return size
+    return -(-value // sizes[-1]) * sizes[-1]
+
+
+class Engine:
+    """Slots over a paged KV cache with continuous batching (module docstring).
+
+    Args:
+      model: a `DecoderOnlyLM` (quantized weights, `load(..., quantize="int8")`,
+        and an int8 KV cache, `config.kv_cache_quant`, work as they are).
+      params: its parameters.
+      tokenizer: has `decode(ids) -> str`; needed for stop strings and `TokenEvent.text`
+        (None: ids only).
+      slots: requests decoded together.
+      max_len: the context: prompt plus new tokens (default the model's).
+      page_size: tokens per page.
+      num_pages: pages in the pool (default: enough for every slot's whole context).
+      prefill_chunk: most prompt tokens fed per engine step.
+      prefix_cache: share the full pages of common prompt prefixes.
+      max_queue: waiting requests beyond which `submit` raises `QueueFull`.
+      adapters: {name: parameters} of the same model (e.g. LoRA adapters merged into
+        the base, `nn.lora.merge_lora`), chosen by `Request.adapter`.
+    """
+
+    def __init__(self, model, params, tokenizer=None, *, slots: int = 8,
+                 max_len: Optional[int] = None, page_size: int = 16,
+                 num_pages: Optional[int] = None, prefill_chunk: int = 128,
+                 prefix_cache: bool = True, max_queue: int = 64,
+                 adapters: Optional[dict[str, Any]] = None):
+        if not isinstance(model, DecoderOnlyLM):
+            raise TypeError(f"model must be a jaxformer DecoderOnlyLM, got {type(model).__name__}")
+        config = model.config
+        max_len = config.decoder_len if max_len is None else max_len
+        check_engine_args(config, slots=slots, max_len=max_len, page_size=page_size,
+                          num_pages=num_pages, prefill_chunk=prefill_chunk, max_queue=max_queue)
+        self.max_pages = -(-max_len // page_size)
+        num_pages = slots * self.max_pages if num_pages is None else num_pages
+        model, base = stacking.for_decoding(*decodable(model, params))
+        self.params = {None: base}
+        for name, tree in (adapters or {}).items():
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"adapter names must be non-empty strings, got {name!r}")
+            self.params[name] = stacking.for_decoding(*decodable(type(model)(config), tree))[1]
+        self.model, self.config, self.tokenizer = model, config, tokenizer
+        self.slots, self.max_len, self.page_size = slots, max_len, page_size
+        self.prefill_chunk, self.max_queue = prefill_chunk, max_queue
+        self.chunk_sizes = tuple(sorted({c for c in (16, 64, 256) if c < prefill_chunk}
+                                        | {prefill_chunk}))
+        self.view_sizes = tuple(sorted({v for v in (128, 256, 512, 1024, 2048) if v < max_len}
+                                       | {max_len}))
+        self.pool = PagePool(num_pages, page_size, prefix_cache=prefix_cache)
+        self.pools = paged.init_pools(config, num_pages, page_size)
+        self.running: list[Optional[Slot]] = [None] * slots
+        self.queue: collections.deque[Handle] = collections.deque()
+        self.cancelled: set[str] = set()
+        self.lock = threading.Condition()
+        self.thread: Optional[threading.Thread] = None
+        self.accepting, self.stopping = True, False
+        self.ids = itertools.count()
+        self.generated_tokens, self.recent = 0, collections.deque()
+        options = cpu.decode_compiler_options(jax.default_backend())
+        self.decode_fn = jax.jit(self.decode_program, static_argnames=("view_len", "masked"),
+                                 donate_argnums=(1,), compiler_options=options)
+        self.prefill_fn = jax.jit(self.prefill_program,
+                                  static_argnames=("view_len", "echo", "masked"),
+                                  donate_argnums=(1,), compiler_options=options)
+
+    # -- compiled programs --------------------------------------------------
+
+    def decode_program(self, params, pools, table_SM, lengths_S, tokens_S, valid_S, slot_params,
+                       allowed_SV, *, view_len: int, masked: bool):
+        logits_S1V, pools = paged.paged_forward(
+            self.model, params, pools, table_SM, lengths_S, tokens_S[:, None], valid_S[:, None],
+            page_size=self.page_size, view_len=view_len)
+        logits_SV = logits_S1V[:, 0]
+        if masked:
+            logits_SV = jnp.where(allowed_SV, logits_SV, select.NEG)
+        return select.pick(logits_SV, slot_params, lengths_S + 1), pools
+
+    def prefill_program(self, params, pools, table_1M, length_1, tokens_1C, valid_1C,
+                        slot_params, last, targets_C, allowed_1V, *, view_len: int, echo: bool,
+                        masked: bool):
+        logits_1CV, pools = paged.paged_forward(
+            self.model, params, pools, table_1M, length_1, tokens_1C, valid_1C,
+            page_size=self.page_size, view_len=view_len)
+        last_1V = jax.lax.dynamic_index_in_dim(logits_1CV[0], last, axis=0)
+        if masked:
+            last_1V = jnp.where(allowed_1V, last_1V, select.NEG)
+        picks = select.pick(last_1V, slot_params, length_1 + last + 1)
+        extra = select.prompt_logprobs(logits_1CV[0], targets_C) if echo else None
+        return picks, extra, pools
+
+    # -- the client's side (thread-safe) ------------------------------------
+
+    def submit(self, request: Request) -> Handle:
+        """Queue a request; returns its `Handle`. Raises ValueError on a bad request
+        (before any work), QueueFull beyond `max_queue`, RuntimeError once stopping."""
+        check_request(request, vocab_size=self.config.tgt_vocab_size, max_len=self.max_len,
+                      page_size=self.page_size, num_pages=self.pool.num_pages,
+                      tokenizer=self.tokenizer, adapters=self.params)
+        with self.lock:
+            if not self.accepting:
+                raise RuntimeError("the engine is stopping: no new requests")
+            if len(self.queue) >= self.max_queue:
+                raise QueueFull(f"{len(self.queue)} requests are queued already "
+                                f"(max_queue={self.max_queue})")
+            live = {h.request_id for h in self.queue} | {
+                s.handle.request_id for s in self.running if s is not None}
+            request_id = request.request_id or f"req-{next(self.ids)}"
+            if request_id in live:
+                raise ValueError(f"request_id {request_id!r} is already running")
+            handle = Handle(request, request_id, self.cancel)
+            self.queue.append(handle)
+            self.lock.notify_all()
+        return handle
+
+    def cancel(self, request_id: str) -> None:
+        """End a queued or running request at the next step (its pages are freed)."""
+        with self.lock:
+            self.cancelled.add(request_id)
+            self.lock.notify_all()
+
+    def metrics(self) -> dict:
+        with self.lock:
+            running = sum(s is not None for s in self.running)
+            now = time.monotonic()
+            recent = [n for t, n in self.recent if t >= now - RATE_WINDOW_S]
+            span = min(RATE_WINDOW_S, now - self.recent[0][0]) if self.recent else 0.0
+            return {"queued": len(self.queue), "running": running,
+                    "free_pages": self.pool.available, "total_pages": self.pool.num_pages,
+                    "tokens_per_s": sum(recent) / span if span > 0 else 0.0,
+                    "prefix_hit_rate": self.pool.hit_rate, "acceptance_rate": 0.0,
+                    "generated_tokens": self.generated_tokens}
+
+    def start(self) -> "Engine":
+        """Run `step` on a background thread until `stop`."""
+        if self.thread is None:
+            self.thread = threading.Thread(target=self.serve_forever, name="jaxformer-engine",
+                                           daemon=True)
+            self.thread.start()
+        return self
+
+    def stop(self, drain_timeout: float = 30.0) -> None:
+        """Refuse new requests, let running and queued ones finish for at most
+        `drain_timeout` seconds, cancel the rest, end the step thread."""
+        with self.lock:
+            self.accepting = False
+        deadline = time.monotonic() + drain_timeout
+        while self.thread is not None and not self.idle() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with self.lock:
+            self.cancelled.update(h.request_id for h in self.queue)
+            self.cancelled.update(s.handle.request_id for s in self.running if s is not None)
+            self.stopping = True
+            self.lock.notify_all()
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        else:
+            self.step()
+
+    def idle(self) -> bool:
+        with self.lock:
+            return not self.queue and all(s is None for s in self.running)
+
+    # -- the step thread ------------------------------------------------------
+
+    def serve_forever(self) -> None:
+        while True:
+            with self.lock:
+                self.lock.wait_for(lambda: self.stopping or self.queue or self.cancelled
+                                   or any(s is not None for s in self.running))
+                if self.stopping and not self.cancelled:
+                    return
+            self.step()
+
+    def run_until_idle(self) -> None:
+        """Step on the calling thread until nothing is queued or running (no `start`)."""
+        while not self.idle():
+            self.step()
+
+    def step(self) -> None:
+        """One engine step (module docstring)."""
+        with self.lock:
+            cancelled, self.cancelled = self.cancelled, set()
+            for handle in [h for h in self.queue if h.request_id in cancelled]:
+                self.queue.remove(handle)
+                handle.push(TokenEvent(token=None, finish_reason=FinishReason.CANCELLED))
+        for slot in self.running:
+            if slot is not None and slot.handle.request_id in cancelled:
+                self.finish(slot, FinishReason.CANCELLED)
+        self.admit()
+        prefilling = [s for s in self.running if s is not None and s.prefilling]
+        if prefilling:
+            self.guarded(prefilling[:1], lambda: self.prefill_chunk_of(prefilling[0]))
+        decoding = [s for s in self.running if s is not None and s.pending is not None]
+        if decoding:
+            self.guarded(decoding, lambda: self.decode_step(decoding))
+
+    def guarded(self, slots: list[Slot], work: Callable[[], None]) -> None:
+        """Run `work`; if it raises, end `slots` with ERROR (and, if the pool was lost
+        with the failed call, every running request) and go on."""
+        try:
+            work()
+        except Exception as e:  # noqa: BLE001 - one request's failure never stops the engine
+            log.exception("engine step failed")
+            if any(x.is_deleted() for kv in self.pools for x in kv):
+                self.pools = paged.init_pools(self.config, self.pool.num_pages, self.page_size)
+                slots = [s for s in self.running if s is not None]
+            for slot in slots:
+                if self.running[self.running.index(slot)] is slot:
+                    slot.handle.error = f"{type(e).__name__}: {e}"
+                    self.finish(slot, FinishReason.ERROR)
+
+    def admit(self) -> None:
+        while None in self.running:
+            with self.lock:
+                if not self.queue:
+                    return
+                handle = self.queue[0]
+            request = handle.request
+            prompt = [int(t) for t in request.prompt_ids]
+            table = PageTable(self.pool, self.max_pages)
+            cached = 0 if request.params.echo else table.reuse_prefix(prompt, len(prompt) - 1)
+            context = min(len(prompt) + request.params.max_tokens - 1, self.max_len)
+            need = -(-context // self.page_size) - len(table.pages)
+            promised = sum(s.reserve for s in self.running if s is not None)
+            if self.pool.available - promised < need:
+                table.free()
+                return  # it waits for pages (the request at the head keeps its turn)
+            self.pool.count_lookup(len(prompt), cached)
+            with self.lock:
+                self.queue.popleft()
+            self.running[self.running.index(None)] = Slot(
+                handle=handle, table=table, tokens=prompt, prompt_len=len(prompt),
+                reserve=need, cached=cached)
+
+    def take_pages(self, slot: Slot, length: int) -> None:
+        before = len(slot.table.pages)
+        slot.table.ensure(length)
+        slot.reserve -= len(slot.table.pages) - before
+
+    def slot_params(self, slots: list[Optional[Slot]]) -> select.SlotParams:
+        def column(get, dtype, idle):
+            return jnp.asarray([idle if s is None else get(s.request.params) for s in slots],
+                               dtype)
+        return select.SlotParams(
+            temperature=column(lambda p: p.temperature, jnp.float32, 0.0),
+            top_k=column(lambda p: p.top_k or 0, jnp.int32, 0),
+            top_p=column(lambda p: 1.0 if p.top_p is None else p.top_p, jnp.float32, 1.0),
+            seed=column(lambda p: p.seed, jnp.uint32, 0))
+
+    def allowed(self, slots: list[Optional[Slot]]):
+        """(S, V) bool masks of the rows' constraints, or None if no row has one."""
+        if all(s is None or s.request.constraint is None for s in slots):
+            return None
+        mask = np.ones((len(slots), self.config.tgt_vocab_size), bool)
+        for i, s in enumerate(slots):
+            if s is not None and s.request.constraint is not None:
+                mask[i] = np.asarray(s.request.constraint.allowed(), bool)
+        return mask
+
+    def prefill_chunk_of(self, slot: Slot) -> None:
+        start = slot.cached
+        count = min(self.prefill_chunk, slot.prompt_len - start)
+        width = bucket(count, self.chunk_sizes)
+        self.take_pages(slot, start + count)
+        tokens = np.zeros((1, width), np.int32)
+        tokens[0, :count] = slot.tokens[start:start + count]
+        targets = np.zeros((width,), np.int32)
+        following = slot.tokens[start + 1:min(start + count + 1, slot.prompt_len)]
+        targets[:len(following)] = following
+        echo = slot.request.params.echo
+        allowed = self.allowed([slot])
+        picks, extra, self.pools = self.prefill_fn(
+            self.params[slot.request.adapter], self.pools, slot.table.row()[None],
+            np.asarray([start], np.int32), tokens, np.arange(width)[None] < count,
+            self.slot_params([slot]), np.int32(count - 1), targets,
+            np.zeros((1, 1), bool) if allowed is None else allowed,
+            view_len=bucket(start + width, self.view_sizes), echo=echo,
+            masked=allowed is not None)
+        slot.cached += count
+        slot.table.register_full(slot.tokens[:slot.cached])
+        if echo:
+            logprobs, top_ids, top_lps = (np.asarray(x) for x in extra)
+            for j in range(len(following)):
+                slot.prompt_logprobs.append(
+                    (float(logprobs[j]), self.top(slot, top_ids[j], top_lps[j])))
+        if not slot.prefilling:
+            if echo:
+                self.echo_prompt(slot)
+            self.accept(slot, *(np.asarray(x)[0] for x in (picks.token, picks.logprob,
+                                                            picks.top_ids, picks.top_logprobs)))
+
+    def decode_step(self, decoding: list[Slot]) -> None:
+        for slot in decoding:
+            self.take_pages(slot, slot.cached + 1)
+        groups = {}
+        for slot in decoding:
+            groups.setdefault(slot.request.adapter, []).append(slot)
+        lengths = np.asarray([0 if s is None else s.cached for s in self.running], np.int32)
+        view_len = bucket(int(lengths.max()) + 1, self.view_sizes)
+        table = np.stack([paged_row(s, self.max_pages) for s in self.running])
+        tokens = np.asarray([s.pending if s in decoding else 0 for s in self.running], np.int32)
+        allowed = self.allowed([s if s in decoding else None for s in self.running])
+        params = self.slot_params(self.running)
+        results = []
+        for adapter, members in groups.items():
+            valid = np.asarray([s in members for s in self.running])
+            picks, self.pools = self.decode_fn(
+                self.params[adapter], self.pools, table, lengths, tokens, valid, params,
+                np.zeros((1, 1), bool) if allowed is None else allowed, view_len=view_len,
+                masked=allowed is not None)
+            results.append((members, jax.device_get(picks)))
+        for members, picks in results:
+            for slot in members:
+                i = self.running.index(slot)
+                slot.cached += 1
+                slot.table.register_full(slot.tokens[:slot.cached])
+                self.accept(slot, picks.token[i], picks.logprob[i], picks.top_ids[i],
+                            picks.top_logprobs[i])
+
+    @staticmethod
+    def top(slot: Slot, ids, logprobs) -> tuple:
+        n = slot.request.params.logprobs or 0
+        return tuple((int(i), float(lp)) for i, lp in zip(ids[:n], logprobs[:n]))
+
+    def echo_prompt(self, slot: Slot) -> None:
+        first = slot.tokens[0]
+        slot.handle.push(token_event(slot, first, prompt=True, text=self.text([first])))
+        for token, (logprob, top) in zip(slot.tokens[1:slot.prompt_len], slot.prompt_logprobs):
+            slot.handle.push(token_event(slot, token, logprob, top, prompt=True,
+                                         text=self.text([token])))
+
+    def text(self, ids) -> str:
+        return "" if self.tokenizer is None else self.tokenizer.decode(ids)
+
+    def accept(self, slot: Slot, token, logprob, top_ids, top_logprobs) -> None:
+        """Record a pick: stream it, or end the request (EOS, stop id or string,
+        max_tokens, a full context, a finished constraint)."""
+        token, params = int(token), slot.request.params
+        decode = None if self.tokenizer is None else self.tokenizer.decode
+        slot.generated += 1
+        with self.lock:
+            self.generated_tokens += 1
+            self.recent.append((time.monotonic(), 1))
+            while self.recent and self.recent[0][0] < time.monotonic() - RATE_WINDOW_S:
+                self.recent.popleft()
+        if token == self.config.eos_id or token in params.stop_ids:
+            self.finish(slot, FinishReason.STOP, text=slot.new_text(decode, final=True))
+            return
+        slot.tokens.append(token)
+        constraint = slot.request.constraint
+        if constraint is not None:
+            constraint.advance(token)
+        text = slot.new_text(decode, final=False)  # finds stop strings
+        finish = None
+        if slot.stopped_at is not None:
+            finish = FinishReason.STOP
+        elif slot.generated >= params.max_tokens or len(slot.tokens) > self.max_len:
+            finish = FinishReason.LENGTH   # (a full context: no slot to feed the token)
+        elif constraint is not None and constraint.done():
+            finish = FinishReason.STOP
+        if finish is not None and slot.stopped_at is None:
+            text += slot.new_text(decode, final=True)
+        slot.handle.push(token_event(slot, token, logprob, self.top(slot, top_ids, top_logprobs),
+                                     finish=finish, text=text))
+        if finish is not None:
+            self.release(slot)
+        else:
+            slot.pending = token
+
+    def finish(self, slot: Slot, reason: FinishReason, text: str = "") -> None:
+        slot.handle.push(token_event(slot, None, finish=reason, text=text))
+        self.release(slot)
+
+    def release(self, slot: Slot) -> None:
+        slot.table.free()
+        self.running[self.running.index(slot)] = None
+
+
+def paged_row(slot: Optional[Slot], max_pages: int) -> np.ndarray:
+    return np.zeros((max_pages,), np.int32) if slot is None else slot.table.row()

@@ -1,0 +1,86 @@
+"""Per-row token selection for the engine's step: each slot its own settings and key.
+
+`decode.sampling` picks with one setting per call (static); an engine step
+holds requests with different temperatures, top-k, top-p and seeds side by
+side, so here they are (S,) arrays. The rules are the same: greedy is the
+argmax of the raw logits (temperature 0); else temperature, then top-k (ties
+at the k-th value kept), then top-p (the smallest most likely set whose mass
+reaches p), then a categorical draw with the row's key
+`fold_in(PRNGKey(seed), position)`: a request's samples depend on its own seed
+and positions only, never on its neighbours.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jaxformer.decode.sampling import NEG
+
+MAX_LOGPROBS = 20  # top-n logprobs a request may ask for (OpenAI's bound)
+
+
+@flax.struct.dataclass
+class SlotParams:
+    """(S,) sampling settings of the rows: temperature 0 = greedy, top_k 0 = all,
+    top_p 1 = all."""
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    seed: jax.Array
+
+
+@flax.struct.dataclass
+class Picks:
+    """(S,) tokens and their logprobs (under the distribution drawn from: the
+    temperature-scaled logits, raw for greedy), and the (S, MAX_LOGPROBS) best."""
+    token: jax.Array
+    logprob: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
+
+
+def filtered_logits(logits_SV: jnp.ndarray, params: SlotParams) -> jnp.ndarray:
+    """Temperature-scaled, top-k and top-p filtered float32 logits per row."""
+    temperature_S1 = jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None]
+    logits_SV = logits_SV.astype(jnp.float32) / temperature_S1
+    sorted_SV = jnp.sort(logits_SV, axis=-1)[:, ::-1]
+    vocab = logits_SV.shape[-1]
+    k_S1 = jnp.where(params.top_k > 0, jnp.minimum(params.top_k, vocab), vocab)[:, None]
+    kth_S1 = jnp.take_along_axis(sorted_SV, k_S1 - 1, axis=1)
+    logits_SV = jnp.where(logits_SV >= kth_S1, logits_SV, NEG)
+    sorted_SV = jnp.where(jnp.arange(vocab)[None, :] < k_S1, sorted_SV, NEG)
+    probs_SV = jax.nn.softmax(sorted_SV, axis=-1)
+    mass_before_SV = jnp.cumsum(probs_SV, axis=-1) - probs_SV
+    kept_SV = (mass_before_SV < params.top_p[:, None]) | (params.top_p[:, None] >= 1)
+    threshold_S1 = jnp.min(jnp.where(kept_SV, sorted_SV, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(logits_SV >= threshold_S1, logits_SV, NEG)
+
+
+def pick(logits_SV: jnp.ndarray, params: SlotParams, positions_S: jnp.ndarray) -> Picks:
+    """Each row's next token under its own settings; `positions_S` are the positions
+    the picked tokens will have (their keys' `fold_in` value)."""
+    logits_SV = logits_SV.astype(jnp.float32)
+    filtered_SV = filtered_logits(logits_SV, params)
+    keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(
+        params.seed.astype(jnp.uint32), positions_S)
+    drawn_S = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, filtered_SV)
+    greedy_S = params.temperature <= 0
+    token_S = jnp.where(greedy_S, jnp.argmax(logits_SV, axis=-1), drawn_S).astype(jnp.int32)
+    scaled_SV = jnp.where(greedy_S[:, None], logits_SV,
+                          logits_SV / jnp.where(greedy_S, 1.0, params.temperature)[:, None])
+    logp_SV = jax.nn.log_softmax(scaled_SV, axis=-1)
+    top_lp, top_ids = jax.lax.top_k(logp_SV, min(MAX_LOGPROBS, logp_SV.shape[-1]))
+    return Picks(token=token_S,
+                 logprob=jnp.take_along_axis(logp_SV, token_S[:, None], axis=1)[:, 0],
+                 top_ids=top_ids.astype(jnp.int32), top_logprobs=top_lp)
+
+
+def prompt_logprobs(logits_CV: jnp.ndarray, next_C: jnp.ndarray) -> tuple[jnp.ndarray, ...]:
+    """For echo: the logprob of each next prompt token (C,) and the (C, n) best, from
+    the raw logits of the positions before them."""
+    logp_CV = jax.nn.log_softmax(logits_CV.astype(jnp.float32), axis=-1)
+    top_lp, top_ids = jax.lax.top_k(logp_CV, min(MAX_LOGPROBS, logp_CV.shape[-1]))
+    return (jnp.take_along_axis(logp_CV, next_C[:, None], axis=1)[:, 0],
+            top_ids.astype(jnp.int32), top_lp)
