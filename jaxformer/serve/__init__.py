@@ -1,17 +1,25 @@
 """Serving what jaxformer loads: the engine (slots over a paged KV cache, continuous
-batching, prefix caching, speculation) and the OpenAI-compatible HTTP server.
+batching, prefix caching) and the types the HTTP server shares with it.
 
-Modules: `request` (the types the engine and the server share), `speculative`
-(prompt-lookup drafting, greedy and rejection-sampling verification: pure functions),
-`spec_decode` (`speculative_generate`: `generate` with k drafts verified per pass).
+Modules: `request` (the types the engine and the server share), `pages` (the page pool
+and prefix cache, pure Python), `paged` (paged keys/values read through page tables, in
+JAX), `select` (per-slot sampling), `handle` (a request's event stream), `slots` (a
+running request's host state and streamed text), `checks` (input checks), `programs`
+(the engine's compiled decode and prefill programs), `engine` (`Engine`: the step loop),
+`speculative` (prompt-lookup drafting, greedy and rejection-sampling verification: pure
+functions), `spec_decode` (`speculative_generate`: `generate` with k drafts verified per
+pass).
 """
 
-from jaxformer.serve.request import (FinishReason, Request, SamplingParams, TokenConstraint,
-                                     TokenEvent)
-
+from jaxformer.serve.engine import Engine
+from jaxformer.serve.handle import Handle
+from jaxformer.serve.pages import OutOfPages, PagePool, PageTable
+from jaxformer.serve.request import (FinishReason, QueueFull, Request, SamplingParams,
+                                     TokenConstraint, TokenEvent)
 from jaxformer.serve.spec_decode import SpecResult, speculative_generate
 from jaxformer.serve.speculative import greedy_verify, ngram_draft, rejection_verify, target_probs
 
-__all__ = ["FinishReason", "Request", "SamplingParams", "TokenConstraint", "TokenEvent",
+__all__ = ["Engine", "FinishReason", "Handle", "OutOfPages", "PagePool", "PageTable",
+           "QueueFull", "Request", "SamplingParams", "TokenConstraint", "TokenEvent",
            "SpecResult", "speculative_generate", "greedy_verify", "ngram_draft",
            "rejection_verify", "target_probs"]

@@ -39,11 +39,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.backends import cpu
 from jaxformer.decode.inputs import decodable
 from jaxformer.nn import stacking
 from jaxformer.nn.model import DecoderOnlyLM
-from jaxformer.serve import paged, select
+from jaxformer.serve import paged, programs, select
 from jaxformer.serve.checks import check_engine_args, check_request
 from jaxformer.serve.handle import Handle
 from jaxformer.serve.pages import PagePool, PageTable
@@ -118,37 +117,7 @@ class Engine:
         self.accepting, self.stopping = True, False
         self.ids = itertools.count()
         self.generated_tokens, self.recent = 0, collections.deque()
-        options = cpu.decode_compiler_options(jax.default_backend())
-        self.decode_fn = jax.jit(self.decode_program, static_argnames=("view_len", "masked"),
-                                 donate_argnums=(1,), compiler_options=options)
-        self.prefill_fn = jax.jit(self.prefill_program,
-                                  static_argnames=("view_len", "echo", "masked"),
-                                  donate_argnums=(1,), compiler_options=options)
-
-    # -- compiled programs --------------------------------------------------
-
-    def decode_program(self, params, pools, table_SM, lengths_S, tokens_S, valid_S, slot_params,
-                       allowed_SV, *, view_len: int, masked: bool):
-        logits_S1V, pools = paged.paged_forward(
-            self.model, params, pools, table_SM, lengths_S, tokens_S[:, None], valid_S[:, None],
-            page_size=self.page_size, view_len=view_len)
-        logits_SV = logits_S1V[:, 0]
-        if masked:
-            logits_SV = jnp.where(allowed_SV, logits_SV, select.NEG)
-        return select.pick(logits_SV, slot_params, lengths_S + 1), pools
-
-    def prefill_program(self, params, pools, table_1M, length_1, tokens_1C, valid_1C,
-                        slot_params, last, targets_C, allowed_1V, *, view_len: int, echo: bool,
-                        masked: bool):
-        logits_1CV, pools = paged.paged_forward(
-            self.model, params, pools, table_1M, length_1, tokens_1C, valid_1C,
-            page_size=self.page_size, view_len=view_len)
-        last_1V = jax.lax.dynamic_index_in_dim(logits_1CV[0], last, axis=0)
-        if masked:
-            last_1V = jnp.where(allowed_1V, last_1V, select.NEG)
-        picks = select.pick(last_1V, slot_params, length_1 + last + 1)
-        extra = select.prompt_logprobs(logits_1CV[0], targets_C) if echo else None
-        return picks, extra, pools
+        self.decode_fn, self.prefill_fn = programs.compiled()
 
     # -- the client's side (thread-safe) ------------------------------------
 
@@ -333,7 +302,7 @@ class Engine:
         echo = slot.request.params.echo
         allowed = self.allowed([slot])
         picks, extra, self.pools = self.prefill_fn(
-            self.params[slot.request.adapter], self.pools, slot.table.row()[None],
+            self.model, self.page_size, self.params[slot.request.adapter], self.pools, slot.table.row()[None],
             np.asarray([start], np.int32), tokens, np.arange(width)[None] < count,
             self.slot_params([slot]), np.int32(count - 1), targets,
             np.zeros((1, 1), bool) if allowed is None else allowed,
@@ -368,7 +337,7 @@ class Engine:
         for adapter, members in groups.items():
             valid = np.asarray([s in members for s in self.running])
             picks, self.pools = self.decode_fn(
-                self.params[adapter], self.pools, table, lengths, tokens, valid, params,
+                self.model, self.page_size, self.params[adapter], self.pools, table, lengths, tokens, valid, params,
                 np.zeros((1, 1), bool) if allowed is None else allowed, view_len=view_len,
                 masked=allowed is not None)
             results.append((members, jax.device_get(picks)))

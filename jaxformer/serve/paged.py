@@ -41,8 +41,11 @@ def init_pools(config: TransformerConfig, num_pages: int, page_size: int,
     """Zero keys/values for `num_pages` pages of `page_size` tokens, plus the null page."""
     dtype = config.compute_dtype if dtype is None else jnp.dtype(dtype)
     shape = kv_shape(config, 1, (num_pages + 1) * page_size)
-    return tuple(kv_quant.empty(shape, config.kv_cache_quant == "int8", dtype)
-                 for _ in range(config.num_decoder_layers))
+    # Every array its own buffer (`kv_quant.empty` shares one zero array between the
+    # two scales): the engine donates the pools to each step.
+    return tuple(type(kv)(*(jnp.zeros(x.shape, x.dtype) for x in kv))
+                 for kv in (kv_quant.empty(shape, config.kv_cache_quant == "int8", dtype)
+                            for _ in range(config.num_decoder_layers)))
 
 
 def pool_bytes(pools: Pools) -> int:

@@ -1,0 +1,273 @@
+"""The engine against `decode.generate` alone: concurrency, chunked prefill, prefix cache,
+cancel, per-seed sampling, stops, logprobs, echo, bad input (a tiny llama-style model)."""
+
+import asyncio
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxformer as jf
+from jaxformer.decode import sampling
+from jaxformer.serve import (Engine, FinishReason, QueueFull, Request, SamplingParams)
+from jaxformer.serve.select import SlotParams, filtered_logits
+
+VOCAB = 64
+CONFIG = jf.llama(tgt_vocab_size=VOCAB, src_vocab_size=VOCAB, max_len=64, num_kv_heads=2)
+EOS = CONFIG.eos_id
+
+
+class Letters:
+    """A tokenizer stand-in: id i is one letter (specials 0-2 are empty)."""
+
+    def decode(self, ids):
+        return "".join("" if i < 3 else chr(ord("a") + (i - 3) % 26) for i in ids)
+
+
+@pytest.fixture(scope="module")
+def lm(make_lm):
+    return make_lm(CONFIG, seed=3)
+
+
+def prompts(seed, lengths):
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(3, VOCAB, n)] for n in lengths]
+
+
+WIDTH, NEW = 32, 24  # one compiled `generate` for every reference
+
+
+def generate_alone(model, params, prompt, **kwargs):
+    """`generate` of one prompt alone (a batch of one, right-padded to WIDTH)."""
+    row = np.zeros((1, WIDTH), np.int32)
+    row[0, :len(prompt)] = prompt
+    return jf.generate(model, params, jnp.asarray(row), prompt_lengths=jnp.asarray([len(prompt)]),
+                       max_new_tokens=NEW, **kwargs)
+
+
+def alone(model, params, prompt, max_tokens):
+    """The first `max_tokens` new tokens of `generate_alone`, before EOS."""
+    out = generate_alone(model, params, prompt)
+    tokens = [int(t) for t in out.tokens[0][:min(int(out.lengths[0]), max_tokens)]]
+    return tokens[:tokens.index(EOS)] if EOS in tokens else tokens
+
+
+def engine(lm, **kwargs):
+    kwargs = {"slots": 3, "max_len": 64, "page_size": 4, "prefill_chunk": 8, **kwargs}
+    return Engine(*lm, **kwargs)
+
+
+def tokens_of(handle):
+    return [e.token for e in handle.result(0) if e.token is not None and not e.prompt]
+
+
+def test_concurrent_greedy_equals_generate_alone(lm):
+    """Six prompts of 1..30 tokens through 3 slots (queueing, chunked prefill over
+    several steps, joins while others decode) give generate's tokens."""
+    eng = engine(lm)
+    ps = prompts(0, (5, 30, 1, 17, 9, 12))
+    news = (12, 6, 20, 9, 15, 3)
+    handles = [eng.submit(Request(p, SamplingParams(max_tokens=n))) for p, n in zip(ps, news)]
+    eng.run_until_idle()
+    got = [tokens_of(h) for h in handles]
+    want = [alone(*lm, p, n) for p, n in zip(ps, news)]
+    assert got == want
+    assert len({tuple(w) for w in want}) == len(want)      # the model is not degenerate
+    assert eng.metrics()["free_pages"] == eng.metrics()["total_pages"]
+    assert eng.metrics()["generated_tokens"] >= sum(len(w) for w in want)
+
+
+def test_prefix_cache_on_off_identical_and_reused(lm):
+    shared = prompts(1, (21,))[0]
+    ps = [shared + tail for tail in prompts(2, (3, 7, 1))] + [shared]
+    outs = {}
+    for on in (True, False):
+        eng = engine(lm, prefix_cache=on, slots=2)
+        handles = [eng.submit(Request(p, SamplingParams(max_tokens=8))) for p in ps]
+        eng.run_until_idle()
+        outs[on] = [tokens_of(h) for h in handles]
+        rate = eng.metrics()["prefix_hit_rate"]
+        assert (rate > 0.3) if on else rate == 0   # the last two find 20 tokens each
+    assert outs[True] == outs[False] == [alone(*lm, p, 8) for p in ps]
+
+
+def test_cancel_frees_pages_at_once(lm):
+    eng = engine(lm, slots=2)
+    long = eng.submit(Request(prompts(3, (20,))[0], SamplingParams(max_tokens=40)))
+    queued = eng.submit(Request([5, 6], SamplingParams(max_tokens=40)))
+    other = eng.submit(Request([7, 8, 9], SamplingParams(max_tokens=40)))
+    for _ in range(6):
+        eng.step()
+    assert eng.metrics()["free_pages"] < eng.metrics()["total_pages"]
+    long.cancel()
+    eng.cancel(queued.request_id)
+    other.cancel()
+    eng.step()
+    m = eng.metrics()
+    assert m["free_pages"] == m["total_pages"] and m["running"] == 0 and m["queued"] == 0
+    for h in (long, queued, other):
+        assert h.result(0)[-1].finish_reason == FinishReason.CANCELLED
+
+
+def test_sampling_depends_on_the_seed_only(lm):
+    p = SamplingParams(max_tokens=10, temperature=1.0, top_k=20, top_p=0.9, seed=7)
+    prompt = prompts(4, (6,))[0]
+    eng = engine(lm)
+    solo = eng.submit(Request(prompt, p))
+    eng.run_until_idle()
+    eng = engine(lm)
+    crowd = [eng.submit(Request(q, SamplingParams(max_tokens=12, temperature=0.7, seed=s)))
+             for s, q in enumerate(prompts(5, (3, 11)))]
+    beside = eng.submit(Request(prompt, p))
+    other_seed = eng.submit(Request(prompt, SamplingParams(**{**p.__dict__, "seed": 8})))
+    eng.run_until_idle()
+    assert tokens_of(solo) == tokens_of(beside)
+    assert tokens_of(other_seed) != tokens_of(solo)
+    assert all(tokens_of(h) for h in crowd)
+
+
+@pytest.mark.parametrize("top_k,top_p", [(1, None), (5, None), (None, 0.3), (7, 0.8)])
+def test_per_row_filters_equal_decode_sampling(top_k, top_p):
+    logits = jax.random.normal(jax.random.PRNGKey(0), (3, 50)) * 3
+    ref = logits / 0.5
+    if top_k:
+        ref = sampling.top_k_filter(ref, top_k)
+    if top_p:
+        ref = sampling.top_p_filter(ref, top_p)
+    params = SlotParams(temperature=jnp.full((3,), 0.5), top_k=jnp.full((3,), top_k or 0),
+                        top_p=jnp.full((3,), top_p or 1.0), seed=jnp.zeros((3,), jnp.uint32))
+    np.testing.assert_array_equal(np.asarray(filtered_logits(logits, params)), np.asarray(ref))
+
+
+def test_stop_ids_strings_and_logprobs(lm):
+    prompt = prompts(9, (7,))[0]     # a varied continuation
+    want = alone(*lm, prompt, 16)
+    text = Letters().decode(want)
+    stop = text[5:8]
+    cut = text.index(stop)
+    eng = engine(lm, tokenizer=Letters())
+    by_string = eng.submit(Request(prompt, SamplingParams(max_tokens=16, stop=(stop, "zzzz"))))
+    by_id = eng.submit(Request(prompt, SamplingParams(max_tokens=16, stop_ids=(want[4],))))
+    with_lp = eng.submit(Request(prompt, SamplingParams(max_tokens=16, logprobs=3)))
+    eng.run_until_idle()
+    events = by_string.result(0)
+    assert "".join(e.text for e in events) == text[:cut]
+    assert events[-1].finish_reason == FinishReason.STOP
+    events = by_id.result(0)
+    assert [e.token for e in events if e.token is not None] == want[:want.index(want[4])]
+    assert events[-1].finish_reason == FinishReason.STOP
+    events = with_lp.result(0)
+    assert "".join(e.text for e in events) == text
+    events = [e for e in events if e.token is not None]
+    out = generate_alone(*lm, prompt, return_logits=True)
+    ref = jax.nn.log_softmax(out.logits[0], axis=-1)
+    for i, e in enumerate(events):
+        assert e.logprob == pytest.approx(float(ref[i, e.token]), abs=1e-4)
+        ids = [t for t, _ in e.top_logprobs]
+        assert ids == [int(t) for t in jnp.argsort(-ref[i])[:3]]
+
+
+def test_echo_gives_prompt_logprobs(lm):
+    model, params = lm
+    prompt = prompts(7, (19,))[0]
+    eng = engine(lm, tokenizer=Letters())
+    h = eng.submit(Request(prompt, SamplingParams(max_tokens=3, echo=True, logprobs=2)))
+    eng.run_until_idle()
+    events = h.result(0)
+    echoed = [e for e in events if e.prompt]
+    assert [e.token for e in echoed] == prompt and echoed[0].logprob is None
+    logits = model.apply({"params": params}, jnp.asarray([prompt]))
+    ref = jax.nn.log_softmax(logits[0], axis=-1)
+    for i, e in enumerate(echoed[1:], 1):
+        assert e.logprob == pytest.approx(float(ref[i - 1, prompt[i]]), abs=1e-4)
+        assert e.top_logprobs[0][0] == int(jnp.argmax(ref[i - 1]))
+    assert [e.token for e in events if not e.prompt and e.token is not None] == \
+        alone(*lm, prompt, 3)
+
+
+def test_full_context_ends_with_length(lm):
+    eng = engine(lm, max_len=24)
+    h = eng.submit(Request(prompts(8, (20,))[0], SamplingParams(max_tokens=50)))
+    eng.run_until_idle()
+    events = h.result(0)
+    assert len([e for e in events if e.token is not None]) == 5      # positions 20..24
+    assert events[-1].finish_reason == FinishReason.LENGTH
+
+
+def test_threads_and_asyncio(lm):
+    eng = engine(lm).start()
+    try:
+        ps = prompts(9, (4, 13, 8, 2))
+        results = {}
+
+        def client(i):
+            results[i] = [e.token for e in eng.submit(Request(ps[i], SamplingParams(max_tokens=6)))
+                          if e.token is not None]
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+
+        async def stream():
+            h = eng.submit(Request(ps[3], SamplingParams(max_tokens=6)))
+            return [e.token async for e in h if e.token is not None]
+
+        last = asyncio.run(stream())
+        for t in threads:
+            t.join()
+        assert [results[i] for i in range(3)] + [last] == [alone(*lm, p, 6) for p in ps]
+    finally:
+        eng.stop(drain_timeout=5)
+    with pytest.raises(RuntimeError, match="stopping"):
+        eng.submit(Request([3], SamplingParams()))
+
+
+def test_bad_input_is_refused_before_work(lm):
+    eng = engine(lm, max_len=32, max_queue=2, tokenizer=None)
+    cases = [
+        (Request(list(range(3, 36))), "more than the context max_len=32"),
+        (Request([]), "prompt_ids is empty"),
+        (Request([3, VOCAB]), "prompt_ids must be ints"),
+        (Request([3], SamplingParams(temperature=-1)), "temperature"),
+        (Request([3], SamplingParams(top_p=0)), "top_p"),
+        (Request([3], SamplingParams(max_tokens=0)), "max_tokens"),
+        (Request([3], SamplingParams(logprobs=21)), "logprobs"),
+        (Request([3], SamplingParams(stop=("x",))), "tokenizer"),
+        (Request([3], adapter="nope"), "unknown adapter"),
+    ]
+    for request, message in cases:
+        with pytest.raises(ValueError, match=message):
+            eng.submit(request)
+    eng.submit(Request([3]))
+    eng.submit(Request([4]))
+    with pytest.raises(QueueFull):
+        eng.submit(Request([5]))
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        engine(lm, max_len=65)
+    with pytest.raises(ValueError, match="page_size"):
+        engine(lm, page_size=0)
+
+
+def test_adapters_choose_their_parameters(lm, make_lm):
+    model, base = lm
+    _, other = make_lm(CONFIG, seed=11)
+    eng = engine(lm, adapters={"tuned": other})
+    prompt = prompts(10, (9,))[0]
+    a = eng.submit(Request(prompt, SamplingParams(max_tokens=8)))
+    b = eng.submit(Request(prompt, SamplingParams(max_tokens=8), adapter="tuned"))
+    eng.run_until_idle()
+    assert tokens_of(a) == alone(model, base, prompt, 8)
+    assert tokens_of(b) == alone(model, other, prompt, 8) != tokens_of(a)
+
+
+@pytest.mark.parametrize("change", [{"kv_cache_quant": "int8", "weight_quant": "int8"},
+                                    {"attention_impl": "jax"}], ids=["int8", "jax_layout"])
+def test_quantized_and_layouts_equal_generate(make_lm, change):
+    lm = make_lm(CONFIG.replace(**change), seed=3)
+    eng = engine(lm)
+    ps = prompts(11, (6, 14, 3))
+    handles = [eng.submit(Request(p, SamplingParams(max_tokens=7))) for p in ps]
+    eng.run_until_idle()
+    assert [tokens_of(h) for h in handles] == [alone(*lm, p, 7) for p in ps]
