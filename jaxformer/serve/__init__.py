@@ -8,9 +8,11 @@ running request's host state and streamed text), `checks` (input checks), `progr
 (the engine's compiled decode and prefill programs), `engine` (`Engine`: the step loop),
 `speculative` (prompt-lookup drafting, greedy and rejection-sampling verification: pure
 functions), `spec_decode` (`speculative_generate`: `generate` with k drafts verified per
-pass).
+pass), `constraint` (`Grammars`: JSON-schema and regex constraints as token masks;
+outlines-core, imported when a `Grammars` is built).
 """
 
+from jaxformer.serve.constraint import GrammarConstraint, Grammars, token_bytes
 from jaxformer.serve.engine import Engine
 from jaxformer.serve.handle import Handle
 from jaxformer.serve.pages import OutOfPages, PagePool, PageTable
@@ -22,4 +24,4 @@ from jaxformer.serve.speculative import greedy_verify, ngram_draft, rejection_ve
 __all__ = ["Engine", "FinishReason", "Handle", "OutOfPages", "PagePool", "PageTable",
            "QueueFull", "Request", "SamplingParams", "TokenConstraint", "TokenEvent",
            "SpecResult", "speculative_generate", "greedy_verify", "ngram_draft",
-           "rejection_verify", "target_probs"]
+           "rejection_verify", "target_probs", "GrammarConstraint", "Grammars", "token_bytes"]
