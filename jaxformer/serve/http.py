@@ -1,0 +1,389 @@
+"""The OpenAI-compatible HTTP API over a serving engine, as a Starlette ASGI app.
+
+    app = create_app(ServedModel(engine, tokenizer, name="smollm2", max_len=2048,
+                                 chat_template=template), api_key=None)
+    uvicorn.run(app, host="127.0.0.1", port=8000)      # or jaxformer.serve.server.run
+
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions
+(`stream: true`: server-sent events, `data: {...}` ... `data: [DONE]`),
+GET /health, GET /metrics (Prometheus text). The engine is started and stopped
+with the app (its lifespan). A LoRA adapter is chosen by the request's `model`
+field (one of `ServedModel.adapters`); the base model by its own name or none.
+
+Errors are OpenAI's body, {"error": {"message", "type", "param", "code"}}: 400
+for a malformed body or a prompt beyond the context (checked before the engine
+sees it), 401 without the `--api-key` bearer token (on /v1/ routes), 404 for an
+unknown model, 429 with Retry-After when the engine's queue is full, 500 when a
+request fails (the server goes on). A client that disconnects, mid-stream or
+while waiting for a whole answer, has its request cancelled at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import hmac
+import json
+import logging
+import sys
+import traceback
+from typing import Callable, Optional
+
+from starlette.applications import Starlette
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from jaxformer.serve import generation, responses
+from jaxformer.serve.metrics import CONTENT_TYPE, prometheus_text
+from jaxformer.serve.request import Request, SamplingParams
+from jaxformer.serve.schemas import ApiError, parse_chat, parse_completion
+
+log = logging.getLogger("jaxformer.serve")
+
+
+@dataclasses.dataclass
+class ServedModel:
+    """What the server serves: an engine (the serving engine, or anything with its
+    submit/metrics/start/stop), its tokenizer (encode, encode_prompt, decode, token_text,
+    bos/eos/pad ids), names, and how to build a `response_format` constraint."""
+    engine: object
+    tokenizer: object
+    name: str
+    max_len: int                                  # the engine's context, prompt + new tokens
+    adapters: tuple[str, ...] = ()                # LoRA adapter names the engine knows
+    chat_template: Optional[str] = None
+    make_constraint: Optional[Callable] = None    # (response_format dict) -> TokenConstraint
+    drain_timeout: float = 30.0                   # engine.stop() on shutdown
+
+
+def _error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+class EventStream(Response):
+    """A server-sent event stream whose generator is closed the moment the client goes
+    (a disconnect message, or a failed send), so its `finally` frees the request."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, chunks, on_close: Callable[[], None]):  # noqa: D107 - no body, no length
+        self.status_code, self.background = 200, None
+        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"),
+                            (b"cache-control", b"no-cache")]
+        self.chunks, self.on_close = chunks, on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def pump():
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})
+            async for chunk in self.chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        async def watch():
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        tasks = [asyncio.ensure_future(pump()), asyncio.ensure_future(watch())]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.chunks.aclose()
+            self.on_close()  # also when the generator never started
+        if tasks[0] in done and not tasks[0].cancelled() and tasks[0].exception():
+            if not isinstance(tasks[0].exception(), OSError):  # OSError: the client went
+                raise tasks[0].exception()
+
+
+async def _until_disconnect(http: HttpRequest, work):
+    """Await `work` (a coroutine), cancelled if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+
+    async def watch():
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    return await task
+
+
+class Api:
+    """The routes' state: the served model, the key, counters."""
+
+    def __init__(self, served: ServedModel, api_key: Optional[str]):
+        self.served, self.api_key = served, api_key
+        self.counts: collections.Counter = collections.Counter()
+        self.next_id = 0
+
+    # -- helpers --------------------------------------------------------------
+
+    def check_key(self, http: HttpRequest) -> None:
+        if self.api_key is None:
+            return
+        given = http.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+                token.strip().encode(), self.api_key.encode()):
+            raise ApiError("missing or wrong API key: send the header 'Authorization: Bearer "
+                           "KEY' with the server's --api-key", None, status=401,
+                           code="invalid_api_key")
+
+    def adapter(self, model: Optional[str]) -> Optional[str]:
+        if model is None or model == self.served.name:
+            return None
+        if model in self.served.adapters:
+            return model
+        known = ", ".join((self.served.name, *self.served.adapters))
+        raise ApiError(f"model {model!r} is not served here (served: {known})"[:400], "model",
+                       status=404, code="model_not_found")
+
+    async def body(self, http: HttpRequest):
+        try:
+            return json.loads(await http.body())
+        except (ValueError, UnicodeDecodeError) as error:
+            raise ApiError(f"the request body is not valid JSON ({error})") from error
+
+    def request(self, prompt_ids, sampling, *, param: str, echo: bool = False,
+                adapter=None, constraint=None) -> Request:
+        """An engine Request, or ApiError(400) for a prompt beyond the context."""
+        n, limit = len(prompt_ids), self.served.max_len
+        if n == 0:
+            raise ApiError("the prompt is empty (no tokens)", param)
+        room = limit - n
+        wanted = sampling.max_tokens
+        if room < (0 if echo and wanted == 0 else 1):
+            raise ApiError(f"this model's maximum context length is {limit} tokens; the prompt "
+                           f"has {n}, leaving no room for a new token", param,
+                           code="context_length_exceeded")
+        vocab = getattr(self.served.tokenizer, "vocab_size", None)
+        if vocab is not None and any(not 0 <= i < vocab for i in prompt_ids):
+            raise ApiError(f"prompt token ids must be in [0, {vocab})", param)
+        max_tokens = max(1, min(room, wanted if wanted is not None else room))
+        self.next_id += 1
+        params = SamplingParams(max_tokens=max_tokens, temperature=sampling.temperature,
+                                top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed,
+                                stop=sampling.stop, logprobs=sampling.logprobs, echo=echo)
+        return Request(prompt_ids=list(prompt_ids), params=params,
+                       request_id=f"req-{self.next_id}", adapter=adapter,
+                       constraint=constraint)
+
+    def encode(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return [int(i) for i in self.served.tokenizer.encode_prompt(prompt)]
+        return list(prompt)
+
+    # -- routes ---------------------------------------------------------------
+
+    async def models(self, http: HttpRequest):
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "jaxformer",
+                 **({"parent": self.served.name} if name != self.served.name else {})}
+                for name in (self.served.name, *self.served.adapters)]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def health(self, http: HttpRequest):
+        return JSONResponse({"status": "ok"})
+
+    async def metrics(self, http: HttpRequest):
+        return Response(prometheus_text(self.served.engine.metrics(), self.counts),
+                        media_type=CONTENT_TYPE)
+
+    async def completions(self, http: HttpRequest):
+        body = parse_completion(await self.body(http))
+        adapter = self.adapter(body.model)
+        sampling, echo = body.sampling, body.echo
+        if sampling.stream and len(body.prompts) > 1:
+            raise ApiError("stream takes one prompt (a string or a list of ids)", "prompt")
+        requests = [self.request(self.encode(p), sampling, param="prompt", echo=echo,
+                                 adapter=adapter) for p in body.prompts]
+        model = body.model or self.served.name
+        handles = self.submit_all(requests)
+        if sampling.stream:
+            return EventStream(self.completion_events(handles[0], requests[0], model, sampling),
+                               handles[0].cancel)
+        only_prompt = sampling.max_tokens == 0
+        try:
+            results = await _until_disconnect(http, asyncio.gather(*(
+                generation.collect(h, self.served.tokenizer, r, keep_new_tokens=not only_prompt)
+                for h, r in zip(handles, requests))))
+        finally:  # a disconnect, or one choice failing, ends them all (no-op when done)
+            for handle in handles:
+                handle.cancel()
+        choices, generated = [], 0
+        for index, (request, result) in enumerate(zip(requests, results)):
+            text, entries, texts = result.text, result.entries, result.texts
+            if echo:
+                prompt_texts = generation.prompt_texts(self.served.tokenizer,
+                                                       request.prompt_ids)
+                text = "".join(prompt_texts) + text
+                entries, texts = result.prompt_entries + entries, prompt_texts + texts
+            logprobs = (None if sampling.logprobs is None else
+                        responses.completion_logprobs(self.served.tokenizer, entries, texts))
+            reason = "length" if only_prompt else result.finish_reason
+            choices.append(responses.completion_choice(index, text, logprobs, reason))
+            generated += len(result.entries)
+        prompt_tokens = sum(len(r.prompt_ids) for r in requests)
+        return JSONResponse(responses.completion(
+            responses.new_id("cmpl"), model, choices, responses.usage(prompt_tokens, generated)))
+
+    def submit_all(self, requests) -> list:
+        """The engine's handles of `requests`; if one is refused, none run."""
+        handles = []
+        try:
+            for request in requests:
+                handles.append(generation.submit(self.served.engine, request))
+        except BaseException:
+            for handle in handles:
+                handle.cancel()
+            raise
+        return handles
+
+    async def completion_events(self, handle, request: Request, model: str, sampling):
+        request_id, generated = responses.new_id("cmpl"), 0
+        try:
+            async for step in generation.stream(handle, self.served.tokenizer, request):
+                generated += len(step.entries)
+                logprobs = (None if sampling.logprobs is None else
+                            responses.completion_logprobs(self.served.tokenizer, step.entries,
+                                                          step.texts))
+                yield responses.sse(responses.completion(request_id, model, [
+                    responses.completion_choice(0, step.text, logprobs, step.finish_reason)],
+                    None) | {"usage": None})
+            if sampling.include_usage:
+                yield responses.sse(responses.usage_chunk(
+                    request_id, model, "text_completion",
+                    responses.usage(len(request.prompt_ids), generated)))
+        except Exception as error:  # noqa: BLE001 - one request's failure, told in-stream
+            yield responses.sse(self.failure(error).body())
+        yield responses.SSE_DONE
+
+    def chat_prompt(self, messages) -> list[int]:
+        template = self.served.chat_template
+        if template is None:
+            raise ApiError(f"{self.served.name} has no chat template; use /v1/completions",
+                           "messages")
+        from jaxformer.text import render_chat  # noqa: PLC0415 - jinja2 on first chat
+
+        tokenizer = self.served.tokenizer
+        name = getattr(tokenizer, "token_text", None) or (lambda i: "")  # bytes: no names
+        specials = {f"{role}_token": name(getattr(tokenizer, f"{role}_id"))
+                    for role in ("bos", "eos", "pad")}
+        try:
+            rendered = render_chat(template, list(messages), **specials)
+        except (ValueError, ImportError) as error:
+            raise ApiError(str(error), "messages") from error
+        return [int(i) for i in tokenizer.encode(rendered)]
+
+    def constraint(self, response_format):
+        if response_format is None:
+            return None
+        if self.served.make_constraint is None:
+            raise ApiError("response_format needs a grammar library that is not installed "
+                           "here", "response_format")
+        try:
+            return self.served.make_constraint(response_format)
+        except ImportError as error:
+            raise ApiError(f"response_format: {error}", "response_format") from error
+        except ValueError as error:
+            raise ApiError(f"response_format: {error}"[:400], "response_format") from error
+
+    async def chat(self, http: HttpRequest):
+        body = parse_chat(await self.body(http))
+        adapter = self.adapter(body.model)
+        prompt = self.chat_prompt(body.messages)
+        request = self.request(prompt, body.sampling, param="messages", adapter=adapter,
+                               constraint=self.constraint(body.response_format))
+        model = body.model or self.served.name
+        handle = generation.submit(self.served.engine, request)
+        if body.sampling.stream:
+            return EventStream(self.chat_events(handle, request, model, body.sampling),
+                               handle.cancel)
+        try:
+            result = await _until_disconnect(http, generation.collect(
+                handle, self.served.tokenizer, request))
+        finally:
+            handle.cancel()
+        logprobs = (None if body.sampling.logprobs is None else
+                    responses.chat_logprobs(self.served.tokenizer, result.entries))
+        return JSONResponse(responses.chat_completion(
+            responses.new_id("chatcmpl"), model, result.text, logprobs, result.finish_reason,
+            responses.usage(len(prompt), len(result.entries))))
+
+    async def chat_events(self, handle, request: Request, model: str, sampling):
+        request_id, generated = responses.new_id("chatcmpl"), 0
+        try:
+            yield responses.sse(responses.chat_chunk(request_id, model,
+                                                     {"role": "assistant", "content": ""}))
+            async for step in generation.stream(handle, self.served.tokenizer, request):
+                generated += len(step.entries)
+                logprobs = (None if sampling.logprobs is None else
+                            responses.chat_logprobs(self.served.tokenizer, step.entries))
+                delta = {"content": step.text} if step.text or not step.finish_reason else {}
+                yield responses.sse(responses.chat_chunk(request_id, model, delta, logprobs,
+                                                         step.finish_reason))
+            if sampling.include_usage:
+                yield responses.sse(responses.usage_chunk(
+                    request_id, model, "chat.completion.chunk",
+                    responses.usage(len(request.prompt_ids), generated)))
+        except Exception as error:  # noqa: BLE001 - one request's failure, told in-stream
+            yield responses.sse(self.failure(error).body())
+        yield responses.SSE_DONE
+
+    def failure(self, error: Exception) -> ApiError:
+        """Any exception as the ApiError the client gets (a traceback in the log)."""
+        if isinstance(error, ApiError):
+            return error
+        print(f"jaxformer serve: request failed: {error!r}", file=sys.stderr, flush=True)
+        traceback.print_exc(file=sys.stderr)
+        return ApiError(f"the server failed on this request ({type(error).__name__}: "
+                        f"{error})"[:400], None, status=500, type="server_error",
+                        code="internal_error")
+
+    def route(self, path: str, endpoint, *, protected: bool):
+        async def handle(http: HttpRequest):
+            try:
+                if protected:
+                    self.check_key(http)
+                response = await endpoint(http)
+            except Exception as error:  # noqa: BLE001 - one request never takes the server down
+                response = _error_response(self.failure(error))
+            self.counts[(path, response.status_code)] += 1
+            return response
+        return handle
+
+
+def create_app(served: ServedModel, *, api_key: Optional[str] = None) -> Starlette:
+    """The ASGI app serving `served` (started and stopped with the app's lifespan)."""
+    api = Api(served, api_key)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        served.engine.start()
+        try:
+            yield
+        finally:  # uvicorn has stopped accepting and waited for open requests
+            await asyncio.get_running_loop().run_in_executor(
+                None, lambda: served.engine.stop(served.drain_timeout))
+
+    routes = [("/v1/models", api.models, ["GET"], True),
+              ("/v1/completions", api.completions, ["POST"], True),
+              ("/v1/chat/completions", api.chat, ["POST"], True),
+              ("/health", api.health, ["GET"], False),
+              ("/metrics", api.metrics, ["GET"], False)]
+    app = Starlette(routes=[Route(path, api.route(path, endpoint, protected=protected),
+                                  methods=methods)
+                            for path, endpoint, methods, protected in routes],
+                    lifespan=lifespan)
+    app.state.api = api
+    return app

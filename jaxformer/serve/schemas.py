@@ -1,0 +1,264 @@
+"""The OpenAI request bodies the server takes, checked field by field (no JAX here).
+
+    body = parse_completion(json_dict, defaults)     # POST /v1/completions
+    body = parse_chat(json_dict, defaults)           # POST /v1/chat/completions
+
+Each parser returns a frozen dataclass or raises `ApiError` naming the first
+field that is wrong (`param`), which the server sends as OpenAI's error body
+with status 400. Fields the server does not implement are refused when set to
+anything but their neutral value (`n: 2`, `logit_bias: {...}`, `tools: [...]`),
+never silently ignored; fields that change nothing here (`user`, `metadata`)
+are accepted. The limits on numbers are OpenAI's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional, Union
+
+# Largest top-n logprobs a request may ask for (OpenAI: 5 for completions, 20 for chat).
+MAX_LOGPROBS = 20
+
+
+class ApiError(Exception):
+    """An error the client caused (or a server state it must hear about), as an
+    OpenAI error body: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, message: str, param: Optional[str] = None, *, status: int = 400,
+                 type: str = "invalid_request_error", code: Optional[str] = None,
+                 headers: Optional[dict] = None):
+        super().__init__(message)
+        self.message, self.param, self.status = message, param, status
+        self.type, self.code, self.headers = type, code, headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """The decoding fields both endpoints share, checked."""
+    max_tokens: Optional[int]          # None: as many as the context leaves
+    temperature: float
+    top_p: Optional[float]
+    top_k: Optional[int]
+    seed: int
+    stop: tuple[str, ...]
+    logprobs: Optional[int]            # top-n per token; None = no logprobs
+    stream: bool
+    include_usage: bool                # stream_options.include_usage
+
+
+@dataclasses.dataclass(frozen=True)
+class CompletionBody:
+    model: Optional[str]
+    prompts: tuple[Union[str, tuple[int, ...]], ...]   # one choice each
+    sampling: Sampling
+    echo: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatBody:
+    model: Optional[str]
+    messages: tuple[dict, ...]         # {"role", "content": str}
+    sampling: Sampling
+    response_format: Optional[dict]    # {"type": "json_schema"|"json_object"|"regex", ...}
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def _get(body: dict, name: str, check, rule: str, default=None):
+    """body[name] (absent or null: `default`), or ApiError naming `name`."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not check(value):
+        raise ApiError(f"{name} must be {rule}, got {value!r}"[:300], name)
+    return value
+
+
+def _refuse_unless_neutral(body: dict, neutral: dict) -> None:
+    for name, ok in neutral.items():
+        if name in body and body[name] is not None and not ok(body[name]):
+            raise ApiError(f"{name} is not supported by this server (got {body[name]!r})"[:300],
+                           name)
+
+
+_NEUTRAL = {
+    "n": lambda v: v == 1, "best_of": lambda v: v == 1,
+    "presence_penalty": lambda v: v == 0, "frequency_penalty": lambda v: v == 0,
+    "logit_bias": lambda v: v == {}, "suffix": lambda v: v == "",
+    "tools": lambda v: v == [], "functions": lambda v: v == [],
+}
+
+
+def _require_object(body) -> dict:
+    if not isinstance(body, dict):
+        raise ApiError(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _model(body: dict) -> Optional[str]:
+    return _get(body, "model", lambda v: isinstance(v, str), "a string")
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
+        raise ApiError(f"stop must be a non-empty string or a list of them, got {stop!r}"[:300],
+                       "stop")
+    return tuple(stop)
+
+
+def _sampling(body: dict, *, max_tokens: Optional[int], logprobs: Optional[int]) -> Sampling:
+    temperature = _get(body, "temperature", lambda v: _is_number(v) and 0 <= v <= 2,
+                       "a number in [0, 2]", 1.0)
+    top_p = _get(body, "top_p", lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]")
+    # top_k is vLLM's and llama.cpp's extension; 0 and -1 mean "off" there too.
+    top_k = _get(body, "top_k", lambda v: _is_int(v) and v >= -1, "an integer >= -1")
+    seed = _get(body, "seed", lambda v: _is_int(v) and -2 ** 63 <= v < 2 ** 64, "an integer", 0)
+    stream = _get(body, "stream", lambda v: isinstance(v, bool), "true or false", False)
+    options = _get(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
+    usage = options.get("include_usage", False)
+    if not isinstance(usage, bool):
+        raise ApiError(f"stream_options.include_usage must be true or false, got {usage!r}",
+                       "stream_options")
+    return Sampling(max_tokens=max_tokens, temperature=float(temperature),
+                    top_p=None if top_p is None or top_p == 1 else float(top_p),
+                    top_k=None if top_k is None or top_k <= 0 else top_k,
+                    seed=seed % 2 ** 32, stop=_stop(body), logprobs=logprobs,
+                    stream=stream, include_usage=usage and stream)
+
+
+def _prompts(prompt) -> tuple:
+    """OpenAI's four prompt shapes: text, [text, ...], [id, ...], [[id, ...], ...]."""
+    def ids(value) -> bool:
+        return (isinstance(value, list) and bool(value)
+                and all(_is_int(i) and i >= 0 for i in value))
+
+    if isinstance(prompt, str):
+        return (prompt,)
+    if ids(prompt):
+        return (tuple(prompt),)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or ids(p) for p in prompt):
+        return tuple(p if isinstance(p, str) else tuple(p) for p in prompt)
+    raise ApiError("prompt must be a string, a list of strings, a list of token ids or a list "
+                   "of lists of token ids (non-empty)", "prompt")
+
+
+def parse_completion(body: Any) -> CompletionBody:
+    """A POST /v1/completions body (OpenAI's legacy completions, as lm-eval sends it)."""
+    body = _require_object(body)
+    _refuse_unless_neutral(body, _NEUTRAL)
+    if "prompt" not in body:
+        raise ApiError("prompt is required", "prompt")
+    prompts = _prompts(body["prompt"])
+    max_tokens = _get(body, "max_tokens", lambda v: _is_int(v) and v >= 0,
+                      "an integer >= 0", 16)
+    logprobs = _get(body, "logprobs", lambda v: _is_int(v) and 0 <= v <= MAX_LOGPROBS,
+                    f"an integer in [0, {MAX_LOGPROBS}]")
+    echo = _get(body, "echo", lambda v: isinstance(v, bool), "true or false", False)
+    if max_tokens == 0 and not echo:
+        raise ApiError("max_tokens must be >= 1 unless echo is true (then 0 scores the "
+                       "prompt only)", "max_tokens")
+    sampling = _sampling(body, max_tokens=max_tokens, logprobs=logprobs)
+    if echo and sampling.stream:
+        raise ApiError("echo is not supported with stream", "echo")
+    return CompletionBody(model=_model(body), prompts=prompts, sampling=sampling, echo=echo)
+
+
+def _content(message: dict, index: int) -> str:
+    """A message's content: a string, or a list of text parts joined."""
+    content = message.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)):
+                raise ApiError(f"messages[{index}].content: only text parts "
+                               "({\"type\": \"text\", \"text\": ...}) are supported",
+                               f"messages[{index}].content")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise ApiError(f"messages[{index}].content must be a string or a list of text parts",
+                   f"messages[{index}].content")
+
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _messages(body: dict) -> tuple[dict, ...]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError("messages must be a non-empty list of {\"role\", \"content\"} objects",
+                       "messages")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ApiError(f"messages[{i}] must be an object", f"messages[{i}]")
+        role = message.get("role")
+        if role not in ROLES:
+            raise ApiError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got "
+                           f"{role!r}"[:300], f"messages[{i}].role")
+        out.append({"role": "system" if role == "developer" else role,
+                    "content": _content(message, i)})
+    return tuple(out)
+
+
+def _response_format(body: dict) -> Optional[dict]:
+    fmt = body.get("response_format")
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ApiError("response_format.json_schema.schema must be a JSON schema object",
+                           "response_format")
+        return {"type": "json_schema", "schema": schema}
+    if kind == "regex":  # SGLang's and vLLM's extension
+        if not isinstance(fmt.get("regex"), str):
+            raise ApiError("response_format.regex must be a string", "response_format")
+        return {"type": "regex", "regex": fmt["regex"]}
+    raise ApiError("response_format.type must be text, json_object, json_schema or regex, got "
+                   f"{kind!r}"[:300], "response_format")
+
+
+def parse_chat(body: Any) -> ChatBody:
+    """A POST /v1/chat/completions body."""
+    body = _require_object(body)
+    _refuse_unless_neutral(body, {**_NEUTRAL, "tool_choice": lambda v: v == "none"})
+    messages = _messages(body)
+    limit = ("max_completion_tokens" if body.get("max_completion_tokens") is not None
+             else "max_tokens")
+    max_tokens = _get(body, limit, lambda v: _is_int(v) and v >= 1, "an integer >= 1")
+    want = _get(body, "logprobs", lambda v: isinstance(v, bool), "true or false", False)
+    top = _get(body, "top_logprobs", lambda v: _is_int(v) and 0 <= v <= MAX_LOGPROBS,
+               f"an integer in [0, {MAX_LOGPROBS}]")
+    if top is not None and not want:
+        raise ApiError("top_logprobs needs logprobs: true", "top_logprobs")
+    sampling = _sampling(body, max_tokens=max_tokens, logprobs=(top or 0) if want else None)
+    return ChatBody(model=_model(body), messages=messages, sampling=sampling,
+                    response_format=_response_format(body))

@@ -1,0 +1,294 @@
+"""The HTTP layer over a scripted engine (tests/serve/fake_engine.py): OpenAI's bodies
+as the official `openai` client reads them, errors, auth, SSE framing, disconnects.
+The real engine behind the same app: tests/serve/test_serve_model.py."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from tests.serve.conftest import running
+from tests.serve.fake_engine import BYTES, FAIL_TEXT, FakeEngine
+
+openai = pytest.importorskip("openai", reason="needs the `test` extra (the openai client)")
+pytest.importorskip("starlette", reason="needs the `serve` extra")
+
+from jaxformer.serve.http import ServedModel, create_app  # noqa: E402
+
+REPLY = "Hello, world! The end."
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+KEY = "sekret"
+
+
+def served(engine, **kw):
+    return ServedModel(engine, BYTES, name="fake", max_len=64, adapters=("tuned",),
+                       chat_template=TEMPLATE, **kw)
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = FakeEngine(REPLY, slots=2, max_queue=2)
+    with running(create_app(served(engine))) as url:
+        yield engine, url
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[1] + "/v1", api_key="unused", max_retries=0)
+
+
+def post(url, path, body, headers=None):
+    """(status, headers, JSON body) of a raw POST (no client-side checks)."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url + path, data=data, method="POST",
+                                     headers={"Content-Type": "application/json",
+                                              **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.headers, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, error.headers, json.loads(error.read())
+
+
+def test_models_lists_base_and_adapters(client):
+    assert [m.id for m in client.models.list().data] == ["fake", "tuned"]
+
+
+def test_completion_text_usage_and_finish(server, client):
+    engine, _ = server
+    out = client.completions.create(model="fake", prompt="Hi", max_tokens=5, temperature=0)
+    assert out.choices[0].text == REPLY[:5] and out.choices[0].finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (3, 5)  # BOS + "Hi"
+    assert engine.requests[-1].prompt_ids == [1, ord("H") + 3, ord("i") + 3]
+    full = client.completions.create(model="fake", prompt="Hi", max_tokens=40, temperature=0)
+    assert full.choices[0].text == REPLY and full.choices[0].finish_reason == "stop"
+
+
+def test_prompt_shapes_one_choice_each(server, client):
+    engine, _ = server
+    out = client.completions.create(model="fake", prompt=[[1, 75], [1, 76, 77]], max_tokens=2,
+                                    temperature=0)
+    assert [c.index for c in out.choices] == [0, 1]
+    assert [r.prompt_ids for r in engine.requests[-2:]] == [[1, 75], [1, 76, 77]]
+    assert out.usage.prompt_tokens == 5
+
+
+def test_stop_string_cuts_the_text(client):
+    out = client.completions.create(model="fake", prompt="Hi", max_tokens=40, temperature=0,
+                                    stop=["! T", "zzz"])
+    assert out.choices[0].text == "Hello, world" and out.choices[0].finish_reason == "stop"
+
+
+def test_stop_string_streamed_never_shows_a_partial_stop(client):
+    pieces = [c.choices[0].text for c in client.completions.create(
+        model="fake", prompt="Hi", max_tokens=40, temperature=0, stop=["d! X", "end"],
+        stream=True)]
+    # "d! " could start the first stop string: held back, then shown when it does not.
+    assert "".join(pieces) == "Hello, world! The "
+    assert all("en" != p for p in pieces)
+
+
+def test_echo_logprobs_as_lm_eval_reads_them(client):
+    """lm-eval's local-completions loglikelihood request: max_tokens 1, echo, logprobs 1;
+    it sums token_logprobs[ctxlen:-1] and checks each against max(top_logprobs)."""
+    prompt = [1, 75, 76, 77]
+    out = client.completions.create(model="fake", prompt=[prompt], max_tokens=1,
+                                    temperature=0, logprobs=1, echo=True, seed=1234)
+    lp = out.choices[0].logprobs
+    assert lp.token_logprobs == [None, -1.0, -1.0, -1.0, -0.5]
+    assert lp.top_logprobs[0] is None and lp.top_logprobs[1] == {"H": -1.0}
+    assert lp.tokens == [""] + [BYTES.decode([i]) for i in prompt[1:]] + ["H"]
+    assert out.choices[0].text == "".join(lp.tokens) == "HIJH"
+    assert lp.text_offset == [0, 0, 1, 2, 3]
+    # max_tokens 0: the prompt's logprobs only (vLLM's extension, also used by harnesses)
+    only = client.completions.create(model="fake", prompt=[prompt], max_tokens=0,
+                                     temperature=0, logprobs=1, echo=True)
+    assert only.choices[0].logprobs.token_logprobs == [None, -1.0, -1.0, -1.0]
+    assert only.choices[0].text == "HIJ" and only.usage.completion_tokens == 0
+
+
+def test_generated_logprobs_and_top(client):
+    out = client.completions.create(model="fake", prompt="x", max_tokens=3, temperature=0,
+                                    logprobs=2)
+    lp = out.choices[0].logprobs
+    assert lp.tokens == ["H", "e", "l"] and lp.token_logprobs == [-0.5] * 3
+    assert lp.top_logprobs[0] == {"H": -0.5, "I": -1.5}
+
+
+def test_chat_uses_the_template(server, client):
+    engine, _ = server
+    out = client.chat.completions.create(model="fake", max_tokens=5, temperature=0, messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert out.choices[0].message.content == REPLY[:5]
+    assert out.choices[0].message.role == "assistant"
+    assert BYTES.decode(engine.requests[-1].prompt_ids) == "<system>Be brief.\n<user>Hi\n<assistant>"
+    assert engine.requests[-1].adapter is None
+
+
+def test_chat_stream_and_logprobs(client):
+    chunks = list(client.chat.completions.create(
+        model="tuned", max_tokens=40, temperature=0, stream=True, logprobs=True, top_logprobs=1,
+        messages=[{"role": "user", "content": "Hi"}], stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == REPLY
+    finished = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finished[-1] == "stop" and set(finished[:-1]) == {None}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(REPLY) + 1
+    content = [t for c in chunks if c.choices and c.choices[0].logprobs
+               for t in c.choices[0].logprobs.content]
+    assert content[0].token == "H" and content[0].top_logprobs[0].logprob == -0.5
+
+
+def test_adapter_is_chosen_by_model(server, client):
+    engine, _ = server
+    client.completions.create(model="tuned", prompt="Hi", max_tokens=1)
+    assert engine.requests[-1].adapter == "tuned"
+
+
+def test_sse_framing_raw(server):
+    engine, url = server
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps(
+        {"prompt": "Hi", "max_tokens": 3, "stream": True, "temperature": 0}),
+        {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    assert response.getheader("content-type").startswith("text/event-stream")
+    events = response.read().decode().split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    bodies = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert all(e.startswith("data: ") for e in events[:-2])
+    assert "".join(b["choices"][0]["text"] for b in bodies) == "Hel"
+    assert bodies[-1]["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "Hi", "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "Hi", "temperature": "hot"}, "temperature"),
+    ({"prompt": "Hi", "top_p": 0}, "top_p"),
+    ({"prompt": "Hi", "logprobs": 99}, "logprobs"),
+    ({"prompt": "Hi", "n": 3}, "n"),
+    ({"prompt": "Hi", "stop": [""]}, "stop"),
+    ({"prompt": [[1, -5]]}, "prompt"),
+    ({"prompt": "Hi", "max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 3}, "prompt"),
+    ({"prompt": "x" * 64}, "prompt"),                 # beyond the 64-token context
+    ({"prompt": [[1, 999]]}, "prompt"),               # an id beyond the vocabulary
+], ids=["negative-max", "string-temperature", "top-p-0", "logprobs-99", "n-3", "empty-stop",
+        "negative-id", "max-0-no-echo", "no-prompt", "too-long", "id-beyond-vocab"])
+def test_malformed_completion_is_400_naming_the_field(server, body, param):
+    engine, url = server
+    submitted = len(engine.requests)
+    status, _, error = post(url, "/v1/completions", body)
+    assert status == 400, error
+    assert error["error"]["param"] == param and error["error"]["type"] == "invalid_request_error"
+    assert set(error["error"]) == {"message", "type", "param", "code"}
+    assert len(engine.requests) == submitted  # refused before the engine saw anything
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}},
+     "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+], ids=["no-messages", "bad-role", "image-part", "bad-format", "top-without-logprobs"])
+def test_malformed_chat_is_400_naming_the_field(server, body, param):
+    status, _, error = post(server[1], "/v1/chat/completions", body)
+    assert status == 400 and error["error"]["param"] == param, error
+
+
+def test_not_json_unknown_model(server):
+    status, _, error = post(server[1], "/v1/completions", b"{not json")
+    assert status == 400 and "not valid JSON" in error["error"]["message"]
+    status, _, error = post(server[1], "/v1/completions", {"prompt": "x", "model": "gpt-9"})
+    assert status == 404 and error["error"]["code"] == "model_not_found"
+
+
+def test_engine_error_is_500_and_the_server_goes_on(server, client):
+    status, _, error = post(server[1], "/v1/completions", {"prompt": FAIL_TEXT})
+    assert status == 500 and error["error"]["type"] == "server_error"
+    stream = client.completions.create(model="fake", prompt=FAIL_TEXT, stream=True)
+    with pytest.raises(openai.APIError):
+        list(stream)
+    assert client.completions.create(model="fake", prompt="Hi", max_tokens=2).choices[0].text
+
+
+def test_metrics_prometheus_text(server, client):
+    client.completions.create(model="fake", prompt="Hi", max_tokens=1)
+    with urllib.request.urlopen(server[1] + "/metrics", timeout=30) as response:
+        assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
+        text = response.read().decode()
+    lines = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+    assert lines["jaxformer_kv_total_pages"] == "64"
+    assert lines["jaxformer_prefix_cache_hit_rate"] == "0.25"
+    assert lines["jaxformer_generation_tokens_per_second"] == "12.5"
+    assert "jaxformer_spec_decode_acceptance_rate" not in lines  # not measured: left out
+    assert int(lines['jaxformer_http_requests_total{route="/v1/completions",code="200"}']) >= 1
+    with urllib.request.urlopen(server[1] + "/health", timeout=30) as response:
+        assert json.loads(response.read()) == {"status": "ok"}
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole-answer"])
+def test_disconnect_cancels_the_request(stream):
+    """The engine stalls after two tokens (nothing more is sent): the disconnect itself
+    must cancel the request, not a later failed write."""
+    engine = FakeEngine("x" * 200, stall_after=2)
+    with running(create_app(served(engine))) as url:
+        host, port = url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        conn.request("POST", "/v1/completions", json.dumps(
+            {"prompt": "Hi", "max_tokens": 50, "stream": stream}),
+            {"Content-Type": "application/json"})
+        if stream:
+            conn.getresponse().fp.readline()  # the first event arrived
+        else:
+            while not engine.live:
+                time.sleep(0.01)
+        time.sleep(0.1)
+        assert len(engine.live) == 1  # running, stalled
+        conn.sock.close()
+        conn.close()
+        deadline = time.monotonic() + 5
+        while engine.live and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.live == [], "the handle of a disconnected client was not cancelled"
+
+
+def test_queue_full_is_429_with_retry_after():
+    engine = FakeEngine("x" * 200, slots=1, max_queue=1, delay=0.05)
+    with running(create_app(served(engine))) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        streams = [client.completions.create(model="fake", prompt="Hi", max_tokens=100,
+                                             stream=True) for _ in range(2)]
+        status, headers, error = post(url, "/v1/completions", {"prompt": "Hi"})
+        assert status == 429 and headers["Retry-After"] == "1"
+        assert error["error"]["type"] == "rate_limit_error"
+        for stream in streams:
+            stream.close()
+
+
+def test_api_key_is_required_on_v1_routes():
+    engine = FakeEngine()
+    with running(create_app(served(engine), api_key=KEY)) as url:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+            status, _, error = post(url, "/v1/completions", {"prompt": "Hi"}, headers)
+            assert status == 401 and error["error"]["code"] == "invalid_api_key"
+        assert engine.requests == []
+        good = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+        assert good.completions.create(model="fake", prompt="Hi", max_tokens=2).choices
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0).models.list()
+        with urllib.request.urlopen(url + "/health", timeout=30) as response:
+            assert response.status == 200  # health checks need no key
+    assert engine.started and engine.stopped  # the app's lifespan ran the engine
