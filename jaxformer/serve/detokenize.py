@@ -1,10 +1,12 @@
-"""Token ids to text as they stream, and stop strings cut out of it (no JAX here).
+"""Each token's own share of a sequence's text, as the tokens stream (no JAX here).
 
     text = Detokenizer(tokenizer, context=prompt_ids)
     piece = text.push(token)         # the text this token completes ("" while a
                                      # multi-byte character is still partial)
-    stops = StopMatcher(("\\n\\n",))
-    shown, stopped = stops.feed(piece)   # text safe to send; True once a stop matched
+    token_texts(tokenizer, ids)      # every id's share at once
+
+The server's logprobs name each token by its share (OpenAI's `tokens` and
+`text_offset`: "".join(shares) is the text).
 
 A token's text is the difference between decoding a short window of ids with
 and without it (vLLM's prefix/read offsets), so a SentencePiece word keeps its
@@ -55,38 +57,3 @@ def token_texts(tokenizer, ids: Sequence[int], context: Sequence[int] = ()) -> l
     if pieces:
         pieces[-1] += text.flush()
     return pieces
-
-
-class StopMatcher:
-    """Finds the first stop string in streamed text; holds back what may start one."""
-
-    def __init__(self, stops: Sequence[str]):
-        self.stops = tuple(stops)
-        self.pending = ""
-        self.stopped = False
-
-    def feed(self, piece: str) -> tuple[str, bool]:
-        """(text that can be shown now, whether a stop string matched): after a match the
-        text ends before the stop string and every later piece is dropped."""
-        if self.stopped:
-            return "", True
-        if not self.stops:
-            return piece, False
-        text = self.pending + piece
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.stopped, self.pending = True, ""
-            return text[:min(hits)], True
-        hold = 0  # the longest tail of text that is a proper prefix of some stop string
-        for stop in self.stops:
-            for n in range(min(len(stop) - 1, len(text)), hold, -1):
-                if text.endswith(stop[:n]):
-                    hold = n
-                    break
-        self.pending = text[len(text) - hold:] if hold else ""
-        return text[:len(text) - hold], False
-
-    def flush(self) -> str:
-        """The text held back, once the sequence ended without a stop string."""
-        text, self.pending = self.pending, ""
-        return text

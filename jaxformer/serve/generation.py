@@ -1,18 +1,21 @@
-"""One request through the engine as the HTTP server sees it: submit, stream text
-with stop strings cut out, cancel the moment the caller stops listening (no JAX here).
+"""One request through the engine as the HTTP server sees it: submit, stream its
+text and logprobs, cancel the moment the caller stops listening (no JAX here).
 
     handle = submit(engine, request)            # before any byte of the response
     async for step in stream(handle, tokenizer, request):
         step.text, step.entries, step.finish_reason
 
-`submit` (called before the response starts) turns the engine's refusals into `ApiError`s (429 when its queue is
-full, 400 for a prompt it cannot take); the engine handle is cancelled in a
-`finally`, so a client that disconnects, a stop string matched here or an
-exception frees the request's slot and pages at once.
+`submit` (called before the response starts) turns the engine's refusals into
+`ApiError`s: 429 with Retry-After when its queue is full, 400 for a request it
+cannot take, 503 once it is stopping. The handle is cancelled in a `finally`,
+so a client that disconnects or an exception frees the request's slot and
+pages at the engine's next step.
 
-Echo: with `params.echo` the engine streams one event per prompt token first
-(the first without a logprob), then the new tokens; they arrive here as the
-first step's `prompt_entries`.
+The text is the engine's (`TokenEvent.text`: stop strings already cut, held
+back while it could start one). Each new token's own share of the text, for
+logprobs' `tokens` and `text_offset`, comes from `detokenize.Detokenizer`.
+Echo: the prompt's events (`TokenEvent.prompt`) arrive first, here as the
+steps' `prompt_entries`.
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ from __future__ import annotations
 import dataclasses
 from typing import AsyncIterator, Optional
 
-from jaxformer.serve.detokenize import Detokenizer, StopMatcher, token_texts
-from jaxformer.serve.request import FinishReason, Request
+from jaxformer.serve.detokenize import Detokenizer, token_texts
+from jaxformer.serve.request import FinishReason, QueueFull, Request
 from jaxformer.serve.schemas import ApiError
 
 # Seconds a client is told to wait after a 429 (the queue drains at decode speed).
@@ -35,31 +38,26 @@ class EngineError(RuntimeError):
 @dataclasses.dataclass
 class Step:
     """What one engine event adds to a choice."""
-    text: str = ""                                   # visible text, stop strings cut out
+    text: str = ""                                   # new visible text
     entries: list = dataclasses.field(default_factory=list)   # (id, logprob, top) of new tokens
-    texts: list = dataclasses.field(default_factory=list)     # each new token's raw text
+    texts: list = dataclasses.field(default_factory=list)     # each new token's own text
     prompt_entries: list = dataclasses.field(default_factory=list)  # echo: prompt tokens
     finish_reason: Optional[str] = None
 
 
-def is_queue_full(error: Exception) -> bool:
-    """The engine's QueueFull (matched by name: the server does not import the engine)."""
-    return any(t.__name__ == "QueueFull" for t in type(error).__mro__)
-
-
 def submit(engine, request: Request):
-    """engine.submit(request), its refusals as ApiErrors (call it before the response
-    starts, so a 429 or 400 is still possible)."""
+    """engine.submit(request), its refusals as ApiErrors."""
     try:
         return engine.submit(request)
-    except Exception as error:  # noqa: BLE001 - sorted below
-        if is_queue_full(error):
-            raise ApiError(f"the server's queue is full ({error}); retry later", None,
-                           status=429, type="rate_limit_error", code="queue_full",
-                           headers={"Retry-After": str(RETRY_AFTER_S)}) from error
-        if isinstance(error, ValueError):
-            raise ApiError(str(error), "prompt", code="invalid_prompt") from error
-        raise
+    except QueueFull as error:
+        raise ApiError(f"the server is busy: {error}; retry later", None, status=429,
+                       type="rate_limit_error", code="queue_full",
+                       headers={"Retry-After": str(RETRY_AFTER_S)}) from error
+    except ValueError as error:
+        raise ApiError(str(error), "prompt", code="invalid_prompt") from error
+    except RuntimeError as error:  # the engine is stopping (SIGTERM): no new requests
+        raise ApiError(str(error), None, status=503, type="server_error",
+                       code="shutting_down") from error
 
 
 async def stream(handle, tokenizer, request: Request, *, keep_new_tokens: bool = True
@@ -67,46 +65,31 @@ async def stream(handle, tokenizer, request: Request, *, keep_new_tokens: bool =
     """The steps of `request`, submitted as `handle` (see the module docstring), the
     handle cancelled when this generator ends or is closed. `keep_new_tokens=False`:
     the prompt is only scored (echo with max_tokens 0): the new token is dropped."""
-    prompt_ids = [int(i) for i in request.prompt_ids]
-    echo_left = len(prompt_ids) if request.params.echo else 0
-    prompt_entries: list = []
-    text = Detokenizer(tokenizer, context=prompt_ids)
-    stops = StopMatcher(request.params.stop)
+    pieces = Detokenizer(tokenizer, context=request.prompt_ids)
     try:
         async for event in handle:
             step = Step()
-            if event.token is not None and echo_left:
-                echo_left -= 1
-                prompt_entries.append((event.token, event.logprob, tuple(event.top_logprobs)))
-                if echo_left:
-                    continue
-                step.prompt_entries, prompt_entries = prompt_entries, []
+            if event.prompt:
+                step.prompt_entries.append((event.token, event.logprob,
+                                            tuple(event.top_logprobs)))
             elif event.token is not None and keep_new_tokens:
-                piece = text.push(event.token)
                 step.entries.append((event.token, event.logprob, tuple(event.top_logprobs)))
-                step.texts.append(piece)
-                step.text, stopped = stops.feed(piece)
-                if stopped:
-                    step.finish_reason = FinishReason.STOP.value
-                    yield step
-                    return
+                step.texts.append(pieces.push(event.token))
+            if keep_new_tokens and not event.prompt:
+                step.text = event.text
             reason = event.finish_reason
             if reason is not None:
                 if reason == FinishReason.ERROR:
-                    raise EngineError(f"the engine failed on request {request.request_id}")
-                tail = text.flush()
+                    why = getattr(handle, "error", None) or "see the server's log"
+                    raise EngineError(f"the engine failed on this request ({why})")
                 if step.texts:
-                    step.texts[-1] += tail
-                shown, stopped = stops.feed(tail)
-                step.text += shown + ("" if stopped else stops.flush())
-                step.finish_reason = (FinishReason.STOP.value if stopped else
-                                      FinishReason(reason).value)
+                    step.texts[-1] += pieces.flush()
+                step.finish_reason = FinishReason(reason).value
                 yield step
                 return
             if step.text or step.entries or step.prompt_entries:
                 yield step
-        raise EngineError(f"the engine's stream for request {request.request_id} ended "
-                          "without a finish reason")
+        raise EngineError("the engine's stream ended without a finish reason")
     finally:
         handle.cancel()
 

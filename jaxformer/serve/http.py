@@ -161,16 +161,15 @@ class Api:
         n, limit = len(prompt_ids), self.served.max_len
         if n == 0:
             raise ApiError("the prompt is empty (no tokens)", param)
-        room = limit - n
-        wanted = sampling.max_tokens
-        if room < (0 if echo and wanted == 0 else 1):
-            raise ApiError(f"this model's maximum context length is {limit} tokens; the prompt "
-                           f"has {n}, leaving no room for a new token", param,
-                           code="context_length_exceeded")
+        if n > limit:
+            raise ApiError(f"this model's maximum context length is {limit} tokens; the "
+                           f"prompt has {n}", param, code="context_length_exceeded")
         vocab = getattr(self.served.tokenizer, "vocab_size", None)
         if vocab is not None and any(not 0 <= i < vocab for i in prompt_ids):
             raise ApiError(f"prompt token ids must be in [0, {vocab})", param)
-        max_tokens = max(1, min(room, wanted if wanted is not None else room))
+        # The engine ends a request whose context fills up with finish_reason "length".
+        room = limit - n + 1
+        max_tokens = max(1, min(room, sampling.max_tokens or room))
         self.next_id += 1
         params = SamplingParams(max_tokens=max_tokens, temperature=sampling.temperature,
                                 top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed,

@@ -1,7 +1,9 @@
 """A scripted stand-in for the serving engine (its submit/cancel/metrics interface), so
 the HTTP layer's tests run without a model: each request streams `reply` as byte
-tokens (ByteTokenizer ids) then EOS, every token with logprob -0.5 and, when asked,
-the top list ((token, -0.5), (token + 1, -1.5), ...)."""
+tokens (ByteTokenizer ids, each event's text its character) then a final event
+with STOP (EOS, as the engine sends it: no token), every token with logprob -0.5
+and, when asked, the top list ((token, -0.5), (token + 1, -1.5), ...). Stop
+strings are the real engine's job (tests/serve/test_serve_model.py)."""
 
 from __future__ import annotations
 
@@ -9,14 +11,11 @@ import asyncio
 import threading
 
 from jaxformer.serve import FinishReason, TokenEvent
+from jaxformer.serve.request import QueueFull
 from jaxformer.text import ByteTokenizer
 
 BYTES = ByteTokenizer()
 FAIL_TEXT = "please fail"  # a prompt containing it ends with FinishReason.ERROR
-
-
-class QueueFull(RuntimeError):
-    """As the real engine names it."""
 
 
 class FakeHandle:
@@ -35,19 +34,19 @@ class FakeHandle:
             for i, token in enumerate(self.request.prompt_ids):
                 yield TokenEvent(int(token), None if i == 0 else -1.0,
                                  () if i == 0 or p.logprobs is None else
-                                 tuple((int(token) + k, -1.0 - k) for k in range(max(n, 1))))
+                                 tuple((int(token) + k, -1.0 - k) for k in range(max(n, 1))),
+                                 text=BYTES.decode([token]), prompt=True)
         if FAIL_TEXT in BYTES.decode(self.request.prompt_ids):
             yield TokenEvent(None, finish_reason=FinishReason.ERROR)
             return
-        reply = list(BYTES.encode(self.engine.reply).tolist()) + [BYTES.eos_id]
+        reply = BYTES.encode(self.engine.reply).tolist()
         for i, token in enumerate(reply[:p.max_tokens]):
-            last = i + 1 == p.max_tokens or token == BYTES.eos_id
-            reason = (FinishReason.STOP if token == BYTES.eos_id else FinishReason.LENGTH
-                      ) if last else None
+            reason = FinishReason.LENGTH if i + 1 == p.max_tokens else None
             top = tuple((token + k, -0.5 - k) for k in range(n)) if p.logprobs else ()
-            yield TokenEvent(token, -0.5, top, reason)
-            if last:
+            yield TokenEvent(token, -0.5, top, reason, text=BYTES.decode([token]))
+            if reason:
                 return
+        yield TokenEvent(None, finish_reason=FinishReason.STOP)
 
     async def __aiter__(self):
         for i, event in enumerate(self.events()):
@@ -65,6 +64,7 @@ class FakeEngine:
         self.reply, self.slots, self.max_queue, self.delay = reply, slots, max_queue, delay
         self.stall_after = stall_after
         self.live: list[FakeHandle] = []
+        self.accepting = True
         self.requests = []
         self.lock = threading.Lock()
         self.started = self.stopped = False
@@ -78,6 +78,8 @@ class FakeEngine:
 
     def submit(self, request):
         with self.lock:
+            if not self.accepting:
+                raise RuntimeError("the engine is stopping: no new requests")
             if len(self.live) >= self.slots + self.max_queue:
                 raise QueueFull(f"{len(self.live)} requests in flight")
             handle = FakeHandle(self, request)
