@@ -13,6 +13,7 @@
     jaxformer eval --model SmolLM2.gguf --data 'texts/*.txt'   # loss, perplexity, bits/byte
     jaxformer transcribe --model DIR talk.wav        # speech to text (jaxformer.cli.transcribe)
     jaxformer export --run runs/lm --out my-lm-hf    # a Hugging Face directory (cli.export)
+    jaxformer serve --model SmolLM2.gguf             # OpenAI-compatible HTTP API (cli.serve)
 
 A run directory (`--out`, default runs/<task>-<norm>-<time>) holds:
 
@@ -65,6 +66,7 @@ from typing import Optional, Sequence
 from jaxformer.cli import args as args_lib
 from jaxformer.cli import evaluate as evaluate_command
 from jaxformer.cli import export as export_command
+from jaxformer.cli import serve as serve_command
 from jaxformer.cli import transcribe as transcribe_command
 from jaxformer.cli.args import non_negative_int, positive_int
 from jaxformer.cli.chat import chat_prompts, read_template
@@ -270,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate_command.add_parser(commands, _add_compile_cache_flag)
     transcribe_command.add_parser(commands, _add_compile_cache_flag)
     export_command.add_parser(commands, _add_compile_cache_flag)
+    serve_command.add_parser(commands, _add_compile_cache_flag)
     return parser
 
 

@@ -10,6 +10,8 @@ normally, so the process exits 0.
 
 from __future__ import annotations
 
+import signal
+import threading
 from typing import Optional
 
 
@@ -29,6 +31,14 @@ def run(app, *, host: str, port: int, drain_timeout: float = 30.0,
                             timeout_graceful_shutdown=drain_timeout, access_log=False,
                             lifespan="on")
     server = Server(config)
-    server.run()
+    # uvicorn re-raises the signal that stopped it once it has shut down; SIGTERM's
+    # default action would then kill the process (status -15) after a clean drain.
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, lambda *_: None) if main_thread else None
+    try:
+        server.run()
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     if not server.started:  # the port was taken, or the lifespan failed: uvicorn said why
         raise OSError(f"could not serve on {host}:{port} (see uvicorn's message above)")
