@@ -31,7 +31,8 @@ LONGEST_FIRST = ("cli/test_cli.py", "test_docs.py", "parallel/test_partitioning.
                  "test_gpu_benchmark.py",
                  "nn/test_reduced_precision_values.py", "decode/test_ring_short_prompts.py",
                  "models/test_smollm2_quant.py", "train/test_qlora.py", "cli/test_qlora_cli.py",
-                 "cli/test_damaged_checkpoint.py", "serve/test_serve_cli.py")
+                 "cli/test_damaged_checkpoint.py", "serve/test_serve_model.py",
+                 "serve/test_serve_cli.py")
 
 
 def pytest_collection_modifyitems(items):
