@@ -1,24 +1,37 @@
 """Serving what jaxformer loads: the engine (slots over a paged KV cache, continuous
 batching, prefix caching, speculation) and the OpenAI-compatible HTTP server.
 
-Modules: `request` (the types the engine and the server share), `speculative`
-(prompt-lookup drafting, greedy and rejection-sampling verification: pure functions),
-`spec_decode` (`speculative_generate`: `generate` with k drafts verified per pass);
-the HTTP server: `schemas` (request bodies checked, `ApiError`), `detokenize` (streamed text, stop
-strings), `generation` (one request through the engine), `responses` (OpenAI
-bodies, SSE), `metrics` (Prometheus text), `http` (the Starlette app:
-`create_app`, `ServedModel`), `server` (uvicorn, drain on SIGTERM: `run_server`).
-Starlette and uvicorn (the `serve` extra) load only with `create_app`/`run_server`.
+Modules. The engine: `request` (the types the engine and the server share), `pages`
+(the page pool and prefix cache, pure Python), `paged` (paged keys/values read through
+page tables, in JAX), `select` (per-slot sampling), `handle` (a request's event stream),
+`slots` (a running request's host state and streamed text), `checks` (input checks),
+`programs` (the engine's compiled decode and prefill programs), `engine` (`Engine`: the
+step loop), `speculative` (prompt-lookup drafting, greedy and rejection-sampling
+verification: pure functions), `spec_decode` (`speculative_generate`: `generate` with k
+drafts verified per pass), `constraint` (`Grammars`: JSON-schema and regex constraints
+as token masks; outlines-core, imported when a `Grammars` is built), `adapters`
+(fine-tuned runs as the engine's adapters).
+The HTTP server: `schemas` (request bodies checked, `ApiError`), `detokenize` (streamed
+text, stop strings), `generation` (one request through the engine), `responses` (OpenAI
+bodies, SSE), `metrics` (Prometheus text), `http` (the Starlette app: `create_app`,
+`ServedModel`), `server` (uvicorn, drain on SIGTERM: `run_server`). Starlette and
+uvicorn (the `serve` extra) load only with `create_app`/`run_server`.
 """
 
-from jaxformer.serve.request import (FinishReason, Request, SamplingParams, TokenConstraint,
-                                     TokenEvent)
+from jaxformer.serve.constraint import GrammarConstraint, Grammars, token_bytes
+from jaxformer.serve.engine import Engine
+from jaxformer.serve.handle import Handle
+from jaxformer.serve.pages import OutOfPages, PagePool, PageTable
+from jaxformer.serve.request import (FinishReason, QueueFull, Request, SamplingParams,
+                                     TokenConstraint, TokenEvent)
 from jaxformer.serve.spec_decode import SpecResult, speculative_generate
 from jaxformer.serve.speculative import greedy_verify, ngram_draft, rejection_verify, target_probs
 
-__all__ = ["FinishReason", "Request", "SamplingParams", "TokenConstraint", "TokenEvent",
+__all__ = ["Engine", "FinishReason", "Handle", "OutOfPages", "PagePool", "PageTable",
+           "QueueFull", "Request", "SamplingParams", "TokenConstraint", "TokenEvent",
            "SpecResult", "speculative_generate", "greedy_verify", "ngram_draft",
-           "rejection_verify", "target_probs", "create_app", "ServedModel", "run_server"]
+           "rejection_verify", "target_probs", "GrammarConstraint", "Grammars", "token_bytes",
+           "create_app", "ServedModel", "run_server"]
 
 _HTTP = {"create_app": "http", "ServedModel": "http", "run_server": "server"}
 
