@@ -134,6 +134,7 @@ class Decoder(nn.Module):
         ring_mask: Optional[jnp.ndarray] = None,
         ring_index: Optional[jnp.ndarray] = None,
         deterministic: bool = True,
+        hidden: bool = False,
     ) -> tuple[jnp.ndarray, Optional[tuple[KV, ...]]]:
         """Returns (logits (B, T, V) in float32, updated per-layer caches or None).
 
@@ -142,6 +143,8 @@ class Decoder(nn.Module):
         attend over it, after `past_kvs` if given: see `DecoderLayer`. With `config.scan_layers`,
         `cross_kvs` is the memory (B, S, D) itself (each scanned layer projects
         it) and there are no caches (decoding runs `stacking.unscanned`).
+        `hidden=True` (training pass only): (the final normed states (B, T, D), None)
+        instead, for a loss that projects them itself (`output_logits`, in chunks).
         A local layer's cache is a sliding-window ring (`decode.cache`): it attends
         with `ring_mask` and writes at the absolute slot `ring_index`.
         """
@@ -179,6 +182,13 @@ class Decoder(nn.Module):
                 new_caches.append(cache)
         if self.config.use_final_norm:
             y_BTD = self.final_norm(y_BTD)
+        if hidden:
+            return y_BTD, None
+        return self.output_logits(y_BTD), (None if caches is None else tuple(new_caches))
+
+    def output_logits(self, y_BTD: jnp.ndarray) -> jnp.ndarray:
+        """The output projection of final (normed) hidden states (..., D) -> float32
+        logits (..., V): tied or own kernel, bias, soft-capping."""
         if self.config.tie_output_embedding:
             logits_BTV = self.embed.attend(y_BTD.astype(self.config.norm_dtype))
             if self.config.tied_output_bias:
@@ -189,7 +199,7 @@ class Decoder(nn.Module):
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits_BTV = cap * jnp.tanh(logits_BTV / cap)
-        return logits_BTV, (None if caches is None else tuple(new_caches))
+        return logits_BTV
 
 
 def local_attention_mask(config: TransformerConfig, mask: Optional[jnp.ndarray],
@@ -385,10 +395,11 @@ class DecoderOnlyLM(nn.Module):
 
     def __call__(self, tokens_BT: jnp.ndarray, mask: Optional[jnp.ndarray] = None, *,
                  positions_BT: Optional[jnp.ndarray] = None,
-                 deterministic: bool = True) -> jnp.ndarray:
+                 deterministic: bool = True, hidden: bool = False) -> jnp.ndarray:
         """Next-token logits (B, T, V). `mask` (dense (B|1, 1, T, T) or a MaskSpec)
         defaults to causal & non-PAD: a MaskSpec under attention_impl "blockwise" or
-        "auto" (`lm_mask_spec`), so no (T, T) array is built."""
+        "auto" (`lm_mask_spec`), so no (T, T) array is built. `hidden=True`: the final
+        normed hidden states (B, T, D) instead; `output_logits` projects them."""
         c = self.config
         checks.check_tokens("tokens", tokens_BT, c.tgt_vocab_size, c.decoder_len)
         if mask is None:
@@ -398,8 +409,12 @@ class DecoderOnlyLM(nn.Module):
             checks.check_mask("mask", mask, tokens_BT.shape[0], tokens_BT.shape[1],
                               tokens_BT.shape[1], heads=c.num_heads)
         logits_BTV, _ = self.decoder(tokens_BT, mask, positions_BT=positions_BT,
-                                     deterministic=deterministic)
+                                     deterministic=deterministic, hidden=hidden)
         return logits_BTV
+
+    def output_logits(self, y_BTD: jnp.ndarray) -> jnp.ndarray:
+        """Float32 logits (..., V) of final hidden states (..., D) (`hidden=True`)."""
+        return self.decoder.output_logits(y_BTD)
 
 
 def count_params(params) -> int:

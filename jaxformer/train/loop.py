@@ -80,7 +80,8 @@ class TrainFunctions:
                                         self.shardings)
         self.step = make_train_step(self.model, self.tx, label_smoothing=tc.label_smoothing,
                                     schedule=self.schedule, mesh=mesh,
-                                    shardings=self.shardings)
+                                    shardings=self.shardings,
+                                    loss_chunk_tokens=tc.loss_chunk_tokens)
         self._compiled = None
 
     def abstract_state(self) -> TrainState:

@@ -10,6 +10,7 @@ import optax
 
 from jaxformer.config import TransformerConfig
 from jaxformer.nn.attention_select import uses_mask_spec
+from jaxformer.train.chunked_loss import chunk_length, chunked_loss_and_metrics
 from jaxformer.train.data import LMBatch, segment_mask, segment_mask_spec
 
 
@@ -71,6 +72,12 @@ def label_pad_id(config: TransformerConfig, weights_BT) -> Optional[int]:
     return None
 
 
+def lm_mask(model, batch: LMBatch):
+    """The attention mask of a packed LM batch: attention stays inside each document."""
+    return (segment_mask_spec if uses_mask_spec(model.config) else segment_mask)(
+        batch.segments)
+
+
 def model_logits(model, params, batch, *, deterministic: bool = True, rngs=None):
     """(logits (B, T, V), labels (B, T), weights (B, T) or None) of either kind of batch.
 
@@ -81,12 +88,52 @@ def model_logits(model, params, batch, *, deterministic: bool = True, rngs=None)
     with each document.
     """
     if isinstance(batch, LMBatch):
-        mask = (segment_mask_spec if uses_mask_spec(model.config) else segment_mask)(
-            batch.segments)
-        logits_BTV = model.apply({"params": params}, batch.inputs, mask,
+        logits_BTV = model.apply({"params": params}, batch.inputs, lm_mask(model, batch),
                                  positions_BT=batch.positions, deterministic=deterministic,
                                  rngs=rngs)
         return logits_BTV, batch.labels, batch.weights
     logits_BTV = model.apply({"params": params}, batch.src, batch.tgt_in,
                              deterministic=deterministic, rngs=rngs)
     return logits_BTV, batch.labels, None
+
+
+def loss_chunk_length(model, batch, chunk_tokens: Optional[int]) -> int:
+    """Positions per chunk of the chunked LM loss for this batch, or 0 (the plain loss):
+    only a decoder-only LM's `LMBatch` is chunked (`chunked_loss.chunk_length`:
+    `chunk_tokens` None = auto, where the batch's logits are large)."""
+    if not (isinstance(batch, LMBatch) and hasattr(model, "output_logits")):
+        return 0
+    b, t = batch.labels.shape
+    return chunk_length(b, t, model.config.tgt_vocab_size, chunk_tokens)
+
+
+def output_params(config: TransformerConfig, params) -> dict:
+    """The part of a DecoderOnlyLM's `params` that its output projection reads
+    (`DecoderOnlyLM.output_logits`): the tied embedding or the own kernel, and the bias."""
+    keep = {"embed": params["embed"]} if config.tie_output_embedding else {}
+    decoder = {k: v for k, v in params["decoder"].items() if k in ("out_proj", "logits_bias")}
+    if decoder:
+        keep["decoder"] = decoder
+    return keep
+
+
+def chunked_lm_loss(model, params, batch: LMBatch, tc: int, *, deterministic: bool = True,
+                    rngs=None, label_smoothing: float = 0.0, project_grads: bool = True
+                    ) -> tuple[jnp.ndarray, dict]:
+    """`loss_and_metrics` of a decoder-only LM on an `LMBatch`, the logits computed
+    Tc positions at a time (`chunked_loss`): the same loss and gradients without the
+    (B, T, V) logits. `project_grads=False`: the output projection is frozen (LoRA)."""
+    hidden_BTD = model.apply({"params": params}, batch.inputs, lm_mask(model, batch),
+                             positions_BT=batch.positions, deterministic=deterministic,
+                             rngs=rngs, hidden=True)
+    pad_id = label_pad_id(model.config, batch.weights)
+    weights_BT = batch.weights if pad_id is None else (batch.labels != pad_id) * (
+        1.0 if batch.weights is None else batch.weights)
+
+    def project(proj_params, h_BcD):
+        return model.apply({"params": proj_params}, h_BcD, method=type(model).output_logits)
+
+    return chunked_loss_and_metrics(project, output_params(model.config, params), hidden_BTD,
+                                    batch.labels, weights_BT, tc,
+                                    label_smoothing=label_smoothing,
+                                    project_grads=project_grads)

@@ -11,7 +11,8 @@ from jaxformer.backends import cpu
 from jaxformer.config import TransformerConfig
 from jaxformer.parallel import partitioning
 from jaxformer.parallel.sharding import data_sharding, replicated
-from jaxformer.train.loss import label_pad_id, loss_and_metrics, model_logits
+from jaxformer.train.loss import (chunked_lm_loss, label_pad_id, loss_and_metrics,
+                                  loss_chunk_length, model_logits)
 from jaxformer.train.state import TrainState, trainable_params, with_trainable
 from jaxformer.train.tasks import Batch
 
@@ -28,7 +29,8 @@ def dropout_key(rng: jax.Array, step, config: Optional[TransformerConfig] = None
 def make_train_step(model, tx: optax.GradientTransformation, *,
                     label_smoothing: float = 0.0,
                     schedule: Optional[optax.Schedule] = None, mesh=None,
-                    shardings: Optional[TrainState] = None) -> Callable:
+                    shardings: Optional[TrainState] = None,
+                    loss_chunk_tokens: Optional[int] = None) -> Callable:
     """jit(train_step)(state, batch) -> (new_state, metrics); the input state is donated.
 
     With `mesh` and `shardings` (`train_state_shardings`) the step is jitted
@@ -43,12 +45,25 @@ def make_train_step(model, tx: optax.GradientTransformation, *,
     Only `trainable_params` change (LoRA: the adapters).
     metrics: loss, token_accuracy, tokens, grad_norm (before clipping), and
     learning_rate if `schedule` is given.
+
+    `loss_chunk_tokens` (`TrainConfig.loss_chunk_tokens`): a decoder-only LM's loss is
+    computed over chunks of about this many tokens (`loss.chunked_lm_loss`: the batch's
+    (B, T, V) logits never exist); None = where the logits are large (vocabularies of
+    pretrained models), 0 = never.
     """
 
     def train_step(state: TrainState, batch: Batch):
         key = dropout_key(state.rng, state.step, model.config)
 
+        tc = loss_chunk_length(model, batch, loss_chunk_tokens)
+
         def loss_fn(params):
+            if tc:
+                with partitioning.activation_sharding(mesh if shardings is not None else None):
+                    return chunked_lm_loss(model, params, batch, tc, deterministic=False,
+                                           rngs={"dropout": key},
+                                           label_smoothing=label_smoothing,
+                                           project_grads=not model.config.lora_rank)
             with partitioning.activation_sharding(mesh if shardings is not None else None):
                 logits_BTV, labels_BT, weights_BT = model_logits(
                     model, params, batch, deterministic=False, rngs={"dropout": key})

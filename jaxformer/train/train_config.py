@@ -39,6 +39,10 @@ class TrainConfig(ConfigMixin):
     eval_data: tuple = ()
     tokenizer: Optional[str] = None   # a `tokenizers` JSON file; None = bytes
     eval_fraction: float = 0.05
+    # The LM loss over chunks of about this many tokens (`chunked_loss`: the batch's
+    # (B, T, V) logits never exist): None = where the float32 logits would pass 64 MiB
+    # (a pretrained model's vocabulary), 0 = never.
+    loss_chunk_tokens: Optional[int] = None
 
     def __post_init__(self):
         for name in ("data", "eval_data"):  # JSON gives lists; keep the config hashable
@@ -63,4 +67,9 @@ class TrainConfig(ConfigMixin):
             if not (is_finite_number(value) and 0.0 <= value < high):
                 raise ValueError(f"TrainConfig.{name} must be in [0, "
                                  f"{'1]' if high > 1 else '1)'}, got {value!r}")
+        chunk = self.loss_chunk_tokens
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int)
+                                  or chunk < 0):
+            raise ValueError(f"TrainConfig.loss_chunk_tokens must be None (auto), 0 (off) or a "
+                             f"positive int, got {chunk!r}")
         check_task_fields(self)

@@ -1,0 +1,121 @@
+"""The chunked LM loss (`jaxformer.train.chunked_loss`, issue 44): the same loss, metrics and
+gradients as the plain loss over the full logits, and a compiled train step whose
+temporaries no longer hold the (B, T, V) logits."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxformer as jf
+from jaxformer.train import TrainConfig, make_optimizer
+from jaxformer.train.chunked_loss import chunk_length
+from jaxformer.train.data import LMBatch
+from jaxformer.train.loss import (chunked_lm_loss, label_pad_id, loss_and_metrics,
+                                  model_logits)
+from jaxformer.train.state import init_train_state
+from jaxformer.train.step import make_train_step
+
+V = 512
+
+
+def lm_config(**overrides):
+    return jf.tiny(num_encoder_layers=0, num_decoder_layers=2, src_vocab_size=V,
+                   tgt_vocab_size=V, max_len=32, norm="pre").replace(**overrides)
+
+
+def lm_batch(b=2, t=12, seed=0):
+    r = np.random.default_rng(seed)
+    inputs = r.integers(3, V, (b, t)).astype(np.int32)
+    labels = r.integers(3, V, (b, t)).astype(np.int32)
+    labels[0, -2:] = 0  # PAD labels
+    weights = np.ones((b, t), np.float32)
+    weights[1, 3] = 0.0  # a label across a document boundary
+    segments = np.ones((b, t), np.int32)
+    segments[1, 4:] = 2
+    positions = np.tile(np.arange(t, dtype=np.int32), (b, 1))
+    positions[1, 4:] = np.arange(t - 4)
+    return LMBatch(inputs=inputs, labels=labels, weights=weights, positions=positions,
+                   segments=segments)
+
+
+def plain_loss(model, params, batch, label_smoothing):
+    logits, labels, weights = model_logits(model, params, batch)
+    return loss_and_metrics(logits, labels, label_pad_id(model.config, weights),
+                            label_smoothing, weights)
+
+
+TIED = dict(tie_output_embedding=True, tied_output_bias=True)
+OWN_KERNEL = dict(tie_output_embedding=False, output_bias=True, final_logit_softcapping=5.0)
+
+
+@pytest.mark.parametrize("overrides, tc, smoothing", [
+    (TIED, 5, 0.0), (OWN_KERNEL, 5, 0.1), (TIED, 12, 0.1)],
+    ids=["tied_padded_chunks", "own_kernel_bias_softcap_smoothed", "tied_one_chunk_smoothed"])
+def test_chunked_loss_and_gradients_equal_the_plain_loss(overrides, tc, smoothing):
+    model = jf.DecoderOnlyLM(lm_config(**overrides))
+    batch = lm_batch()
+    params = model.init(jax.random.key(1), jnp.asarray(batch.inputs))["params"]
+    (want, want_m), want_g = jax.value_and_grad(
+        lambda p: plain_loss(model, p, batch, smoothing), has_aux=True)(params)
+    (got, got_m), got_g = jax.jit(jax.value_and_grad(
+        lambda p: chunked_lm_loss(model, p, batch, tc, label_smoothing=smoothing),
+        has_aux=True))(params)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    for k in ("token_accuracy", "tokens"):
+        np.testing.assert_allclose(got_m[k], want_m[k], rtol=1e-6)
+    jax.tree_util.tree_map_with_path(
+        lambda path, g, w: np.testing.assert_allclose(
+            g, w, rtol=2e-5, atol=2e-7, err_msg=jax.tree_util.keystr(path)), got_g, want_g)
+    assert all(np.abs(g).max() > 0 for g in jax.tree_util.tree_leaves(got_g))
+
+
+def test_a_frozen_projection_gets_zero_gradients_and_the_rest_the_plain_ones():
+    model = jf.DecoderOnlyLM(lm_config(**TIED))
+    batch = lm_batch()
+    params = model.init(jax.random.key(1), jnp.asarray(batch.inputs))["params"]
+    want = jax.grad(lambda p: plain_loss(model, p, batch, 0.0)[0])(params)
+    got = jax.grad(lambda p: chunked_lm_loss(model, p, batch, 4, project_grads=False)[0]
+                   )(params)
+    np.testing.assert_allclose(got["decoder"]["layers_1"]["ffn"]["wo"]["kernel"],
+                               want["decoder"]["layers_1"]["ffn"]["wo"]["kernel"],
+                               rtol=2e-5, atol=2e-7)
+    # The tied embedding's gradient is the input lookup's alone (the projection's part left out).
+    diff = np.abs(got["embed"]["embedding"] - want["embed"]["embedding"]).max()
+    assert diff > 0.1 * np.abs(want["embed"]["embedding"]).max()
+
+
+def test_chunk_length_auto_off_and_divisors():
+    assert chunk_length(8, 256, 49152, None) == 16    # SmolLM2, 8 x 256: 16 chunks of 8 x 16
+    assert chunk_length(8, 256, 259, None) == 0       # byte vocabulary: logits are small
+    assert chunk_length(8, 256, 49152, 0) == 0        # off
+    assert chunk_length(2, 14, 512, 10) == 5          # no divisor of 14 near 5: padded
+    assert chunk_length(2, 12, 512, 8) == 4
+
+
+def step_temp_bytes(model, batch, loss_chunk_tokens):
+    tc = TrainConfig(steps=2, warmup_steps=0)
+    tx = make_optimizer(tc)
+    state = jax.eval_shape(lambda: init_train_state(model, tx, (batch.inputs.shape,), 0))
+    step = make_train_step(model, tx, loss_chunk_tokens=loss_chunk_tokens)
+    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+    return step.lower(state, abstract).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_the_chunked_train_step_holds_no_full_logits():
+    """Vocabulary 8192, 4 x 64 tokens: the f32 logits are 8 MiB; the plain step's
+    temporaries hold them (and their gradient: 21 MiB in all), the chunked step's a
+    few chunks' logits (4 x 2 x 8192 floats) and the rest (6 MiB)."""
+    model = jf.DecoderOnlyLM(lm_config(tgt_vocab_size=8192, src_vocab_size=8192, max_len=64))
+    batch = lm_batch(b=4, t=64)
+    plain = step_temp_bytes(model, batch, 0)
+    chunked = step_temp_bytes(model, batch, 8)
+    logits_bytes = 4 * 64 * 8192 * 4
+    assert plain > 2 * logits_bytes
+    assert chunked < plain - 1.5 * logits_bytes, (plain, chunked)
+
+
+def test_train_config_refuses_a_bad_chunk():
+    assert TrainConfig(loss_chunk_tokens=0).loss_chunk_tokens == 0
+    with pytest.raises(ValueError, match="loss_chunk_tokens must be None"):
+        TrainConfig(loss_chunk_tokens=-3)
