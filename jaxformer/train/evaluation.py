@@ -20,7 +20,8 @@ from jaxformer.parallel import partitioning
 from jaxformer.parallel.partitioning import make_mesh
 from jaxformer.parallel.sharding import data_sharding, shard_batch
 from jaxformer.train.data import LMBatch, TextData
-from jaxformer.train.loss import label_pad_id, loss_and_metrics, model_logits
+from jaxformer.train.loss import (chunked_lm_loss, label_pad_id, loss_and_metrics,
+                                  loss_chunk_length, model_logits)
 from jaxformer.train.tasks import Batch
 
 
@@ -43,18 +44,29 @@ def make_eval_step(model) -> Callable:
 
 
 @functools.lru_cache(maxsize=16)
-def make_lm_eval_step(model: DecoderOnlyLM) -> Callable:
-    """jit(step)(params, batch, token_bytes_V) -> sums {nats, tokens, bytes} over weighted labels."""
+def make_lm_eval_step(model: DecoderOnlyLM, loss_chunk_tokens: Optional[int] = None
+                      ) -> Callable:
+    """jit(step)(params, batch, token_bytes_V) -> sums {nats, tokens, bytes} over weighted labels.
+
+    Where the batch's logits are large (a pretrained vocabulary: `loss_chunk_length`
+    of `loss_chunk_tokens`, None = auto, 0 = never), the cross-entropy is computed over
+    chunks of positions (`chunked_lm_loss`), so no (B, T, V) array is built and larger
+    batches fit."""
 
     def step(params, batch: LMBatch, token_bytes_V):
-        logits_BTV, labels_BT, weights_BT = model_logits(model, params, batch)
-        pad_id = label_pad_id(model.config, weights_BT)
-        if pad_id is not None:
-            weights_BT = weights_BT * (labels_BT != pad_id)
+        pad_id = label_pad_id(model.config, batch.weights)
+        weights_BT = batch.weights if pad_id is None else \
+            batch.weights * (batch.labels != pad_id)
+        sums = {"tokens": weights_BT.sum(),
+                "bytes": (token_bytes_V[batch.labels] * weights_BT).sum()}
+        tc = loss_chunk_length(model, batch, loss_chunk_tokens)
+        if tc:
+            loss, metrics = chunked_lm_loss(model, params, batch, tc)
+            return dict(sums, nats=loss * metrics["tokens"])
+        logits_BTV, labels_BT, _ = model_logits(model, params, batch)
         xent_BT = optax.softmax_cross_entropy_with_integer_labels(
             logits_BTV.astype(jnp.float32), labels_BT)
-        return {"nats": (xent_BT * weights_BT).sum(), "tokens": weights_BT.sum(),
-                "bytes": (token_bytes_V[labels_BT] * weights_BT).sum()}
+        return dict(sums, nats=(xent_BT * weights_BT).sum())
 
     return jax.jit(step)
 
@@ -67,7 +79,8 @@ def token_byte_counts(tokenizer) -> np.ndarray:
 
 
 def evaluate_lm(model: DecoderOnlyLM, params, data: TextData, *, batch_size: int = 32,
-                mesh=None, progress: bool = False) -> dict:
+                mesh=None, progress: bool = False,
+                loss_chunk_tokens: Optional[int] = None) -> dict:
     """Held-out metrics of a decoder-only LM on every held-out window of `data`.
 
     Returns {"loss" (nats per token), "perplexity", "bits_per_byte", "tokens",
@@ -75,6 +88,11 @@ def evaluate_lm(model: DecoderOnlyLM, params, data: TextData, *, batch_size: int
     the predicted tokens stand for, comparable across tokenizers (and with a
     compressor's output size). `progress`: a progress bar over the held-out
     batches (on stderr; it disappears when done).
+
+    One compiled shape: every batch holds `batch_size` windows (fewer when there
+    are fewer windows, rounded up to the mesh's batch shards), the last one filled
+    with all-PAD rows of weight 0. `loss_chunk_tokens`: as `TrainConfig`'s (the
+    cross-entropy over chunks of tokens where the logits are large).
     """
     from tqdm.auto import tqdm  # noqa: PLC0415
 
@@ -83,8 +101,9 @@ def evaluate_lm(model: DecoderOnlyLM, params, data: TextData, *, batch_size: int
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     mesh = make_mesh() if mesh is None else mesh
     shards = partitioning.batch_shards(mesh)
+    batch_size = min(batch_size, -(-max(data.num_eval_windows, 1) // shards) * shards)
     batch_size = max(batch_size - batch_size % shards, shards)
-    step = make_lm_eval_step(model)
+    step = make_lm_eval_step(model, loss_chunk_tokens)
     token_bytes_V = jnp.asarray(token_byte_counts(data.tokenizer), jnp.float32)
     params = partitioning.place_params(model, params, mesh)  # as `evaluate`
     sums = {"nats": 0.0, "tokens": 0.0, "bytes": 0.0}

@@ -214,6 +214,7 @@ def test_cli_eval_equals_transformers_loss(smollm2, hf_model, tmp_path, monkeypa
         logits = hf_model(torch.tensor([ids])).logits[0, :-1]
     want = float(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:])))
     assert got["tokens"] == len(ids) - 1 and got["bytes"] == len(text.encode())
+    assert got["tokens_per_s"] > 0
     np.testing.assert_allclose(got["loss"], want, rtol=1e-4)
     np.testing.assert_allclose(got["bits_per_byte"],
                                want * (len(ids) - 1) / np.log(2) / len(text.encode()), rtol=1e-4)

@@ -119,3 +119,32 @@ def test_train_config_refuses_a_bad_chunk():
     assert TrainConfig(loss_chunk_tokens=0).loss_chunk_tokens == 0
     with pytest.raises(ValueError, match="loss_chunk_tokens must be None"):
         TrainConfig(loss_chunk_tokens=-3)
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+def test_lm_evaluation_compiles_once_and_chunks_to_the_same_figures(tmp_path, monkeypatch):
+    """7 held-out windows in batches of 3: the ragged last batch is padded, so the step is
+    traced once; the chunked cross-entropy gives the plain figures."""
+    from jaxformer.text import ByteTokenizer
+    from jaxformer.train import evaluate_lm, evaluation
+    from jaxformer.train.data import TextData
+
+    (tmp_path / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 3)
+    data = TextData(None, ByteTokenizer(), 20, eval_patterns=[str(tmp_path / "a.txt")])
+    assert data.num_eval_windows == 7
+    config = lm_config(src_vocab_size=259, tgt_vocab_size=259, d_ff=72)  # a config of its own
+    model = jf.DecoderOnlyLM(config)
+    params = model.init(jax.random.key(0), jnp.zeros((1, 20), jnp.int32))["params"]
+    traces = []
+    plain_logits = evaluation.model_logits
+    monkeypatch.setattr(evaluation, "model_logits",
+                        lambda *a, **k: traces.append(1) or plain_logits(*a, **k))
+    plain = evaluate_lm(model, params, data, batch_size=3, loss_chunk_tokens=0)
+    assert len(traces) == 1
+    chunked = evaluate_lm(model, params, data, batch_size=3, loss_chunk_tokens=6)
+    assert len(traces) == 1  # the chunked step projects the hidden states itself
+    assert plain["tokens"] == chunked["tokens"] > 6 * 20
+    np.testing.assert_allclose(chunked["loss"], plain["loss"], rtol=1e-6)
+    np.testing.assert_allclose(chunked["bits_per_byte"], plain["bits_per_byte"], rtol=1e-6)
