@@ -11,10 +11,12 @@ def read_template(model_path: Optional[str], run_dir: Optional[str] = None) -> s
     """The chat template of `--model`, or of a `--run` fine-tuned from a chat model
     (its chat_template.jinja); read before the weights, so a refusal is immediate."""
     from jaxformer.text import chat_template  # noqa: PLC0415
+    from jaxformer.train.run import saved_chat_template  # noqa: PLC0415
 
     source = model_path if model_path is not None else run_dir
     try:
-        template = chat_template(source)
+        template = (chat_template(source) if model_path is not None
+                    else saved_chat_template(run_dir))
     except ValueError as error:
         raise UsageError(str(error)) from error
     if template is None:

@@ -70,37 +70,6 @@ def plain_params(model_config, params):
     return model_config, params
 
 
-def run_tokenizer(run_dir: str, saved: dict, train_config, model_config):
-    """The run's tokenizer as a `tokenizers.Tokenizer`: a fine-tuning run's (`--init`)
-    tokenizer.json as the pretrained model had it; else one that starts every text with
-    BOS (as the run saw its documents): bytes, or its --tokenizer file."""
-    if saved.get("init"):
-        import tokenizers  # noqa: PLC0415 - optional
-
-        path = os.path.join(run_dir, saved["init"]["tokenizer"])
-        try:
-            return tokenizers.Tokenizer.from_file(path)
-        except Exception as error:  # noqa: BLE001 (tokenizers raises plain Exceptions)
-            raise UsageError(f"the run's tokenizer {path}: {error}") from error
-    from jaxformer.text import byte_tokenizer, with_bos  # noqa: PLC0415
-
-    if train_config.tokenizer is None:
-        tokenizer = byte_tokenizer()
-    else:
-        from jaxformer.text import JSONTokenizer  # noqa: PLC0415
-
-        try:  # the same checks as training: the file is there and has pad/bos/eos
-            JSONTokenizer(train_config.tokenizer)
-        except ValueError as error:
-            raise UsageError(f"the run's tokenizer: {error}") from error
-        import tokenizers  # noqa: PLC0415 - optional
-
-        tokenizer = tokenizers.Tokenizer.from_file(train_config.tokenizer)
-    tokenizer = with_bos(tokenizer, model_config.bos_id)
-    tokenizer.encode_special_tokens = True  # text spelling "<pad>" is text, as in training
-    return tokenizer
-
-
 def source_chat_template(path):
     """The chat template of the checkpoint a model came from (`jaxformer.text.chat`), or
     None (also for a damaged tokenizer_config.json: weights and tokenizer still export)."""
@@ -124,17 +93,18 @@ def run(args) -> int:
     from jaxformer.interop.flat import flatten  # noqa: PLC0415
     from jaxformer.models.hf_export import (architecture_of, check_exportable,  # noqa: PLC0415
                                             save_hf)
-    from jaxformer.train.task import trains_language_model  # noqa: PLC0415
 
     _check_out(args.out)
     chat_template = None
     if args.run is not None:
-        from jaxformer.cli.runs import load_run, read_run_config  # noqa: PLC0415
+        from jaxformer.cli.runs import load_run, open_run  # noqa: PLC0415
+        from jaxformer.train.run import RunError  # noqa: PLC0415
 
-        model_config, train_config, saved = read_run_config(args.run)
-        if not trains_language_model(train_config.task):
-            raise UsageError(f"{args.run} is a {train_config.task} run; export needs a "
-                             "--task lm run")
+        saved_run = open_run(args.run)
+        if not saved_run.trains_language_model:
+            raise UsageError(f"{args.run} is a {saved_run.train_config.task} run; export "
+                             "needs a --task lm run")
+        model_config = saved_run.model_config
         merged_config = model_config.replace(lora_rank=0, weight_quant=None, embed_quant=None)
         quantized = quantized_layouts(model_config)
         arch = args.architecture or architecture_of(merged_config)
@@ -142,8 +112,11 @@ def run(args) -> int:
             check_exportable(merged_config, arch)
         except ValueError as error:
             raise UsageError(f"--run {args.run}: {error}") from error
-        tokenizer = run_tokenizer(args.run, saved, train_config, model_config)
-        chat_template = source_chat_template(args.run)  # a fine-tuning run's copy
+        try:
+            tokenizer = saved_run.hf_tokenizer()
+        except RunError as error:
+            raise UsageError(str(error)) from error
+        chat_template = saved_run.chat_template()  # a fine-tuning run's copy
         model_config, train_config, params = load_run(args.run, language_model=True)
         model_config, params = plain_params(model_config, params)
     else:

@@ -44,13 +44,6 @@ def load_run(run_dir: str, *, language_model: bool):
         raise UsageError(str(error)) from error
 
 
-def has_checkpoint(directory: str) -> bool:
-    from jaxformer.train.checkpoint import Checkpoints  # noqa: PLC0415
-
-    with Checkpoints(directory, create=False) as checkpoints:
-        return bool(checkpoints.steps())
-
-
 def run_tokenizer(run_dir: str, model_config, train_config, saved: dict):
     """The tokenizer an LM run trains with (`Run.tokenizer`), as one line if it fails."""
     from jaxformer.train.run import Run, RunError  # noqa: PLC0415

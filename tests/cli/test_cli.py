@@ -246,7 +246,7 @@ def test_deep_model_flags_are_recorded_and_resumed(tmp_path):
 def test_resume_keeps_the_saved_mesh_when_it_fits(capsys):
     """--resume without --mesh continues on the saved mesh; one that does not fit
     the devices falls back to all of them on data, saying so; --mesh wins."""
-    from jaxformer.cli.main import resume_mesh_spec
+    from jaxformer.cli.train_setup import resume_mesh_spec
 
     one = "data=1,fsdp=1,tensor=1"  # fits this process's single device
     resume, chosen = argparse.Namespace(mesh=None), argparse.Namespace(mesh="data=-1")

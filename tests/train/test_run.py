@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import jaxformer as jf
-from jaxformer.text import ByteTokenizer
+from jaxformer.text import ByteTokenizer, byte_tokenizer
 from jaxformer.train import TrainConfig, fit
-from jaxformer.train.run import CHAT_TEMPLATE, CONFIG, Run, RunError
+from jaxformer.train.run import CHAT_TEMPLATE, CONFIG, TOKENIZER, Conflict, Run, RunError
 
 MODEL = jf.tiny(num_encoder_layers=1, num_decoder_layers=1)
 TRAIN = TrainConfig(task="copy", steps=3, batch_size=8, warmup_steps=1, max_len=6)
@@ -78,3 +78,45 @@ def test_bad_directories_are_one_run_error_naming_the_file(tmp_path):
     fine_tuned = Run(str(tmp_path), MODEL, TRAIN, {"init": {"path": "x", "tokenizer": "t.json"}})
     with pytest.raises(RunError, match="cannot load the run's tokenizer: .*t.json is missing"):
         fine_tuned.tokenizer()
+
+
+def test_resume_conflicts_name_each_value_that_differs_and_nothing_else(trained):
+    run = Run.open(trained[0].directory)
+    assert run.resume_conflicts(preset="tiny", model={"d_model": MODEL.d_model, "norm": None},
+                                train={"steps": TRAIN.steps, "max_len": TRAIN.max_len}) == []
+    # max_len is a field of both configs: each is compared with its own section
+    got = run.resume_conflicts(preset="copy_task", init="x",
+                               model={"d_model": 2 * MODEL.d_model, "max_len": MODEL.max_len},
+                               train={"steps": 4, "max_len": TRAIN.max_len + 1})
+    assert got == [Conflict("run", "preset", "copy_task", "tiny"),
+                   Conflict("model", "d_model", 2 * MODEL.d_model, MODEL.d_model),
+                   Conflict("train", "steps", 4, TRAIN.steps),
+                   Conflict("train", "max_len", TRAIN.max_len + 1, TRAIN.max_len),
+                   Conflict("run", "init", "x", None)]
+
+
+def test_a_fine_tuning_run_holds_its_copies_and_stands_alone(tmp_path, monkeypatch):
+    pytest.importorskip("tokenizers")
+    lm = jf.tiny(num_encoder_layers=0, num_decoder_layers=1, src_vocab_size=259,
+                 tgt_vocab_size=259)
+    train = TrainConfig(task="lm", steps=3, batch_size=8, warmup_steps=1, data=("x.txt",))
+    pretrained = tmp_path / "pretrained"
+    run = Run.create(str(tmp_path / "run"), lm, train, init=str(pretrained),
+                     init_tokenizer=byte_tokenizer(), chat_template="{{ bos_token }}hi")
+    assert sorted(os.listdir(run.directory)) == [CHAT_TEMPLATE, CONFIG, TOKENIZER]
+    opened = Run.open(run.directory)
+    assert opened.init == {"path": str(pretrained), "tokenizer": TOKENIZER}
+    assert opened.chat_template() == "{{ bos_token }}hi"
+    assert opened.hf_tokenizer().to_str() == byte_tokenizer().to_str()  # as it was given
+    assert opened.tokenizer().encode("hi").tolist() == ByteTokenizer().encode("hi").tolist()
+    monkeypatch.chdir(tmp_path)  # the same checkpoint named relatively: no conflict
+    assert opened.resume_conflicts(init="pretrained") == []
+    assert opened.resume_conflicts(init="other")[0].saved == str(pretrained)
+    with pytest.raises(ValueError, match="needs the pretrained tokenizer"):
+        Run.create(str(tmp_path / "bad"), lm, train, init=str(pretrained))
+
+
+def test_hf_tokenizer_of_a_trained_run_starts_texts_with_bos(trained):
+    pytest.importorskip("tokenizers")
+    ids = Run.open(trained[0].directory).hf_tokenizer().encode("ab").ids
+    assert ids == [MODEL.bos_id] + ByteTokenizer().encode("ab").tolist()
