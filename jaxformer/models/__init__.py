@@ -19,6 +19,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["audio", "hf", "hf_encdec", "hf_export", "llama", "torch_modules", "transcribe",
+__all__ = ["hf", "hf_encdec", "hf_export", "llama", "torch_modules",
            "whisper", "load", "load_gguf", "save_hf", "from_torch_decoder_only",
            "from_torch_transformer"]

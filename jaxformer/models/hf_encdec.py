@@ -50,7 +50,7 @@ import numpy as np
 
 from jaxformer.config import TransformerConfig
 from jaxformer.interop.flat import load_flat
-from jaxformer.models import whisper
+from jaxformer.models.whisper.config import whisper_config
 from jaxformer.models.hf import ACTIVATIONS, check_shapes, read_config
 from jaxformer.text.pretrained import tokenizer_from_dir
 from jaxformer.nn.model import Transformer
@@ -109,7 +109,7 @@ def config_from_hf_encdec(values: dict, *, dtype: str = "float32") -> Transforme
         if act != "gelu":
             raise _unsupported(arch, "activation_function", act, "Whisper's stem uses gelu")
         eos = int(values.get("eos_token_id", 50256))
-        return whisper.whisper_config(
+        return whisper_config(
             vocab_size=vocab, d_model=d_model, num_heads=heads, d_ff=d_ff,
             encoder_layers=layers[0], decoder_layers=layers[1],
             encoder_len=int(values.get("max_source_positions", 1500)),

@@ -12,7 +12,7 @@ import re
 import pytest
 
 import jaxformer.models
-import jaxformer.models.transcribe
+import jaxformer.models.whisper
 import jaxformer.train.checkpoint
 import jaxformer.train.loop
 from jaxformer.cli import args as cli_args
@@ -81,7 +81,7 @@ def no_loading(monkeypatch):
         raise AssertionError("a model or checkpoint was loaded before the flags were checked")
 
     monkeypatch.setattr(jaxformer.models, "load", loaded)
-    monkeypatch.setattr(jaxformer.models.transcribe, "load", loaded)
+    monkeypatch.setattr(jaxformer.models.whisper, "load", loaded)
     monkeypatch.setattr(jaxformer.train.checkpoint.Checkpoints, "restore", loaded)
     monkeypatch.setattr(jaxformer.train.loop, "fit", loaded)
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxformer.cli.main import main
-from jaxformer.models import audio, transcribe, whisper
+from jaxformer.models import whisper
 
 from conftest import REPO, whisper_ct2_runtime, whisper_model_dir
 
@@ -25,11 +25,11 @@ def ct2_text():
     model_dir = whisper_model_dir()
     runtime = whisper_ct2_runtime(model_dir)
     vocab = whisper.load_ct2(model_dir)[2]
-    features = np.asarray(audio.log_mel_spectrogram(audio.pad_or_trim(audio.read_wav(FOX))[None]))
+    features = np.asarray(whisper.log_mel_spectrogram(whisper.pad_or_trim(whisper.read_wav(FOX))[None]))
     storage = ctranslate2.StorageView.from_array(np.ascontiguousarray(
         features.transpose(0, 2, 1)))
     ids = runtime.generate(storage, [whisper.prompt_ids(vocab, None)], beam_size=1)
-    return transcribe.decode_text(vocab, ids[0].sequences_ids[0]).strip()
+    return whisper.decode_text(vocab, ids[0].sequences_ids[0]).strip()
 
 
 def test_json_lines_of_a_44k_stereo_file(ct2_text, capsys):
@@ -55,12 +55,12 @@ def test_bad_options_are_one_line_and_exit_2(flags, message, capsys):
 
 
 def test_an_unknown_language_is_refused_before_the_model_is_read(monkeypatch, capsys):
-    from jaxformer.models import transcribe  # noqa: PLC0415
+    from jaxformer.models import whisper  # noqa: PLC0415
 
     def no_load(*args, **kwargs):
         raise AssertionError("the model was read before --language was checked")
 
-    monkeypatch.setattr(transcribe, "load", no_load)
+    monkeypatch.setattr(whisper, "load", no_load)
     assert main(["transcribe", "--model", whisper_model_dir(), FOX, "--language", "english"]) == 2
     err = capsys.readouterr().err
     assert "--language: unknown language 'english'" in err and len(err.strip().splitlines()) == 1

@@ -6,7 +6,7 @@ final_logits_bias included) and saves them with `save_pretrained`; jaxformer
 loads each directory with `jaxformer.models.load`. Logits agree to 1e-5
 relative to the largest one; greedy tokens decoded with jaxformer's KV cache
 equal a torch greedy loop (Whisper, also with its suppressed tokens, through
-`transcribe.load`) and transformers' `generate` (Marian). Bad directories are
+`whisper.load`) and transformers' `generate` (Marian). Bad directories are
 refused by name before any tensor is read.
 """
 
@@ -27,7 +27,7 @@ pytest.importorskip("safetensors", reason="needs the `llm` extra")
 pytest.importorskip("tokenizers", reason="needs the `llm` extra")
 
 from jaxformer.interop.flat import CheckpointMismatch  # noqa: E402
-from jaxformer.models import hf_encdec, transcribe, whisper  # noqa: E402
+from jaxformer.models import hf_encdec, whisper  # noqa: E402
 
 N_NEW = 8
 # Whisper's vocabulary layout (text, <|endoftext|>, <|startoftranscript|>, languages,
@@ -165,10 +165,10 @@ def test_whisper_logits_equal_transformers(whisper_dir, whisper_loaded, features
 
 
 def test_whisper_greedy_and_suppression_through_transcribe(whisper_dir, features):
-    """`transcribe.load` reads the directory (vocabulary, suppressed tokens); greedy ids
+    """`whisper.load` reads the directory (vocabulary, suppressed tokens); greedy ids
     decoded with the KV cache, Whisper's prompt and suppression equal a torch greedy loop."""
     directory, reference = whisper_dir
-    w = transcribe.load(directory)
+    w = whisper.load(directory)
     assert w.vocab == tuple(WHISPER_VOCAB) and not w.multilingual
     assert (w.suppress_ids, w.suppress_ids_begin) == (tuple(SUPPRESS), tuple(SUPPRESS_BEGIN))
     step = whisper_step(reference, features[0])

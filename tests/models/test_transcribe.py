@@ -1,5 +1,5 @@
-"""Audio files to text (`jaxformer.models.transcribe`) and Whisper's decoding
-conventions (`jaxformer.models.whisper`: timestamps, translate, language
+"""Audio files to text (`jaxformer.models.whisper`) and Whisper's decoding
+conventions (timestamps, translate, language
 detection) against the `ctranslate2` runtime on the same model files and
 features; WAV reading against scipy's reader.
 
@@ -21,14 +21,14 @@ import numpy as np
 import pytest
 
 from jaxformer.errors import FileFormatError
-from jaxformer.models import audio, transcribe, whisper
+from jaxformer.models import whisper
 
 from conftest import whisper_ct2_runtime, whisper_model_dir
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "data")
 FOX = os.path.join(DATA, "fox_espeak.wav")
 FOX_44K = os.path.join(DATA, "fox_espeak_44k_stereo.wav")
-SR = audio.SAMPLE_RATE
+SR = whisper.SAMPLE_RATE
 
 
 def _write_wav(path, frames_NC, rate, width):
@@ -56,16 +56,16 @@ def test_every_sample_format_is_read_and_downmixed(tmp_path):
              "i32": (np.round(x_NC * (2 ** 31 - 1)), 4, 0, 2 ** 31)}
     for name, (ints, width, zero, full) in cases.items():
         _write_wav(tmp_path / f"{name}.wav", ints, SR, width)
-        got = audio.read_wav(str(tmp_path / f"{name}.wav"))
+        got = whisper.read_wav(str(tmp_path / f"{name}.wav"))
         assert got.dtype == np.float32 and got.shape == (800,)
         np.testing.assert_allclose(got, ((ints - zero) / full).mean(axis=1), atol=1e-6,
                                    err_msg=name)
         np.testing.assert_allclose(got, mono, atol=2 / full + 1e-6, err_msg=name)
     for dtype in (np.float32, np.float64):  # IEEE float (format code 3), scipy's writer
         wavfile.write(tmp_path / "f.wav", SR, x_NC.astype(dtype))
-        np.testing.assert_allclose(audio.read_wav(str(tmp_path / "f.wav")), mono, atol=1e-6)
+        np.testing.assert_allclose(whisper.read_wav(str(tmp_path / "f.wav")), mono, atol=1e-6)
         _, ref = wavfile.read(tmp_path / "f.wav")
-        np.testing.assert_allclose(audio.read_wav(str(tmp_path / "f.wav")),
+        np.testing.assert_allclose(whisper.read_wav(str(tmp_path / "f.wav")),
                                    ref.mean(axis=1), atol=1e-6)
 
 
@@ -75,7 +75,7 @@ def test_other_rates_are_resampled_to_16k(tmp_path):
         t = np.arange(int(rate * 0.5)) / rate
         _write_wav(tmp_path / "a.wav", np.round(20000 * np.sin(2 * np.pi * 440 * t))[:, None],
                    rate, 2)
-        got = audio.read_wav(str(tmp_path / "a.wav"))
+        got = whisper.read_wav(str(tmp_path / "a.wav"))
         assert abs(len(got) - SR // 2) <= 1, rate
         want = 20000 / 32768 * np.sin(2 * np.pi * 440 * np.arange(len(got)) / SR)
         inner = slice(400, len(got) - 400)  # the filter's edges aside
@@ -83,7 +83,7 @@ def test_other_rates_are_resampled_to_16k(tmp_path):
 
 
 def test_the_44k_stereo_clip_reads_as_the_16k_original():
-    original, resampled = audio.read_wav(FOX), audio.read_wav(FOX_44K)
+    original, resampled = whisper.read_wav(FOX), whisper.read_wav(FOX_44K)
     n = min(len(original), len(resampled))
     assert abs(len(original) - len(resampled)) <= 1
     gain = 0.8  # the channels' mean gain (tests/data/README.md)
@@ -103,7 +103,7 @@ def test_the_44k_stereo_clip_reads_as_the_16k_original():
 def test_unreadable_wav_is_one_error_naming_the_file(tmp_path, content, match):
     (tmp_path / "a.wav").write_bytes(content)
     with pytest.raises(FileFormatError, match=match) as info:
-        audio.read_wav(str(tmp_path / "a.wav"))
+        whisper.read_wav(str(tmp_path / "a.wav"))
     assert info.value.path == str(tmp_path / "a.wav")
 
 
@@ -111,25 +111,25 @@ def test_unreadable_wav_is_one_error_naming_the_file(tmp_path, content, match):
 
 
 def test_srt_and_segment_splitting():
-    assert transcribe.srt_time(3725.0456) == "01:02:05,046"
-    segments = [transcribe.Segment(0.0, 2.5, "Hello."), transcribe.Segment(2.5, 61.0, "World")]
-    assert transcribe.srt(segments) == ("1\n00:00:00,000 --> 00:00:02,500\nHello.\n\n"
+    assert whisper.srt_time(3725.0456) == "01:02:05,046"
+    segments = [whisper.Segment(0.0, 2.5, "Hello."), whisper.Segment(2.5, 61.0, "World")]
+    assert whisper.srt(segments) == ("1\n00:00:00,000 --> 00:00:02,500\nHello.\n\n"
                                         "2\n00:00:02,500 --> 00:01:01,000\nWorld\n\n")
     tb = 1000  # timestamp tokens: tb + k means k * 0.02 s
     # <|0.00|> a <|1.00|><|1.00|> b <|2.00|><|2.00|> c: the last segment is open, so the
     # next window starts at 2.00 s (frame 200 after seek 300), and c is decoded again there.
-    pieces, advance = transcribe.split_segments(
+    pieces, advance = whisper.split_segments(
         [tb, 1, tb + 50, tb + 50, 2, tb + 100, tb + 100, 3], tb, seek=300, size=3000)
     assert pieces == [(3.0, 4.0, [tb, 1, tb + 50]), (4.0, 5.0, [tb + 50, 2, tb + 100])]
     assert advance == 200
     # ... a single closing timestamp: the segment is complete, the window is done.
-    pieces, advance = transcribe.split_segments([tb, 1, tb + 50, tb + 50, 2, tb + 100],
+    pieces, advance = whisper.split_segments([tb, 1, tb + 50, tb + 50, 2, tb + 100],
                                                 tb, seek=0, size=1234)
     assert [p[:2] for p in pieces] == [(0.0, 1.0), (1.0, 2.0)] and advance == 1234
     # No pair: one segment up to the last timestamp (or the window's end).
-    assert transcribe.split_segments([tb, 1, 2, tb + 75], tb, 0, 3000) == (
+    assert whisper.split_segments([tb, 1, 2, tb + 75], tb, 0, 3000) == (
         [(0.0, 1.5, [tb, 1, 2, tb + 75])], 3000)
-    assert transcribe.split_segments([1, 2], tb, 100, 500)[0] == [(1.0, 6.0, [1, 2])]
+    assert whisper.split_segments([1, 2], tb, 100, 500)[0] == [(1.0, 6.0, [1, 2])]
 
 
 # -- the model ---------------------------------------------------------------------------
@@ -137,14 +137,14 @@ def test_srt_and_segment_splitting():
 
 @pytest.fixture(scope="module")
 def whisper_tiny():
-    """(transcribe.Whisper, model_dir, ctranslate2 runtime) of the installed model."""
+    """(whisper.Whisper, model_dir, ctranslate2 runtime) of the installed model."""
     model_dir = whisper_model_dir()
-    return transcribe.load(model_dir), model_dir, whisper_ct2_runtime(model_dir)
+    return whisper.load(model_dir), model_dir, whisper_ct2_runtime(model_dir)
 
 
 def _features(*signals):
-    return np.asarray(audio.log_mel_spectrogram(
-        np.stack([audio.pad_or_trim(np.asarray(s, np.float32)) for s in signals])))
+    return np.asarray(whisper.log_mel_spectrogram(
+        np.stack([whisper.pad_or_trim(np.asarray(s, np.float32)) for s in signals])))
 
 
 def _ct2_ids(runtime, features_BTM, prompts):
@@ -156,14 +156,14 @@ def _ct2_ids(runtime, features_BTM, prompts):
 
 
 def _two_sentences():
-    x = audio.read_wav(FOX)
+    x = whisper.read_wav(FOX)
     return np.concatenate([x, np.zeros(SR, np.float32), 0.8 * x])
 
 
 def test_timestamp_ids_match_ctranslate2(whisper_tiny):
     w, _, runtime = whisper_tiny
     vocab, t = list(w.vocab), whisper.tokens_of(list(w.vocab))
-    features = _features(audio.read_wav(FOX), _two_sentences())
+    features = _features(whisper.read_wav(FOX), _two_sentences())
     prompt = whisper.prompt_ids(vocab, None, timestamps=True)  # English-only: <|sot|> alone
     ours = whisper.generate_ids(w.model, w.params, vocab, features, [prompt] * 2,
                                 suppress_ids=w.suppress_ids,
@@ -200,7 +200,7 @@ def multilingual_copy(whisper_tiny, tmp_path_factory):
     (out / "vocabulary.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
     config = whisper.special_ids(source) | {"lang_ids": rows}  # the file's list lacks <|en|>
     (out / "config.json").write_text(json.dumps(config))
-    w = dataclasses.replace(transcribe.load(str(out)), multilingual=True)
+    w = dataclasses.replace(whisper.load(str(out)), multilingual=True)
     runtime = whisper_ct2_runtime(str(out))
     assert runtime.is_multilingual
     return w, str(out), runtime
@@ -212,7 +212,7 @@ def test_language_detection_and_translate_with_timestamps_match_ctranslate2(mult
     w, _, runtime = multilingual_copy
     vocab = list(w.vocab)
     noise = 0.05 * np.random.default_rng(0).normal(size=3 * SR)
-    features = _features(audio.read_wav(FOX), noise)
+    features = _features(whisper.read_wav(FOX), noise)
     codes, probs_BL = whisper.language_probabilities(w.model, w.params, vocab, features)
     theirs = runtime.detect_language(ctranslate2.StorageView.from_array(
         np.ascontiguousarray(features.transpose(0, 2, 1))))
@@ -229,7 +229,7 @@ def test_language_detection_and_translate_with_timestamps_match_ctranslate2(mult
                                 suppress_ids_begin=w.suppress_ids_begin)
     assert ours == _ct2_ids(runtime, features, prompts)
     # The pipeline: detection per file, then the translate prompt (same compiled programs).
-    results = transcribe.transcribe(w, [audio.read_wav(FOX), noise], task="translate",
+    results = whisper.transcribe(w, [whisper.read_wav(FOX), noise], task="translate",
                                     timestamps=True)
     assert [(r.language, r.language_probability) for r in results] == detected
 
@@ -237,16 +237,16 @@ def test_language_detection_and_translate_with_timestamps_match_ctranslate2(mult
 def test_unknown_language_and_english_only_limits_are_refused_first(whisper_tiny, tmp_path):
     w, _, _ = whisper_tiny
     with pytest.raises(ValueError, match=r"unknown language 'xx'.*en, zh"):
-        transcribe.transcribe(w, str(tmp_path / "missing.wav"), language="xx")
+        whisper.transcribe(w, str(tmp_path / "missing.wav"), language="xx")
     with pytest.raises(ValueError, match="English-only"):
-        transcribe.transcribe(w, FOX, language="de")
+        whisper.transcribe(w, FOX, language="de")
     with pytest.raises(ValueError, match="English-only"):
-        transcribe.transcribe(w, FOX, task="translate")
+        whisper.transcribe(w, FOX, task="translate")
     with pytest.raises(ValueError, match="task must be one of"):
-        transcribe.transcribe(w, FOX, task="summarize")
+        whisper.transcribe(w, FOX, task="summarize")
     (tmp_path / "a.wav").write_text("not audio")
     with pytest.raises(FileFormatError, match="a.wav: is not a readable WAV file"):
-        transcribe.transcribe(w, [FOX, str(tmp_path / "a.wav")])
+        whisper.transcribe(w, [FOX, str(tmp_path / "a.wav")])
 
 
 def test_text_decoding_equals_the_tokenizer(whisper_tiny):
@@ -255,47 +255,47 @@ def test_text_decoding_equals_the_tokenizer(whisper_tiny):
     tokenizer = tokenizers.Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
     for text in ("The quick brown fox, naïve café — 東京 ✓!", " 42 dogs\nand\tcats "):
         ids = tokenizer.encode(text, add_special_tokens=False).ids
-        assert transcribe.decode_text(w.vocab, ids) == tokenizer.decode(ids) == text
+        assert whisper.decode_text(w.vocab, ids) == tokenizer.decode(ids) == text
 
 
 def test_a_44k_stereo_file_gives_the_16k_mono_text(whisper_tiny):
     w, _, runtime = whisper_tiny
-    results = transcribe.transcribe(w, [FOX, FOX_44K])
+    results = whisper.transcribe(w, [FOX, FOX_44K])
     assert results[0].text == results[1].text
     assert "lazy dog" in results[0].text.lower()
     # ... which is ctranslate2's text of the 16 kHz file (English-only prompt).
     prompt = whisper.prompt_ids(list(w.vocab), None)
-    ref = _ct2_ids(runtime, _features(audio.read_wav(FOX), audio.read_wav(FOX)), [prompt] * 2)
-    assert results[0].text == transcribe.decode_text(w.vocab, ref[0]).strip()
+    ref = _ct2_ids(runtime, _features(whisper.read_wav(FOX), whisper.read_wav(FOX)), [prompt] * 2)
+    assert results[0].text == whisper.decode_text(w.vocab, ref[0]).strip()
     assert results[0].language == "en" and results[0].language_probability is None
     assert [(s.start, s.end) for s in results[0].segments] == [(0.0, 3.43)]
 
 
 def test_long_audio_in_windows_with_and_without_timestamps(whisper_tiny):
     w, _, runtime = whisper_tiny
-    x = audio.read_wav(FOX)
+    x = whisper.read_wav(FOX)
     long = np.zeros(41 * SR, np.float32)  # the sentence at 2 s and at 33 s
     long[2 * SR:2 * SR + len(x)] = x
     long[33 * SR:33 * SR + len(x)] = x
     done = []
-    plain = transcribe.transcribe(w, long, progress=lambda *a: done.append(a))
+    plain = whisper.transcribe(w, long, progress=lambda *a: done.append(a))
     assert done == [(41.0, 41.0)]  # both windows in one batch
     # Consecutive windows: each is ctranslate2's text of that 30 s.
     prompt = whisper.prompt_ids(list(w.vocab), None)
     ref = _ct2_ids(runtime, _features(long[:30 * SR], long[30 * SR:]), [prompt] * 2)
     assert [s.text for s in plain.segments] == [
-        transcribe.decode_text(w.vocab, ids).strip() for ids in ref]
+        whisper.decode_text(w.vocab, ids).strip() for ids in ref]
     assert [(s.start, s.end) for s in plain.segments] == [(0.0, 30.0), (30.0, 41.0)]
     # With timestamps: a batch of the two files' current windows, seeking.
-    timed = transcribe.transcribe(w, [long, x], timestamps=True)
+    timed = whisper.transcribe(w, [long, x], timestamps=True)
     assert len(timed[0].segments) == 2 and timed[0].text.lower().count("the quick") == 2
     first, second = timed[0].segments
     assert first.start <= 2.0 and 3.0 < first.end <= 30.0  # seconds of the whole file
     assert 30.0 <= second.start <= 33.0 and 34.0 < second.end <= 41.0
     assert timed[1].segments[0].start == 0.0 and "lazy dog" in timed[1].text
-    srt = transcribe.srt(timed[0].segments)
+    srt = whisper.srt(timed[0].segments)
     assert srt.startswith("1\n00:00:0") and "\n2\n00:00:3" in srt
-    line = json.loads(transcribe.to_json(timed[0]))
+    line = json.loads(whisper.to_json(timed[0]))
     assert set(line) == {"text", "language", "language_probability", "segments"}
     assert line["segments"][1] == dataclasses.asdict(second)
 
@@ -314,8 +314,8 @@ def test_pieces_of_a_wav_file_equal_the_whole_file(tmp_path, rate, channels):
         pytest.importorskip("scipy")
     x_NC = np.random.default_rng(0).uniform(-0.9, 0.9, (rate * 3 + 13, channels))
     _write_wav(tmp_path / "a.wav", np.round(x_NC * 32767), rate, 2)
-    f = audio.open_wav(str(tmp_path / "a.wav"))
-    whole = audio.read_wav(str(tmp_path / "a.wav"))
+    f = whisper.open_wav(str(tmp_path / "a.wav"))
+    whole = whisper.read_wav(str(tmp_path / "a.wav"))
     assert f.num_samples == len(whole)
     n = len(whole)
     for start, stop in ((0, 100), (5, SR), (SR + 7, 2 * SR), (n - 1000, n + 50), (0, n)):
@@ -326,7 +326,7 @@ def test_no_speech_prob_and_avg_logprob_match_ctranslate2(whisper_tiny):
     w, _, runtime = whisper_tiny
     vocab = list(w.vocab)
     noise = 0.01 * np.random.default_rng(0).normal(size=5 * SR)
-    features = _features(noise, audio.read_wav(FOX))
+    features = _features(noise, whisper.read_wav(FOX))
     prompt = whisper.prompt_ids(vocab, None)
     ours = whisper.generate(w.model, w.params, vocab, features, [prompt] * 2,
                             suppress_ids=w.suppress_ids, suppress_ids_begin=w.suppress_ids_begin)
@@ -357,18 +357,18 @@ def test_silence_noise_and_empty_files_give_empty_transcripts(whisper_tiny, tmp_
                                 [whisper.prompt_ids(vocab, None)] * 2,
                                 suppress_ids=w.suppress_ids,
                                 suppress_ids_begin=w.suppress_ids_begin)
-    assert all(transcribe.decode_text(vocab, ids).strip() for ids in said)
-    kept = transcribe.transcribe(w, [noise, FOX], no_speech_threshold=None)
+    assert all(whisper.decode_text(vocab, ids).strip() for ids in said)
+    kept = whisper.transcribe(w, [noise, FOX], no_speech_threshold=None)
     assert kept[0].text and "lazy dog" in kept[1].text  # the rule is what drops the noise
     for timestamps in (False, True):  # two windows a batch: the compiles of the tests above
-        results = [*transcribe.transcribe(w, [zeros, empty], timestamps=timestamps),
-                   *transcribe.transcribe(w, [noise, FOX], timestamps=timestamps)]
+        results = [*whisper.transcribe(w, [zeros, empty], timestamps=timestamps),
+                   *whisper.transcribe(w, [noise, FOX], timestamps=timestamps)]
         assert [r.text for r in results[:3]] == ["", "", ""], timestamps
         assert [r.segments for r in results[:3]] == [(), (), ()]
         assert "lazy dog" in results[3].text
-    assert transcribe.transcribe(w, empty).text == ""
+    assert whisper.transcribe(w, empty).text == ""
     with pytest.raises(ValueError, match="no_speech_threshold"):
-        transcribe.transcribe(w, FOX, no_speech_threshold=float("nan"))
+        whisper.transcribe(w, FOX, no_speech_threshold=float("nan"))
 
 
 def test_a_long_silent_file_is_read_in_pieces(whisper_tiny, tmp_path):
@@ -381,7 +381,7 @@ def test_a_long_silent_file_is_read_in_pieces(whisper_tiny, tmp_path):
         done = []
         tracemalloc.start()
         try:
-            results = transcribe.transcribe(w, [path, path], timestamps=minutes == 5,
+            results = whisper.transcribe(w, [path, path], timestamps=minutes == 5,
                                             progress=lambda *a: done.append(a))
             peaks[minutes] = tracemalloc.get_traced_memory()[1]
         finally:

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxformer.models import audio
+from jaxformer.models import whisper as whisper_lib
 from jaxformer.interop.flat import CheckpointMismatch
 
 from conftest import whisper_model_dir
@@ -35,7 +35,7 @@ def test_log_mel_matches_the_reference_front_end():
     long = np.tile(_signals()[1], 9)[:16000 * 31]  # longer than 30 s: cut
     for x in _signals() + [long]:
         ref = extractor(x, sampling_rate=16000, return_tensors="np")["input_features"][0]
-        ours = np.asarray(audio.log_mel_spectrogram(x[None]))[0].T
+        ours = np.asarray(whisper_lib.log_mel_spectrogram(x[None]))[0].T
         np.testing.assert_allclose(ours, ref, atol=1e-4)
 
 
@@ -51,7 +51,7 @@ def _write_wav(path, rate, channels, samples=1600):
 def test_wav_at_other_rates_or_channels_becomes_16k_mono(tmp_path, rate, channels):
     pytest.importorskip("scipy")
     _write_wav(tmp_path / "a.wav", rate, channels)  # 1600 frames of silence
-    samples = audio.read_wav(str(tmp_path / "a.wav"))
+    samples = whisper_lib.read_wav(str(tmp_path / "a.wav"))
     assert samples.shape == (1600 * 16000 // rate,) and not samples.any()
 
 
@@ -60,7 +60,7 @@ def test_wav_round_trip(tmp_path):
     with wave.open(str(tmp_path / "a.wav"), "wb") as f:
         f.setnchannels(1), f.setsampwidth(2), f.setframerate(16000)
         f.writeframes(samples.tobytes())
-    np.testing.assert_array_equal(audio.read_wav(str(tmp_path / "a.wav")), samples / 32768.0)
+    np.testing.assert_array_equal(whisper_lib.read_wav(str(tmp_path / "a.wav")), samples / 32768.0)
 
 
 @pytest.fixture(scope="session")
@@ -68,7 +68,6 @@ def whisper():
     """(model, params, vocab, model_dir, ctranslate2 Whisper), loaded once per session."""
     ctranslate2 = pytest.importorskip("ctranslate2", reason="needs the test extra "
                                       "(ctranslate2): pip install -e '.[test]'")
-    from jaxformer.models import whisper as whisper_lib  # noqa: PLC0415
 
     model_dir = whisper_model_dir()
     model, params, vocab = whisper_lib.load_ct2(model_dir)
@@ -80,10 +79,9 @@ def whisper():
 def test_encoder_matches_ctranslate2(whisper):
     import ctranslate2  # noqa: PLC0415
 
-    from jaxformer.models import whisper as whisper_lib  # noqa: PLC0415
 
     model, params, _, _, runtime = whisper
-    features_BTM = audio.log_mel_spectrogram(np.stack([x[:16000 * 2] for x in _signals()]))
+    features_BTM = whisper_lib.log_mel_spectrogram(np.stack([x[:16000 * 2] for x in _signals()]))
     ours = np.asarray(whisper_lib.encode(model, params, features_BTM))
     theirs = np.array(runtime.encode(ctranslate2.StorageView.from_array(
         np.ascontiguousarray(np.asarray(features_BTM).transpose(0, 2, 1))), to_cpu=True))
@@ -94,10 +92,9 @@ def test_encoder_matches_ctranslate2(whisper):
 def test_greedy_tokens_match_ctranslate2(whisper):
     import ctranslate2  # noqa: PLC0415
 
-    from jaxformer.models import whisper as whisper_lib  # noqa: PLC0415
 
     model, params, vocab, model_dir, runtime = whisper
-    features_BTM = audio.log_mel_spectrogram(np.stack([x[:16000 * 2] for x in _signals()]))
+    features_BTM = whisper_lib.log_mel_spectrogram(np.stack([x[:16000 * 2] for x in _signals()]))
     prompt = whisper_lib.prompt_ids(vocab)
     features = ctranslate2.StorageView.from_array(
         np.ascontiguousarray(np.asarray(features_BTM).transpose(0, 2, 1)))
@@ -120,7 +117,6 @@ def test_greedy_tokens_match_ctranslate2(whisper):
 def test_a_damaged_checkpoint_lists_every_problem(whisper):
     from jaxformer.interop import ct2  # noqa: PLC0415
     from jaxformer.interop.flat import load_flat  # noqa: PLC0415
-    from jaxformer.models import whisper as whisper_lib  # noqa: PLC0415
     import jax  # noqa: PLC0415
     import os  # noqa: PLC0415
 
@@ -157,8 +153,7 @@ def test_example_transcribes_speech_as_ctranslate2_and_refuses_a_text_file(whisp
     # The same text as ctranslate2 on the same samples, decoded by the same tokenizer.
     from tokenizers import Tokenizer  # noqa: PLC0415
 
-    features = np.asarray(audio.log_mel_spectrogram(audio.read_wav(clip)[None]))
-    from jaxformer.models import whisper as whisper_lib  # noqa: PLC0415
+    features = np.asarray(whisper_lib.log_mel_spectrogram(whisper_lib.read_wav(clip)[None]))
 
     result = runtime.generate(ctranslate2.StorageView.from_array(
         np.ascontiguousarray(features.transpose(0, 2, 1))), [whisper_lib.prompt_ids(vocab)],
@@ -179,16 +174,15 @@ def test_a_file_that_is_not_wav_is_one_error_naming_it(tmp_path, content):
     path = tmp_path / "a.wav"
     path.write_bytes(content)
     with pytest.raises(FileFormatError, match="not a readable WAV file") as info:
-        audio.read_wav(str(path))
+        whisper_lib.read_wav(str(path))
     assert info.value.path == str(path)
     with pytest.raises(FileFormatError, match="no such WAV file"):
-        audio.read_wav(str(tmp_path / "missing.wav"))
+        whisper_lib.read_wav(str(tmp_path / "missing.wav"))
 
 
 def test_a_vocabulary_cut_short_is_refused_naming_the_file(tmp_path):
     import os
     from jaxformer.errors import FileFormatError
-    from jaxformer.models import whisper
     source = whisper_model_dir()
     os.symlink(os.path.join(source, "model.bin"), tmp_path / "model.bin")
     with open(os.path.join(source, "vocabulary.txt"), encoding="utf-8") as f:
@@ -196,4 +190,4 @@ def test_a_vocabulary_cut_short_is_refused_naming_the_file(tmp_path):
     (tmp_path / "vocabulary.txt").write_text("\n".join(words[:1000]), encoding="utf-8")
     with pytest.raises(FileFormatError, match=r"vocabulary.txt: 1000 tokens without "
                                               r"<\|endoftext\|>"):
-        whisper.load_ct2(str(tmp_path))
+        whisper_lib.load_ct2(str(tmp_path))

@@ -1,0 +1,67 @@
+"""A Whisper checkpoint and its decoding conventions, from a CTranslate2 folder or a
+Hugging Face directory.
+
+    w = load(model_dir)        # `Whisper`: model, params, vocabulary, suppressed tokens
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from jaxformer.models.whisper import config as config_lib
+from jaxformer.models.whisper.tokens import tokens_of
+from jaxformer.nn.model import Transformer
+
+
+
+@dataclasses.dataclass(frozen=True)
+class Whisper:
+    """A loaded Whisper checkpoint and its decoding conventions (`load`)."""
+
+    model: Transformer
+    params: Any
+    vocab: tuple[str, ...]
+    suppress_ids: tuple[int, ...]
+    suppress_ids_begin: tuple[int, ...]
+    multilingual: bool  # False: an English-only (".en") model, which neither detects nor translates
+
+
+def load(model_dir: str, dtype: str = "float32") -> Whisper:
+    """A CTranslate2 Whisper folder (`model.bin`, `vocabulary.txt`, `config.json`), or a
+    Hugging Face WhisperForConditionalGeneration directory (`config.json`,
+    safetensors, `tokenizer.json`; the suppressed tokens of `generation_config.json`)."""
+    if not os.path.exists(os.path.join(model_dir, "model.bin")) and os.path.exists(
+            os.path.join(model_dir, "config.json")) and "architectures" in config_lib.special_ids(
+                model_dir):
+        return load_hf(model_dir, dtype)
+    model, params, vocab = config_lib.load_ct2(model_dir, dtype)
+    special = config_lib.special_ids(model_dir)
+    return Whisper(model, params, tuple(vocab), tuple(special["suppress_ids"]),
+                   tuple(special["suppress_ids_begin"]), tokens_of(vocab).multilingual)
+
+
+def load_hf(model_dir: str, dtype: str = "float32") -> Whisper:
+    """A Hugging Face WhisperForConditionalGeneration directory (`hf_encdec`)."""
+    from jaxformer.errors import FileFormatError  # noqa: PLC0415
+    from jaxformer.models import hf_encdec  # noqa: PLC0415 - optional readers
+
+    values = hf_encdec.read_config(model_dir)
+    if values.get("architectures", [None])[0] != hf_encdec.WHISPER:
+        raise ValueError(f"{model_dir}: config.json architectures={values.get('architectures')}"
+                         f", not {hf_encdec.WHISPER}")
+    if int(values.get("num_mel_bins", 80)) != config_lib.N_MELS or int(
+            values.get("max_source_positions", 1500)) * 2 != config_lib.N_FRAMES:
+        raise ValueError(f"{model_dir}: transcription reads {config_lib.N_MELS} mel bins over "
+                         f"{config_lib.N_FRAMES} frames; config.json has num_mel_bins="
+                         f"{values.get('num_mel_bins')}, max_source_positions="
+                         f"{values.get('max_source_positions')}")
+    model, params, tokenizer = hf_encdec.load_hf_encdec(model_dir, dtype=dtype, values=values)
+    if tokenizer is None:
+        raise FileFormatError(os.path.join(model_dir, "tokenizer.json"), "is missing",
+                              "transcription needs the Whisper vocabulary")
+    vocab = hf_encdec.vocabulary(tokenizer)
+    suppress, begin = hf_encdec.suppress_ids(model_dir)
+    return Whisper(model, params, tuple(vocab), suppress, begin,
+                   tokens_of(vocab).multilingual)

@@ -1,0 +1,191 @@
+"""Whisper's encoder and greedy decoding in compiled programs: encode, language
+detection, and decoding after a prompt with Whisper's processors.
+
+    ids = transcribe_ids(model, params, vocab, model_dir, features_BTM, timestamps=True)
+    [(code, p)] = detect_language(model, params, vocab, features_BTM[:1])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxformer.decode import cache as cache_lib, sampling
+from jaxformer.decode.cache import memory_cache
+from jaxformer.decode.inputs import check_encdec, decodable
+from jaxformer.decode.loop import (cached_logits_fn, decode_jit, decode_loop, init_state,
+                                   segment_lengths, segments_for)
+from jaxformer.models.whisper.config import special_ids
+from jaxformer.models.whisper.rules import whisper_processors
+from jaxformer.models.whisper.tokens import prompt_ids, tokens_of
+from jaxformer.nn.model import Transformer
+
+def encode(model, params, features_BTM):
+    """The encoder output (B, 1500, D) of log-mel features (B, 3000, 80), jitted and
+    compiled as transcription compiles it (`decode.loop.decode_jit`)."""
+    return _encode_jit(model, params, features_BTM)
+
+
+def _encode(model, params, features_BTM):
+    return model.apply({"params": params}, features_BTM, method=Transformer.encode)
+
+
+_encode_jit = decode_jit(static_argnames=("model",))(_encode)
+
+
+def _first_logits(model, params, features_BTM, sot_id):
+    """(B, V) logits of the token after <|startoftranscript|>."""
+    memory_BSD = model.apply({"params": params}, features_BTM, method=Transformer.encode)
+    tgt_B1 = jnp.full((features_BTM.shape[0], 1), sot_id, jnp.int32)
+    return model.apply({"params": params}, tgt_B1, memory_BSD,
+                       method=Transformer.decode)[:, 0].astype(jnp.float32)
+
+
+_first_logits_jit = decode_jit(static_argnames=("model",))(_first_logits)
+
+
+def language_probabilities(model, params, vocab: list[str], features_BTM
+                           ) -> tuple[tuple[str, ...], np.ndarray]:
+    """(codes (L,), probabilities (B, L)): the softmax of the language tokens' logits
+    after <|startoftranscript|> (restricted to those tokens), as openai-whisper's and
+    ctranslate2's `detect_language` compute it.
+
+    English-only models have these tokens but were never trained on them (their
+    probabilities are near-uniform); `transcribe` does not ask them.
+    """
+    t = tokens_of(vocab)
+    logits_BV = _first_logits_jit(model, params, jnp.asarray(features_BTM, jnp.float32), t.sot)
+    logits_BL = np.asarray(logits_BV)[:, list(t.language_ids)].astype(np.float64)
+    probs_BL = np.exp(logits_BL - logits_BL.max(axis=1, keepdims=True))
+    return t.languages, probs_BL / probs_BL.sum(axis=1, keepdims=True)
+
+
+def detect_language(model, params, vocab: list[str], features_BTM
+                    ) -> list[tuple[str, float]]:
+    """The most probable language of each row of log-mel features (B, 3000, 80):
+    [(code, probability)] (see `language_probabilities` for all of them)."""
+    codes, probs_BL = language_probabilities(model, params, vocab, features_BTM)
+    return [(codes[int(row.argmax())], float(row.max())) for row in probs_BL]
+
+
+@dataclasses.dataclass(frozen=True)
+class Generated:
+    """One row's greedy decode after its prompt.
+
+    ids: the generated ids, timestamps included, EOS excluded (ctranslate2's
+      `sequences_ids`).
+    no_speech_prob: the probability of <|nospeech|> (<|nocaptions|>) right after
+      <|startoftranscript|>, from the unprocessed logits (openai-whisper's and
+      ctranslate2's `no_speech_prob`); None if the vocabulary has no such token.
+    avg_logprob: the summed log-probability of the generated tokens under the
+      processed logits, EOS included, over len(ids) + 1 (openai-whisper's
+      `avg_logprob`).
+    """
+
+    ids: list[int]
+    no_speech_prob: Optional[float]
+    avg_logprob: float
+
+
+@decode_jit(static_argnames=("model", "max_new_tokens", "processors", "no_speech_id", "loop",
+                             "segments"))
+def _generate_program(model, params, features_BTM, prefix_BP, *, max_new_tokens, processors,
+                      no_speech_id, loop, segments):
+    """Greedy decode that also records the no-speech probability of step 0 and the
+    summed log-probabilities: (tokens (B, N), lengths (B,), logprob (B,), no_speech (B,))."""
+    c = model.config
+    batch = features_BTM.shape[0]
+    cache = memory_cache(model, params, features_BTM, None,
+                         segment_lengths(max_new_tokens, segments)[0])
+    prefix_len_B = (None if prefix_BP is None
+                    else jnp.full((batch,), prefix_BP.shape[1], jnp.int32))
+    state = init_state(jnp.full((batch,), c.bos_id, jnp.int32),
+                       (cache, jnp.zeros((batch,), jnp.float32)), max_new_tokens,
+                       pad_id=c.pad_id, prefix_BP=prefix_BP, prefix_len_B=prefix_len_B,
+                       scores=True)
+    step_fn = cached_logits_fn(model, params)
+
+    def logits_fn(token_B, carry, step):
+        logits_BV, cache = step_fn(token_B, carry[0], step)
+        logits_BV32 = logits_BV.astype(jnp.float32)
+        p_B = jnp.exp(logits_BV32[:, no_speech_id] - jax.nn.logsumexp(logits_BV32, axis=-1))
+        return logits_BV, (cache, jnp.where(step == 0, p_B, carry[1]))
+
+    state = decode_loop(logits_fn, state, max_new_tokens, select=sampling.greedy,
+                        eos_id=c.eos_id, pad_id=c.pad_id, loop=loop, processors=processors,
+                        segments=segments,
+                        fold=lambda carry, n: (cache_lib.fold(carry[0], n), carry[1]))
+    return state.tokens_BN, state.lengths_B, state.logprob_B, state.cache[1]
+
+
+def generate(model, params, vocab: list[str], features_BTM, prompts: list[list[int]], *,
+             suppress_ids, suppress_ids_begin, max_text_tokens: int = 224,
+             loop: str = "while") -> list[Generated]:
+    """Greedy decoding of each row after its prompt (all prompts of one length, each
+    starting with <|startoftranscript|>), with `whisper_processors`, in one compiled
+    program: each row's `Generated` ids, no-speech probability and average
+    log-probability (what Whisper's no-speech rule reads). At most
+    `max_text_tokens` are generated."""
+    width = {len(p) for p in prompts}
+    if len(width) != 1 or len(prompts) != features_BTM.shape[0]:
+        raise ValueError(f"prompts: one per row of the features ({features_BTM.shape[0]}), "
+                         f"all of one length; got lengths {sorted(width)}")
+    width, t = width.pop(), tokens_of(vocab)
+    if len({p[-1] == t.no_timestamps for p in prompts}) > 1 or any(p[0] != t.sot
+                                                                    for p in prompts):
+        raise ValueError("prompts: each starts with <|startoftranscript|>, and all end with "
+                         "<|notimestamps|> or none does")
+    max_new_tokens = width - 1 + int(max_text_tokens)
+    procs, prefix_BP, _ = check_encdec(
+        model, features_BTM, None, max_new_tokens=max_new_tokens, loop=loop,
+        processors=whisper_processors(vocab, prompts[0], suppress_ids, suppress_ids_begin),
+        prefix=np.asarray([p[1:] for p in prompts], np.int32) if width > 1 else None)
+    no_speech = t.no_speech if t.no_speech is not None else t.eot
+    tokens, lengths, logprob, no_speech_p = (np.asarray(x) for x in _generate_program(
+        *decodable(model, params), jnp.asarray(features_BTM), prefix_BP,
+        max_new_tokens=max_new_tokens, processors=procs, no_speech_id=no_speech, loop=loop,
+        segments=segments_for(max_new_tokens)))
+    eos = model.config.eos_id
+    rows = []
+    for row, length, total, p in zip(tokens, lengths, logprob, no_speech_p):
+        text = row[width - 1:int(length)].tolist()
+        ids = text[:-1] if text and text[-1] == eos else text
+        rows.append(Generated(ids, None if t.no_speech is None else float(p),
+                              float(total) / (len(ids) + 1)))
+    return rows
+
+
+def generate_ids(model, params, vocab: list[str], features_BTM, prompts: list[list[int]], *,
+                 suppress_ids, suppress_ids_begin, max_text_tokens: int = 224,
+                 loop: str = "while") -> list[list[int]]:
+    """The ids of `generate`: each row's generated ids, timestamps included, EOS
+    excluded (ctranslate2's `sequences_ids`)."""
+    return [g.ids for g in generate(model, params, vocab, features_BTM, prompts,
+                                    suppress_ids=suppress_ids,
+                                    suppress_ids_begin=suppress_ids_begin,
+                                    max_text_tokens=max_text_tokens, loop=loop)]
+
+
+def transcribe_ids(model, params, vocab, model_dir, features_BTM, *, max_new_tokens: int = 224,
+                   language: Optional[str] = "en", task: str = "transcribe",
+                   timestamps: bool = False, loop: str = "while") -> list[list[int]]:
+    """Greedy transcription as Whisper decodes: forced prompt (`prompt_ids`), suppressed
+    tokens, blank/EOS suppressed at the first free step, and the timestamp rules
+    with `timestamps`. Returns each row's token ids (prompt and EOS excluded, as
+    ctranslate2's `sequences_ids`; with timestamps, they are among them).
+
+    `max_new_tokens` counts the whole decoder input after BOS, as ctranslate2's
+    `max_length` does (so the prompt is part of it). `loop="while"` (default)
+    stops once every row emitted EOS, as ctranslate2 does; "scan" always runs
+    `max_new_tokens - 1` steps. Both give the same ids.
+    """
+    special = special_ids(model_dir)
+    prompt = prompt_ids(vocab, language, task, timestamps)
+    return generate_ids(model, params, vocab, features_BTM, [prompt] * features_BTM.shape[0],
+                        suppress_ids=special["suppress_ids"],
+                        suppress_ids_begin=special["suppress_ids_begin"],
+                        max_text_tokens=max_new_tokens - len(prompt), loop=loop)

@@ -1,0 +1,168 @@
+"""Audio to text with Whisper: any WAV, any length, language detection, translation,
+segment timestamps, and SRT/JSON/text output.
+
+    w = transcribe.load(model_dir)      # a CTranslate2 Whisper folder or a Hugging Face one
+    result = transcribe.transcribe(w, "talk.wav", timestamps=True)
+    result.text, result.language, result.language_probability, result.segments
+    print(transcribe.srt(result.segments))
+
+Audio longer than 30 s is decoded in 30 s windows. Without timestamps the
+windows are consecutive and independent, so the windows of every file are
+decoded together, `batch_size` rows at a time. With timestamps each window
+starts where the previous one's last complete segment ended (openai-whisper's
+`transcribe`: a sentence cut by the window edge is decoded again whole), so a
+file's windows are sequential, and the current windows of several files form
+a batch. Batches are padded to a fixed number of rows so that one compiled
+program serves every batch of a run.
+
+Decoding is greedy with Whisper's prompts and logits processors
+(`generate_ids`); not included are openai-whisper's temperature
+fallback, conditioning on the previous window's text, and word timestamps.
+"""
+
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional, Sequence, Union
+
+import numpy as np
+
+from jaxformer.models.whisper import audio as audio_lib
+from jaxformer.models.whisper.checkpoint import Whisper
+from jaxformer.models.whisper.features import HOP
+from jaxformer.models.whisper.decoding import detect_language
+from jaxformer.models.whisper.output import Segment, Transcript
+from jaxformer.models.whisper.tokens import TASKS, Tokens, decode_text, prompt_ids, tokens_of
+from jaxformer.models.whisper.windows import (FRAMES_PER_SECOND, Windows, consecutive_windows,
+                                              padded_rows, seek_windows, window_features)
+
+AudioInput = Union[str, os.PathLike, np.ndarray, audio_lib.WavFile, audio_lib.Samples]
+
+
+def check_options(w: Whisper, language: str, task: str) -> Tokens:
+    """ValueError naming a bad language, task, or a combination the model cannot do."""
+    t = tokens_of(list(w.vocab))
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+    if language != "auto":
+        t.language_id(language)
+    if not w.multilingual and (language not in ("auto", "en") or task != "transcribe"):
+        raise ValueError(f"this is an English-only Whisper model ({len(w.vocab)} tokens): it "
+                         f"transcribes English only (got language={language!r}, task={task!r})")
+    return t
+
+
+def check_thresholds(no_speech_threshold, logprob_threshold) -> None:
+    """ValueError unless each is None or a finite number (no_speech_threshold in [0, 1])."""
+    for name, value in (("no_speech_threshold", no_speech_threshold),
+                        ("logprob_threshold", logprob_threshold)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) or (
+                not np.isfinite(value)):
+            raise ValueError(f"{name} must be a finite number or None, got {value!r}")
+    if no_speech_threshold is not None and not 0 <= no_speech_threshold <= 1:
+        raise ValueError(f"no_speech_threshold is a probability in [0, 1], got "
+                         f"{no_speech_threshold!r}")
+
+
+def read_audio(item: AudioInput):
+    """A source of 16 kHz mono samples read window by window: a WAV path (any rate
+    and channels; the header is checked now, the samples are read as they are
+    needed: `audio.open_wav`), a `WavFile`, or (N,) samples (`audio.Samples`)."""
+    if isinstance(item, (audio_lib.WavFile, audio_lib.Samples)):
+        return item
+    if isinstance(item, (str, os.PathLike)):
+        return audio_lib.open_wav(os.fspath(item))
+    return audio_lib.Samples(item)
+
+
+def transcribe(w: Whisper, audio: Union[AudioInput, Sequence[AudioInput]], *,
+               language: str = "auto", task: str = "transcribe", timestamps: bool = False,
+               batch_size: int = 8, max_text_tokens: int = 224,
+               no_speech_threshold: Optional[float] = 0.6,
+               logprob_threshold: Optional[float] = -1.0,
+               progress: Optional[Callable[[float, float], None]] = None
+               ) -> Union[Transcript, list[Transcript]]:
+    """Transcribe (or translate to English) one audio input or a list of them.
+
+    Files are read window by window (`audio.open_wav`): memory does not grow
+    with their length. Two rules leave a window without text, so silence gives
+    an empty transcript (an empty file too) rather than invented words:
+
+    - a window with no sample above one 16-bit step (`audio.is_silent`:
+      digital silence, such as zeros) is skipped without running the model;
+    - Whisper's no-speech rule (openai-whisper's `transcribe`): a decoded window
+      whose probability of <|nospeech|> after <|startoftranscript|> is above
+      `no_speech_threshold` and whose average log-probability is below
+      `logprob_threshold` is dropped (None turns a test off; both None keep
+      every window).
+
+    Args:
+      w: `load(model_dir)`.
+      audio: a WAV path, an `audio.WavFile`, or (N,) float 16 kHz samples, or a
+        list of these (then a list of results, in order).
+      language: "auto" (detected per file on its first 30 s, from the language
+        tokens: `detect_language`) or a code such as "en"; English-only
+        models take "auto" or "en" and report "en" without a probability.
+      task: "transcribe" or "translate" (to English; multilingual models).
+      timestamps: decode segment timestamps (`<|0.00|>` tokens, Whisper's rules)
+        and seek by the last complete segment; else one segment per 30 s window.
+      batch_size: windows decoded together (at most).
+      max_text_tokens: tokens generated per window at most (Whisper: 224).
+      no_speech_threshold, logprob_threshold: the no-speech rule (0.6, -1.0 as
+        openai-whisper).
+      progress: called as `progress(seconds done, seconds in total)` after each
+        window skipped and each batch decoded.
+    Raises:
+      ValueError (an unknown language code, task, or an option the model cannot
+      do) and FileFormatError (a file that is not WAV audio) before any decoding.
+    """
+    single = isinstance(audio, (str, os.PathLike, audio_lib.WavFile, audio_lib.Samples)) or (
+        isinstance(audio, np.ndarray) and audio.ndim == 1)
+    items = [audio] if single else list(audio)
+    t = check_options(w, language, task)
+    if batch_size < 1 or max_text_tokens < 1:
+        raise ValueError(f"batch_size and max_text_tokens must be >= 1, got {batch_size}, "
+                         f"{max_text_tokens}")
+    check_thresholds(no_speech_threshold, logprob_threshold)
+    sources = [read_audio(item) for item in items]  # every file is checked first
+    frames = [s.num_samples // HOP for s in sources]
+    languages, probabilities = detect(w, t, sources, language, batch_size)
+    prompts = [prompt_ids(list(w.vocab), lang if w.multilingual else None, task,
+                                  timestamps) for lang in languages]
+    windows = Windows(w, sources, prompts, max_text_tokens, no_speech_threshold,
+                      logprob_threshold)
+    total = sum(frames) / FRAMES_PER_SECOND
+    report = (lambda done: progress(done / FRAMES_PER_SECOND, total)) if progress else None
+    if timestamps:
+        segments = seek_windows(windows, frames, t.timestamp_begin, batch_size, report)
+    else:
+        segments = consecutive_windows(windows, frames, batch_size, report)
+    results = []
+    for lang, prob, segs in zip(languages, probabilities, segments):
+        ids = [i for _, _, piece in segs for i in piece]
+        texts = [decode_text(w.vocab, piece).strip() for _, _, piece in segs]
+        results.append(Transcript(
+            decode_text(w.vocab, ids).strip(), lang, prob,
+            tuple(Segment(round(a, 3), round(b, 3), text)
+                  for (a, b, _), text in zip(segs, texts) if text)))  # silence: no segment
+    return results[0] if single else results
+
+
+def detect(w: Whisper, t: Tokens, sources: list, language: str,
+           batch_size: int) -> tuple[list[str], list[Optional[float]]]:
+    """Each file's language and its probability (None where not detected)."""
+    if language != "auto" or not w.multilingual:
+        return ["en" if language == "auto" else language] * len(sources), [None] * len(sources)
+    rows = padded_rows(len(sources), batch_size)
+    languages, probabilities = [], []
+    for i in range(0, len(sources), rows):
+        chunk = [window_features(s, 0) for s in sources[i:i + rows]]
+        features = np.stack(chunk + [chunk[0]] * (rows - len(chunk)))
+        for code, p in detect_language(w.model, w.params, list(w.vocab),
+                                               features)[:len(chunk)]:
+            languages.append(code)
+            probabilities.append(p)
+    return languages, probabilities

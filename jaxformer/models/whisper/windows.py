@@ -1,0 +1,206 @@
+"""The 30 s windows of long audio: reading them, decoding them in batches, and
+cutting timestamped windows into segments (openai-whisper's `transcribe` loop).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import numpy as np
+
+from jaxformer.models.whisper import audio as audio_lib
+from jaxformer.models.whisper import features as features_lib
+from jaxformer.models.whisper.checkpoint import Whisper
+from jaxformer.models.whisper.config import N_FRAMES
+from jaxformer.models.whisper.decoding import Generated, generate
+from jaxformer.models.whisper.tokens import TIME_PRECISION
+
+FRAMES_PER_SECOND = audio_lib.SAMPLE_RATE // features_lib.HOP  # 100
+FRAMES_PER_TOKEN = 2  # the encoder's second convolution has stride 2
+WINDOW_FRAMES = N_FRAMES  # 3000 mel frames = 30 s
+
+
+def window_samples(source, seek: int) -> np.ndarray:
+    """The (<= 480,000) samples of the 30 s window from mel frame `seek` on, read from
+    `source` (an `audio.WavFile`, `audio.Samples` or an (N,) array)."""
+    start = seek * features_lib.HOP
+    if isinstance(source, np.ndarray):
+        return source[start:start + features_lib.CHUNK_SAMPLES]
+    return source.read(start, start + features_lib.CHUNK_SAMPLES)
+
+
+def features_of(chunk_N: np.ndarray) -> np.ndarray:
+    """(3000, 80) log-mel features of up to 30 s of samples (zero-padded)."""
+    return np.asarray(features_lib.log_mel_spectrogram(features_lib.pad_or_trim(chunk_N)[None]))[0]
+
+
+def window_features(source, seek: int) -> np.ndarray:
+    """(3000, 80) log-mel features of the 30 s of audio from mel frame `seek` on."""
+    return features_of(window_samples(source, seek))
+
+
+def split_segments(tokens: Sequence[int], timestamp_begin: int, seek: int, size: int
+                   ) -> tuple[list[tuple[float, float, list[int]]], int]:
+    """openai-whisper's reading of one window's timestamped tokens.
+
+    Args:
+      tokens: the generated ids (text and timestamps, no EOS).
+      seek: the window's first mel frame; size: its frames of audio (<= 3000).
+    Returns:
+      ([(start s, end s, ids)], frames to advance). Each pair of consecutive
+      timestamps closes a segment; if the window ends inside a segment (its
+      last timestamp is not a single closing one), the next window starts at
+      the last complete segment's end, otherwise after this window.
+    """
+    offset = seek / FRAMES_PER_SECOND
+    is_time = [t >= timestamp_begin for t in tokens]
+    single_ending = is_time[-2:] == [False, True]
+    cuts = [i for i in range(1, len(tokens)) if is_time[i - 1] and is_time[i]]
+    seconds = lambda t: offset + (t - timestamp_begin) * TIME_PRECISION  # noqa: E731
+    if not cuts:
+        times = [t for t, ts in zip(tokens, is_time) if ts]
+        duration = (seconds(times[-1]) - offset if times and times[-1] != timestamp_begin
+                    else size / FRAMES_PER_SECOND)
+        return [(offset, offset + duration, list(tokens))], size
+    if single_ending:
+        cuts.append(len(tokens))
+    segments, last = [], 0
+    for cut in cuts:
+        piece = tokens[last:cut]
+        segments.append((seconds(piece[0]), seconds(piece[-1]), list(piece)))
+        last = cut
+    if single_ending:
+        return segments, size
+    advance = (tokens[last - 1] - timestamp_begin) * FRAMES_PER_TOKEN
+    return segments, advance if advance > 0 else size  # never stand still
+
+
+
+def padded_rows(n: int, batch_size: int) -> int:
+    """Rows of a batch holding `n` windows: the next power of two, at most batch_size."""
+    return min(batch_size, 1 << max(n - 1, 0).bit_length())
+
+
+
+@dataclasses.dataclass
+class Windows:
+    """Reads, checks and decodes the 30 s windows of a run's files.
+
+    `features(f, seek)` reads one window of file f (None if digitally silent);
+    `decode([(f, features)], rows)` decodes windows as one batch of `rows` rows
+    and returns each one's ids, or None where the no-speech rule drops it.
+    """
+
+    w: Whisper
+    sources: list
+    prompts: list
+    max_text_tokens: int
+    no_speech_threshold: Optional[float]
+    logprob_threshold: Optional[float]
+
+    def features(self, f: int, seek: int) -> Optional[np.ndarray]:
+        chunk = window_samples(self.sources[f], seek)
+        return None if audio_lib.is_silent(chunk) else features_of(chunk)
+
+    def decode(self, batch: list[tuple[int, np.ndarray]], rows: int
+               ) -> list[Optional[list[int]]]:
+        padded = batch + [batch[-1]] * (rows - len(batch))
+        out = generate(self.w.model, self.w.params, list(self.w.vocab),
+                               np.stack([x for _, x in padded]),
+                               [self.prompts[f] for f, _ in padded],
+                               suppress_ids=self.w.suppress_ids,
+                               suppress_ids_begin=self.w.suppress_ids_begin,
+                               max_text_tokens=self.max_text_tokens)
+        return [None if self.no_speech(g) else g.ids for g in out[:len(batch)]]
+
+    def no_speech(self, g: Generated) -> bool:
+        """openai-whisper's rule: likely no speech, unless the text is confident."""
+        if self.no_speech_threshold is None or g.no_speech_prob is None:
+            return False
+        return g.no_speech_prob > self.no_speech_threshold and not (
+            self.logprob_threshold is not None and g.avg_logprob > self.logprob_threshold)
+
+
+def consecutive_windows(windows: Windows, frames: list[int], batch_size: int, report
+                        ) -> list[list[tuple[float, float, list[int]]]]:
+    """Every file cut in consecutive 30 s windows (at least one), read one at a time;
+    silent windows are skipped, the others decoded in batches of `batch_size`."""
+    starts = [(f, seek) for f, n in enumerate(frames)
+              for seek in range(0, max(n, 1), WINDOW_FRAMES)]
+    rows = padded_rows(len(starts), batch_size)
+    found = {}  # (f, seek) -> ids
+    done, pending = 0, []
+
+    def size(f, seek):
+        return min(seek + WINDOW_FRAMES, frames[f]) - seek
+
+    def flush():
+        nonlocal done
+        for (f, seek), ids in zip([k for k, _ in pending],
+                                  windows.decode([(k[0], x) for k, x in pending], rows)):
+            if ids is not None:
+                found[f, seek] = ids
+            done += size(f, seek)
+        pending.clear()
+        if report:
+            report(done)
+
+    for f, seek in starts:
+        x = windows.features(f, seek)
+        if x is None:  # digitally silent: no text
+            done += size(f, seek)
+            if report:
+                report(done)
+            continue
+        pending.append(((f, seek), x))
+        if len(pending) == rows:
+            flush()
+    if pending:
+        flush()
+    segments = [[] for _ in frames]
+    for (f, seek), ids in sorted(found.items()):
+        end = min(seek + WINDOW_FRAMES, frames[f])
+        segments[f].append((seek / FRAMES_PER_SECOND, end / FRAMES_PER_SECOND, ids))
+    return segments
+
+
+def seek_windows(windows: Windows, frames: list[int], timestamp_begin: int, batch_size: int,
+                 report) -> list[list[tuple[float, float, list[int]]]]:
+    """Timestamped windows: each file's next window starts where `split_segments` says;
+    the current windows of up to `batch_size` files are decoded together. A silent
+    window, or one the no-speech rule drops, is skipped whole."""
+    seek = [0] * len(frames)
+    segments = [[] for _ in frames]
+    started = [False] * len(frames)  # an empty file still gets one window
+    rows = padded_rows(len(frames), batch_size)
+
+    def size(f):
+        return max(min(WINDOW_FRAMES, frames[f] - seek[f]), 0)
+
+    def progressed():
+        if report:
+            report(sum(min(s, n) for s, n in zip(seek, frames)))
+
+    while True:
+        batch = []
+        for f in range(len(frames)):
+            while len(batch) < rows and (seek[f] < frames[f] or not started[f]):
+                started[f] = True
+                x = windows.features(f, seek[f])
+                if x is not None:
+                    batch.append((f, x))
+                    break
+                seek[f] += max(size(f), 1)  # digitally silent: skipped
+                progressed()
+        if not batch:
+            return segments
+        for (f, _), ids in zip(batch, windows.decode(batch, rows)):
+            s, n = seek[f], size(f)
+            if ids is None:  # no speech
+                seek[f] = s + max(n, 1)
+                continue
+            pieces, advance = split_segments(ids, timestamp_begin, s, n)
+            segments[f].extend(pieces)
+            seek[f] = s + max(advance, 1)
+        progressed()
