@@ -1,7 +1,8 @@
 """File-format readers: one module per format, arrays and metadata out, no model knowledge.
 
-`gguf` (llama.cpp's GGUF), `safetensors` (one file or a sharded index), `ct2`
-(CTranslate2 `model.bin`), `progress` (a bar over the tensors being read).
+`gguf` (llama.cpp's GGUF; `gguf_blocks`: its block types as `nn.quant` layouts),
+`safetensors` (one file or a sharded index), `ct2` (CTranslate2 `model.bin`),
+`progress` (a bar over the tensors being read).
 The per-model name tables that turn their tensors into parameters are in
 `jaxformer.models`.
 

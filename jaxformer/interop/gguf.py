@@ -11,7 +11,8 @@ Needs the optional `gguf` package (`pip install 'jaxformer[llm]'`); the
 Quantized tensors are dequantized to float32 with `gguf.quants.dequantize`,
 the reference implementation of llama.cpp's block formats, or kept as they are
 (`file.blocks(name)`: Q8_0, Q4_0, Q4_1 as the arrays of `jaxformer.nn.quant`'s
-layouts). Only the types in
+layouts, Q5_0 and Q4_K decoded into them, the other types requantized:
+`jaxformer.interop.gguf_blocks`). Only the types in
 `SUPPORTED_TYPES` are accepted; any other raises a `ValueError` naming the
 tensor and its type before anything is dequantized (`check_types`).
 Per-model mappings from GGUF names to jaxformer parameters live in
@@ -33,16 +34,16 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
     raise ImportError("jaxformer.interop.gguf needs the `gguf` package: "
                       "pip install 'jaxformer[llm]'") from error
 
+from jaxformer.interop import gguf_blocks  # noqa: E402 - needs gguf, imported above
+
 Q = gguf.GGMLQuantizationType
 SUPPORTED_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
                              Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K})
 FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
 # Block types kept quantized as they are (`GGUFFile.blocks`) -> jaxformer's layout
-# (`jaxformer.nn.quant`), and the bytes of one block of 32 values: float16 scale
-# (+ float16 min), then the values (int8, or 4-bit pairs: byte j = values j, j + 16).
-KEPT_TYPES = {Q.Q8_0: "int8_block", Q.Q4_0: "int4_sym", Q.Q4_1: "int4"}
-BLOCK = 32
-_BLOCK_BYTES = {Q.Q8_0: 34, Q.Q4_0: 18, Q.Q4_1: 20}
+# (`jaxformer.nn.quant`); the others convert (`gguf_blocks.target_layout`).
+KEPT_TYPES = gguf_blocks.KEPT
+BLOCK = gguf_blocks.BLOCK
 
 
 @dataclasses.dataclass
@@ -52,6 +53,9 @@ class GGUFFile:
     path: str
     metadata: dict[str, Any]
     tensors: dict[str, Any]  # name -> gguf.ReaderTensor (memory-mapped, not yet decoded)
+    # (block type name, layout) -> the largest relative error of the tensors `blocks`
+    # converted so far (`gguf_blocks.relative_error`); exact ones are not listed.
+    conversions: dict = dataclasses.field(default_factory=dict)
 
     @property
     def architecture(self) -> str:
@@ -89,39 +93,40 @@ class GGUFFile:
         return values
 
 
-    def blocks(self, name: str) -> tuple[str, dict]:
-        """(layout, {"q", "scale"[, "offset"]}) of a Q8_0 / Q4_0 / Q4_1 tensor, its
-        blocks as they are (no arithmetic), in numpy order with the block axis last:
-        q (*rows, N) int8 or (*rows, N / 2) uint8, scale (and offset) (*rows, N / 32)
-        float16. Another type is refused by name (ValueError)."""
+    def blocks(self, name: str, fmt: Optional[str] = None) -> tuple[str, dict]:
+        """(layout, {"q", "scale"[, "offset"]}) of a quantized tensor in numpy order with
+        the block axis last: q (*rows, N) int8 or (*rows, N / 2) uint8, scale (and
+        offset) (*rows, N / 32) float16. `fmt` None: the block type's target layout
+        (`gguf_blocks.target_layout`: Q8_0, Q4_0, Q4_1 as they are, Q5_0 exactly, Q4_K
+        with float16 scales, the other types requantized to int8_block); a layout of
+        `nn.quant`: converted to it. A conversion that is not exact is recorded in
+        `conversions` ({(type name, layout): largest relative error}). A float tensor
+        or a type jaxformer does not decode is refused by name (ValueError)."""
         tensor = self.tensors[name]
         kind = tensor.tensor_type
-        if kind not in KEPT_TYPES:
+        if kind in FLOAT_TYPES or kind not in SUPPORTED_TYPES:
             raise ValueError(
                 f"{self.path}: tensor {name!r} is {kind.name}, which jaxformer does not keep "
-                f"quantized (kept: {', '.join(t.name for t in KEPT_TYPES)}); load it "
+                f"quantized (quantized types: "
+                f"{', '.join(sorted(t.name for t in SUPPORTED_TYPES - FLOAT_TYPES))}); load it "
                 "dequantized (no quantize=) or requantized (quantize='int8' / 'int4')")
+        fmt = fmt or gguf_blocks.target_layout(kind)
         shape = self.shape(name)
         rows, n = shape[:-1], shape[-1]
         try:
-            raw = np.asarray(tensor.data, np.uint8).reshape(rows + (n // BLOCK,
-                                                                    _BLOCK_BYTES[kind]))
+            raw = np.asarray(tensor.data, np.uint8).reshape(rows + (-1,))
+            parts, exact = gguf_blocks.decode(raw, kind, n, fmt)
         except ValueError as error:
             raise FileFormatError(self.path, f"tensor {name!r} cannot be decoded ({error})",
                                   "the file is damaged: download it again") from error
-        scale = np.ascontiguousarray(raw[..., 0:2]).view(np.float16)[..., 0]
-        if not np.isfinite(scale).all():
+        if not all(np.isfinite(parts[p]).all() for p in parts if p != "q"):
             raise FileFormatError(self.path, f"tensor {name!r} holds NaN or infinite scales",
                                   "the file is damaged: download it again")
-        if kind == Q.Q8_0:
-            q = np.ascontiguousarray(raw[..., 2:]).view(np.int8).reshape(rows + (n,))
-            return KEPT_TYPES[kind], {"q": q, "scale": scale}
-        start = 2 if kind == Q.Q4_0 else 4
-        parts = {"q": np.ascontiguousarray(raw[..., start:]).reshape(rows + (n // 2,)),
-                 "scale": scale}
-        if kind == Q.Q4_1:
-            parts["offset"] = np.ascontiguousarray(raw[..., 2:4]).view(np.float16)[..., 0]
-        return KEPT_TYPES[kind], parts
+        if not exact:
+            error = gguf_blocks.relative_error(parts, fmt, self.array(name))
+            key = (kind.name, fmt)
+            self.conversions[key] = max(self.conversions.get(key, 0.0), error)
+        return fmt, parts
 
 
 GGUF_MAGIC = b"GGUF"

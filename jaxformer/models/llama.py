@@ -34,7 +34,10 @@ before the rest of the file is parsed.
 `load_gguf(path, quantize="keep")` keeps the file's Q8_0 / Q4_0 / Q4_1 blocks as
 they are (`kept_formats`: the config's weight_quant / embed_quant from the
 tensors' types; `params_from_gguf` moves each block array the way the float
-kernel moves, never dequantizing it); another block type is refused by name.
+kernel moves, never dequantizing it); Q5_0 and Q4_K decode into the nearest
+layout, the other types (and files mixing layouts) convert to int8_block
+(`interop.gguf_blocks`), with a `QuantConversionWarning` stating each inexact
+conversion's error; a type jaxformer does not decode is refused by name.
 
 GGUF name -> jaxformer parameter (numpy order of the GGUF tensor on the left):
 
@@ -66,6 +69,7 @@ rows, half rotation) does not (tested).
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Optional
 
 import jax
@@ -73,8 +77,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer.config import TransformerConfig, llama
-from jaxformer.interop.gguf import (BLOCK, FLOAT_TYPES, KEPT_TYPES, GGUFFile,
-                                    read_architecture, read_gguf)
+from jaxformer.interop.gguf import (BLOCK, FLOAT_TYPES, GGUFFile, read_architecture,
+                                    read_gguf)
+from jaxformer.interop.gguf_blocks import target_layout
 from jaxformer.interop.progress import tensor_bar
 from jaxformer.nn.model import DecoderOnlyLM
 from jaxformer.nn.quant import check_format
@@ -215,41 +220,55 @@ def config_from_gguf(file: GGUFFile, *, rope: str = "half", dtype: str = "float3
     return llama(**fields)
 
 
-def kept_formats(file: GGUFFile, config: TransformerConfig) -> dict:
-    """The config fields that keep the file's blocks as they are (`load(...,
-    quantize="keep")`): weight_quant from the layer kernels' one block type,
-    embed_quant from token_embd's (and output.weight's, which must agree).
+class QuantConversionWarning(UserWarning):
+    """`load_gguf(..., quantize="keep")` converted block types that do not map exactly
+    onto a layout; the message states each conversion's largest relative error."""
 
-    Raises ValueError naming the tensor and its type for a block type jaxformer does not
-    keep (`interop.gguf.KEPT_TYPES`), for layer kernels of several types, and for a
-    file whose layer kernels are float (nothing to keep)."""
+
+def kept_formats(file: GGUFFile, config: TransformerConfig) -> dict:
+    """The config fields that keep the file's blocks (`load(..., quantize="keep")`):
+    weight_quant from the layer kernels' block types (`gguf_blocks.target_layout`; types
+    of different layouts: "int8_block", the widest), embed_quant from token_embd's (and
+    output.weight's, which must both be quantized or both float).
+
+    Raises ValueError naming the tensor and its type for a type jaxformer does not
+    decode, for layer kernels partly float, and for a file whose layer kernels are float
+    (nothing to keep)."""
     def kind(name):
         return file.tensors[name].tensor_type
 
+    def layout_of(kinds):
+        layouts = {target_layout(k) for k in kinds}
+        return layouts.pop() if len(layouts) == 1 else "int8_block"
+
     kernels = [n for n in expected_shapes(config, file.architecture)
                if n.startswith("blk.") and n.endswith(_KERNELS)]
-    for name in kernels + ["token_embd.weight"] + (
-            [] if config.tie_output_embedding else ["output.weight"]):
-        if kind(name) not in KEPT_TYPES and kind(name) not in FLOAT_TYPES:
-            file.blocks(name)  # refuses by name
+    file.check_types()  # a type jaxformer does not decode, by name
     types = {kind(n) for n in kernels}
     if types <= FLOAT_TYPES:
         raise ValueError(f"{file.path}: quantize='keep' keeps quantized blocks, but the layer "
                          f"kernels are {'/'.join(sorted(t.name for t in types))}: load it with "
                          "quantize='int8' or 'int4' (or without quantize)")
-    if len(types) > 1:
-        raise ValueError(f"{file.path}: quantize='keep' needs one block type for every layer "
-                         f"kernel, the file mixes {', '.join(sorted(t.name for t in types))}: "
+    if types & FLOAT_TYPES:
+        raise ValueError(f"{file.path}: quantize='keep' needs every layer kernel quantized, "
+                         f"the file mixes {', '.join(sorted(t.name for t in types))}: "
                          "load it with quantize='int8' or 'int4' (or without quantize)")
     tables = {kind("token_embd.weight")} | (
         set() if config.tie_output_embedding else {kind("output.weight")})
-    if len(tables) > 1:
+    if tables & FLOAT_TYPES and tables - FLOAT_TYPES:
         raise ValueError(f"{file.path}: quantize='keep' needs token_embd.weight and "
-                         f"output.weight of one type, got {kind('token_embd.weight').name} and "
-                         f"{kind('output.weight').name}")
-    table = tables.pop()
-    return dict(weight_quant=KEPT_TYPES[types.pop()], quant_block=BLOCK,
-                embed_quant="float" if table in FLOAT_TYPES else KEPT_TYPES[table])
+                         f"output.weight both quantized or both float, got "
+                         f"{kind('token_embd.weight').name} and {kind('output.weight').name}")
+    return dict(weight_quant=layout_of(types), quant_block=BLOCK,
+                embed_quant="float" if tables <= FLOAT_TYPES else layout_of(tables))
+
+
+def quantized_layout(file: GGUFFile, config: TransformerConfig) -> Optional[str]:
+    """The layout `kept_formats` gives the layer kernels, or None if they are float."""
+    try:
+        return kept_formats(file, config)["weight_quant"]
+    except ValueError:
+        return None
 
 
 def expected_shapes(config: TransformerConfig, arch: str = "llama") -> dict[str, tuple[int, ...]]:
@@ -335,12 +354,8 @@ def params_from_gguf(file: GGUFFile, config: TransformerConfig, *,
         if fmt is None:
             value = to_kernel(get(name))
             return {leaf: value if float_shape is None else value.reshape(float_shape)}
-        got, parts = file.blocks(name)
+        _, parts = file.blocks(name, fmt)
         bar.update(1)
-        if got != fmt:
-            kind = file.tensors[name].tensor_type.name
-            raise ValueError(f"{file.path}: tensor {name!r} is {kind} ({got}), the config "
-                             f"keeps {role} kernels as {fmt}")
         return {leaf_names(leaf, fmt)[part]: to_kernel(value) for part, value in parts.items()}
 
     def qkv(name, n, permute):  # (n*K, D) -> (D, n, K)
@@ -399,9 +414,22 @@ def load_gguf(path, *, rope: str = "half", dtype: str = "float32", max_len: int 
         check_architecture(path, arch)
     file = read_gguf(path)
     config = config_from_gguf(file, rope=rope, dtype=dtype, max_len=max_len)
+    if quantize not in (None, "keep"):
+        held = quantized_layout(file, config)
+        if held == quantize:
+            quantize = "keep"
+        elif held is not None:
+            raise ValueError(f"{path}: quantize={quantize!r}, but the file's layer kernels are "
+                             f"already quantized ({held}): load it with quantize='keep' (or "
+                             "without quantize, as float)")
     if quantize == "keep":
         config = config.replace(**kept_formats(file, config))
     params = params_from_gguf(file, config, progress=progress)
+    if file.conversions:
+        warnings.warn(f"{path}: " + "; ".join(
+            f"{kind} converted to {fmt}, largest error {error:.2e} of a tensor's largest "
+            f"weight" for (kind, fmt), error in sorted(file.conversions.items())),
+            QuantConversionWarning, stacklevel=2)
     if quantize not in (None, "keep"):
         config, params = quantize_params(config, params, quantize)
     return DecoderOnlyLM(config), params, tokenizer_from_gguf(file)

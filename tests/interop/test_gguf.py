@@ -251,22 +251,28 @@ def test_kept_blocks_are_the_files_values_and_compute_its_logits(tmp_path, qlm, 
 
 def test_keeping_refuses_what_it_cannot_keep_by_name(tmp_path, qlm):
     params = qlm[1]
-    q50 = quantized_file(tmp_path / "q50.gguf", params, Q.Q4_1,
-                         override={"blk.1.ffn_down.weight": Q.Q5_0})
-    with pytest.raises(ValueError, match="'blk.1.ffn_down.weight' is Q5_0, which jaxformer "
-                                         "does not keep quantized"):
-        llama.load_gguf(q50, quantize="keep")
-    llama.load_gguf(q50)  # dequantized, as before
-    mixed = quantized_file(tmp_path / "mixed.gguf", params, Q.Q4_1,
-                           override={"blk.0.attn_v.weight": Q.Q8_0})
-    with pytest.raises(ValueError, match="the file mixes Q4_1, Q8_0"):
-        llama.load_gguf(mixed, quantize="keep")
+    tensors = gguf_tensors(params, QCONFIG)
+    del tensors["blk.0.ffn_gate.weight"]  # (32, 32): one 32-wide IQ4_NL block (18 bytes) a row
+    raw = {"blk.0.ffn_gate.weight": (np.zeros((32, 18), np.uint8), Q.IQ4_NL)}
+    iq4 = write_gguf(tmp_path / "iq4.gguf", tensors, QCONFIG, raw=raw)
+    with pytest.raises(ValueError, match="'blk.0.ffn_gate.weight' has quantization type IQ4_NL"):
+        llama.load_gguf(iq4, quantize="keep")
+    partly = quantized_file(tmp_path / "partly.gguf", params, Q.Q4_1,
+                            override={"blk.0.attn_v.weight": Q.F32})
+    with pytest.raises(ValueError, match="needs every layer kernel quantized, the file mixes "
+                                         "F32, Q4_1"):
+        llama.load_gguf(partly, quantize="keep")
     floats = write_gguf(tmp_path / "f32.gguf", gguf_tensors(params, QCONFIG), QCONFIG)
     with pytest.raises(ValueError, match="the layer kernels are F32: load it with "
                                          "quantize='int8' or 'int4'"):
         llama.load_gguf(floats, quantize="keep")
     with pytest.raises(ValueError, match="quantize='int3' is not a quantized layout"):
         llama.load_gguf(floats, quantize="int3")
+    q41 = quantized_file(tmp_path / "q41.gguf", params, Q.Q4_1)
+    with pytest.raises(ValueError, match=r"quantize='int8', but the file's layer kernels are "
+                                         r"already quantized \(int4\): load it with "
+                                         r"quantize='keep'"):
+        llama.load_gguf(q41, quantize="int8")
     from jaxformer.models import load  # noqa: PLC0415
 
     with pytest.raises(ValueError, match="a Hugging Face directory holds float weights"):
