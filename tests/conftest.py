@@ -32,7 +32,7 @@ LONGEST_FIRST = ("cli/test_cli.py", "test_docs.py", "parallel/test_partitioning.
                  "nn/test_reduced_precision_values.py", "decode/test_ring_short_prompts.py",
                  "models/test_smollm2_quant.py", "train/test_qlora.py", "cli/test_qlora_cli.py",
                  "cli/test_damaged_checkpoint.py", "serve/test_serve_model.py",
-                 "serve/test_serve_cli.py")
+                 "serve/test_serve_cli.py", "train/test_bf16.py", "train/test_chunked_loss.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -14,6 +14,7 @@ import jax
 import optax
 
 from jaxformer.nn import stacking
+from jaxformer.train.rounding import update_rounding
 from jaxformer.train.train_config import TrainConfig
 
 
@@ -36,8 +37,15 @@ def decay_mask(params) -> Any:
 
 
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
-    """The one optimizer: clip the global gradient norm, then AdamW on the schedule."""
-    return optax.chain(
-        optax.clip_by_global_norm(tc.clip_norm),
-        optax.adamw(learning_rate_schedule(tc), b1=tc.b1, b2=tc.b2, eps=1e-9,
-                    weight_decay=tc.weight_decay, mask=decay_mask))
+    """The one optimizer: clip the global gradient norm, then AdamW on the schedule.
+
+    `tc.update_rounding` "kahan" or "stochastic" (bfloat16 parameters:
+    `jaxformer.train.rounding`) adds the transformation that applies the updates
+    without rounding them away; "nearest" leaves the chain (and checkpoints) as they were.
+    """
+    parts = [optax.clip_by_global_norm(tc.clip_norm),
+             optax.adamw(learning_rate_schedule(tc), b1=tc.b1, b2=tc.b2, eps=1e-9,
+                         weight_decay=tc.weight_decay, mask=decay_mask)]
+    if tc.update_rounding != "nearest":
+        parts.append(update_rounding(tc.update_rounding))
+    return optax.chain(*parts)

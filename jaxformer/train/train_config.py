@@ -6,6 +6,7 @@ import dataclasses
 from typing import Optional
 
 from jaxformer.config import ConfigMixin, is_finite_number, is_positive_number
+from jaxformer.train.rounding import UPDATE_ROUNDINGS
 from jaxformer.train.task import check_task_fields
 
 
@@ -43,6 +44,9 @@ class TrainConfig(ConfigMixin):
     # (B, T, V) logits never exist): None = where the float32 logits would pass 64 MiB
     # (a pretrained model's vocabulary), 0 = never.
     loss_chunk_tokens: Optional[int] = None
+    # How updates reach low-precision (bfloat16) parameters (`jaxformer.train.rounding`):
+    # "nearest" (plain p + u), "kahan" (a compensation buffer) or "stochastic".
+    update_rounding: str = "nearest"
 
     def __post_init__(self):
         for name in ("data", "eval_data"):  # JSON gives lists; keep the config hashable
@@ -72,4 +76,7 @@ class TrainConfig(ConfigMixin):
                                   or chunk < 0):
             raise ValueError(f"TrainConfig.loss_chunk_tokens must be None (auto), 0 (off) or a "
                              f"positive int, got {chunk!r}")
+        if self.update_rounding not in UPDATE_ROUNDINGS:
+            raise ValueError(f"TrainConfig.update_rounding must be one of {UPDATE_ROUNDINGS}, "
+                             f"got {self.update_rounding!r}")
         check_task_fields(self)
