@@ -16,6 +16,10 @@ import jaxformer as jf
 from jaxformer.nn.masks import causal_mask
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The command line caches compiled programs in the user's cache directory by default
+# (jaxformer.cli.compile_cache): tests never write there, nor load from there. A test
+# of the default sets its own XDG_CACHE_HOME and unsets this.
+os.environ["JAXFORMER_COMPILE_CACHE"] = "off"
 FIRST_REAL_ID = 3  # ids 0, 1, 2 are pad, bos, eos in every config here
 
 

@@ -54,21 +54,23 @@ def _add_compile_cache_flag(parser) -> None:
     """--compile-cache, and --verbose (every command has both)."""
     parser.add_argument("--compile-cache", metavar="DIR",
                         help="keep compiled programs in DIR (created if missing): a rerun "
-                             "with the same shapes loads them instead of compiling")
+                             "with the same shapes loads them instead of compiling "
+                             "(default: $XDG_CACHE_HOME/jaxformer/xla, or "
+                             "$JAXFORMER_COMPILE_CACHE; 'off' there disables it)")
+    parser.add_argument("--no-compile-cache", action="store_true",
+                        help="compile everything afresh, keep nothing on disk")
     parser.add_argument("--verbose", action="store_true",
                         help="on an error, also print the traceback of its cause")
 
 
-def _compile_cache(directory: Optional[str]):
-    """The --compile-cache context (checked before anything runs), or a no-op."""
-    if directory is None:
-        return contextlib.nullcontext()
-    from jaxformer.cli.compile_cache import check_cache_dir, compilation_cache  # noqa: PLC0415
+def _compile_cache(directory: Optional[str], disabled: bool = False):
+    """The compile-cache context (`compile_cache.command_cache`: --compile-cache checked
+    before anything runs, else the user's cache directory, or none)."""
+    from jaxformer.cli.compile_cache import command_cache  # noqa: PLC0415
     try:
-        check_cache_dir(directory)
+        return command_cache(directory, disabled)
     except ValueError as error:
         raise UsageError(str(error)) from error
-    return compilation_cache(directory)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -82,7 +84,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.print_help()
         return 2
     try:
-        with _compile_cache(args.compile_cache):
+        with _compile_cache(args.compile_cache, args.no_compile_cache):
             return args.func(args)
     except UsageError as error:
         print(f"jaxformer {args.command}: error: {error}", file=sys.stderr)
