@@ -20,11 +20,16 @@ warm-up step (jaxformer's compile excluded), the process's peak resident memory
 state's bytes. Ratios are peer time / jaxformer time (> 1: jaxformer faster).
 
     python benchmarks/finetune.py [--batch 8] [--seq-len 256] [--steps 3] [--rank 8]
-                                  [--targets q,k,v,o]
+                                  [--targets q,k,v,o] [--remat none] [--runs ...]
+
+The bf16 row, jaxformer-mixed: full fine-tuning under precision="mixed" (bfloat16
+matmuls, float32 master weights and optimizer state) against the float32 peer.
 
 Prints a table, then one JSON line: ratio_vs_hf_full, ratio_vs_hf_lora,
-lora_state_bytes_ratio (jaxformer's LoRA optimizer state over its full one), and
-the per-run figures.
+ratio_vs_hf_full_mixed (peer time over jaxformer's: > 1 = jaxformer faster),
+peak_rss_ratio_vs_hf_full / _lora / _full_mixed (jaxformer's peak RSS over the
+peer's: <= 1 = jaxformer holds no more), lora_state_bytes_ratio (jaxformer's LoRA
+optimizer state over its full one), and the per-run figures.
 """
 
 from __future__ import annotations
@@ -79,7 +84,7 @@ def timed_steps(step, steps: int) -> list[float]:
     return times
 
 
-def jaxformer_worker(args, lora: bool) -> dict:
+def jaxformer_worker(args, lora: bool, mixed: bool = False) -> dict:
     import jax  # noqa: PLC0415
 
     from jaxformer import models  # noqa: PLC0415
@@ -88,7 +93,9 @@ def jaxformer_worker(args, lora: bool) -> dict:
 
     model, params, tokenizer = models.load(smollm2_path(), max_len=args.seq_len,
                                            progress=False)
-    config = model.config
+    config = model.config.replace(remat=args.remat)
+    if mixed:
+        config = config.replace(precision="mixed")
     if lora:
         config = config.replace(lora_rank=args.rank, lora_alpha=2.0 * args.rank,
                                 lora_targets=tuple(args.targets.split(",")))
@@ -156,13 +163,16 @@ def peer_worker(args, lora: bool) -> dict:
     return {"step_s": statistics.median(times), "opt_state_bytes": int(opt_bytes)}
 
 
-RUNS = ("jaxformer-full", "jaxformer-lora", "hf-full", "hf-lora")
+RUNS = ("jaxformer-full", "jaxformer-lora", "hf-full", "hf-lora", "jaxformer-mixed")
 
 
 def run_worker(args) -> None:
     lora = args.worker.endswith("lora")
-    worker = jaxformer_worker if args.worker.startswith("jaxformer") else peer_worker
-    figures = worker(args, lora)
+    if args.worker == "jaxformer-mixed":
+        figures = jaxformer_worker(args, False, mixed=True)
+    else:
+        worker = jaxformer_worker if args.worker.startswith("jaxformer") else peer_worker
+        figures = worker(args, lora)
     figures["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps(figures))
 
@@ -174,6 +184,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per run")
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--targets", default="q,k,v,o")
+    parser.add_argument("--remat", default="none",
+                        choices=("none", "full", "save_proj", "save_dots"),
+                        help="jaxformer's remat policy (benchmarks/NOTES.md: which pays)")
+    parser.add_argument("--runs", default=",".join(RUNS),
+                        help="comma-separated subset of " + ",".join(RUNS))
     parser.add_argument("--worker", choices=RUNS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -184,12 +199,16 @@ def main() -> None:
         runs = RUNS
     except ImportError:
         print("peft is not installed: the hf-lora column is skipped (pip install peft)")
-        runs = RUNS[:3]
+        runs = tuple(r for r in RUNS if r != "hf-lora")
+    wanted = args.runs.split(",")
+    if not set(wanted) <= set(RUNS):
+        sys.exit(f"--runs: choose among {', '.join(RUNS)}")
+    runs = tuple(r for r in runs if r in wanted)
     results = {}
     for name in runs:
         command = [sys.executable, __file__, "--worker", name, "--batch", str(args.batch),
                    "--seq-len", str(args.seq_len), "--steps", str(args.steps),
-                   "--rank", str(args.rank), "--targets", args.targets]
+                   "--rank", str(args.rank), "--targets", args.targets, "--remat", args.remat]
         proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
         if proc.returncode != 0:
             sys.exit(f"{name} failed:\n{proc.stderr[-2000:]}")
@@ -207,6 +226,9 @@ def main() -> None:
             return round(results[peer][key] / results[ours][key], 3)
         return None
 
+    def memory_ratio(ours, peer):  # jaxformer's peak over the peer's (goal <= 1)
+        return ratio(ours, peer, "peak_rss_mib")
+
     summary = {
         "ratio_vs_hf_full": ratio("hf-full", "jaxformer-full"),
         "ratio_vs_hf_lora": ratio("hf-lora", "jaxformer-lora"),
@@ -214,8 +236,11 @@ def main() -> None:
             round(results["jaxformer-lora"]["opt_state_bytes"]
                   / results["jaxformer-full"]["opt_state_bytes"], 5)
             if {"jaxformer-lora", "jaxformer-full"} <= set(results) else None),
-        "peak_rss_ratio_vs_hf_full": ratio("hf-full", "jaxformer-full", "peak_rss_mib"),
-        "peak_rss_ratio_vs_hf_lora": ratio("hf-lora", "jaxformer-lora", "peak_rss_mib"),
+        "peak_rss_ratio_vs_hf_full": memory_ratio("jaxformer-full", "hf-full"),
+        "peak_rss_ratio_vs_hf_lora": memory_ratio("jaxformer-lora", "hf-lora"),
+        "ratio_vs_hf_full_mixed": ratio("hf-full", "jaxformer-mixed"),
+        "peak_rss_ratio_vs_hf_full_mixed": memory_ratio("jaxformer-mixed", "hf-full"),
+        "remat": args.remat,
         "batch": args.batch, "seq_len": args.seq_len, "runs": results}
     print(json.dumps(summary))
 

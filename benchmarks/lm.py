@@ -64,6 +64,8 @@ import importlib.util
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -78,6 +80,10 @@ import transformers  # noqa: E402
 import jaxformer as jf  # noqa: E402
 from jaxformer.decode import cache_bytes  # noqa: E402
 from jaxformer.models import load  # noqa: E402
+from jaxformer.train import LMBatch, make_lm_eval_step  # noqa: E402
+
+REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+EVAL_BATCH, EVAL_LEN = 8, 512  # the evaluation's windows
 
 NEW_TOKENS, COMPARE_TOKENS, PREFILL_LEN = 128, 32, 128
 MATCH_TOLERANCE = 1e-4  # relative logit error of a matched row (float32)
@@ -105,6 +111,41 @@ def seconds(fn):
     start = time.perf_counter()
     result = fn()
     return time.perf_counter() - start, result
+
+
+def start_up(path: str, cache_dir: str, prompt: str = "The capital of France is") -> dict:
+    """`jaxformer generate --model PATH` in a fresh process: seconds from the process's
+    start to the first byte of its answer on stdout (the first token: generate streams),
+    to its exit, and its peak resident MiB (os.wait4's rusage of that child alone)."""
+    env = dict(os.environ, JAXFORMER_COMPILE_CACHE=cache_dir)
+    command = [sys.executable, "-m", "jaxformer", "generate", "--model", path, prompt,
+               "--max-new-tokens", "8"]
+    start = time.perf_counter()
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            env=env, cwd=REPO)
+    first = proc.stdout.read(1)
+    first_s = time.perf_counter() - start
+    proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    if status != 0 or not first:
+        raise SystemExit(f"{' '.join(command)} failed (status {status})")
+    return {"first_token_s": first_s, "exit_s": time.perf_counter() - start,
+            "peak_rss_mib": usage.ru_maxrss / 1024}
+
+
+def start_up_figures(path: str) -> dict:
+    """cold_start_s (an empty compile cache), warm_start_s (the same cache again: what
+    every later run of the command costs), and each run's peak RSS."""
+    with tempfile.TemporaryDirectory() as cache_dir:
+        cold = start_up(path, cache_dir)
+        warm = start_up(path, cache_dir)
+    print(f"generate --model SmolLM2, process start to first token: cold {cold['first_token_s']:.1f} s "
+          f"(peak {cold['peak_rss_mib']:.0f} MiB), warm {warm['first_token_s']:.1f} s "
+          f"(peak {warm['peak_rss_mib']:.0f} MiB)", flush=True)
+    return {"cold_start_s": round(cold["first_token_s"], 2),
+            "warm_start_s": round(warm["first_token_s"], 2),
+            "cold_start_peak_rss_mib": round(cold["peak_rss_mib"]),
+            "warm_start_peak_rss_mib": round(warm["peak_rss_mib"])}
 
 
 # -- part 2: one row per architecture, tiny random models ---------------------------------
@@ -236,11 +277,18 @@ def main(argv=None) -> dict:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS,
                         help=f"tokens decoded per timed run (at least {COMPARE_TOKENS})")
+    parser.add_argument("--start-only", action="store_true",
+                        help="only the cold and warm start of `jaxformer generate`")
     args = parser.parse_args(argv)
+    if args.start_only:
+        result = start_up_figures(smollm2_path())
+        print(json.dumps(result))
+        return result
     if args.new_tokens < COMPARE_TOKENS:
         parser.error(f"--new-tokens must be at least {COMPARE_TOKENS}")
     new_tokens = args.new_tokens
     path = smollm2_path()
+    starts = start_up_figures(path)  # first, while this process holds no model
 
     load_s, (model, params, tokenizer) = seconds(lambda: load(path, max_len=512,
                                                               progress=False))
@@ -305,7 +353,28 @@ def main(argv=None) -> dict:
                 return hf(tokens).logits
         return run
 
-    variants = {}
+    # Evaluation: the held-out loss over 8 windows of 512 tokens (jaxformer's eval step,
+    # the chunked cross-entropy where the logits are large) against transformers'
+    # forward with labels (its own loss).
+    eval_ids = np.random.default_rng(1).integers(3, config.tgt_vocab_size,
+                                                 (EVAL_BATCH, EVAL_LEN + 1))
+    eval_batch = LMBatch(inputs=eval_ids[:, :-1].astype(np.int32),
+                         labels=eval_ids[:, 1:].astype(np.int32),
+                         weights=np.ones((EVAL_BATCH, EVAL_LEN), np.float32),
+                         positions=np.tile(np.arange(EVAL_LEN, dtype=np.int32), (EVAL_BATCH, 1)),
+                         segments=np.ones((EVAL_BATCH, EVAL_LEN), np.int32))
+    eval_step = make_lm_eval_step(model)
+    token_bytes_V = jnp.ones((config.tgt_vocab_size,), jnp.float32)
+
+    def jf_eval():
+        return jax.block_until_ready(eval_step(params, eval_batch, token_bytes_V))
+
+    def hf_eval():
+        with torch.no_grad():
+            return hf(torch.tensor(eval_ids[:, :-1]), labels=torch.tensor(eval_ids)[:, :-1]
+                      ).loss
+
+    variants = {"eval 8x512": (jf_eval, hf_eval, EVAL_BATCH * EVAL_LEN)}
     for batch in (1, 8):
         variants[f"decode b{batch}"] = (jf_decode(batch), hf_decode(batch), batch * new_tokens)
         variants[f"prefill b{batch}"] = (jf_prefill(batch), hf_prefill(batch),
@@ -387,6 +456,10 @@ def main(argv=None) -> dict:
         "greedy_rows_identical_all_128": sum(agree_all),
         "torch_threads": torch_threads,
         "kv_cache_bytes_per_token": kv_gqa,
+        "eval_tokens_per_s_ratio_vs_hf": summary["eval 8x512"]["ratio"],
+        "eval_tokens_per_s": summary["eval 8x512"]["jf"],
+        "reference_eval_tokens_per_s": summary["eval 8x512"]["hf"],
+        **starts,
     }
     smollm2 = dict(max_rel_logit_err=max(errors), greedy_identical=all(agree_32),
                    **{f"{k}_b{b}": summary[f"decode b{b}"][v] for b in (1, 8)

@@ -22,7 +22,7 @@ The names below are the public surface; the modules are free to move.
 
 from jaxformer.train.checkpoint import CheckpointError, Checkpoints
 from jaxformer.train.data import LMBatch, TextData, segment_mask
-from jaxformer.train.evaluation import evaluate, evaluate_lm
+from jaxformer.train.evaluation import evaluate, evaluate_lm, make_lm_eval_step
 from jaxformer.train.loop import FitResult, NonFiniteLossError, TrainFunctions, fit, train_functions
 from jaxformer.train.loss import loss_and_metrics, model_logits
 from jaxformer.train.optimizer import make_optimizer
@@ -35,6 +35,7 @@ from jaxformer.train.train_config import TrainConfig
 
 __all__ = ["CheckpointError", "Checkpoints", "LMBatch", "TextData",
            "segment_mask", "Batch", "FitResult", "NonFiniteLossError", "TrainConfig",
-           "TrainFunctions", "TrainState", "evaluate", "evaluate_lm", "fit", "init_train_state",
+           "TrainFunctions", "TrainState", "evaluate", "evaluate_lm", "make_lm_eval_step", "fit",
+           "init_train_state",
            "loss_and_metrics", "make_optimizer", "make_train_step", "model_logits",
            "train_functions", "SyntheticTask", "TextTask", "TrainingTask", "training_task", "Run", "RunError"]
