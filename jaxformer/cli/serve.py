@@ -146,6 +146,7 @@ def base_model(args):
 
 def run(args) -> int:
     from jaxformer.serve import ServedModel, create_app, run_server  # noqa: PLC0415
+    from jaxformer.serve.http import structured_output  # noqa: PLC0415
     from jaxformer.serve.adapters import adapter_params, check_same_structure  # noqa: PLC0415
     from jaxformer.serve.engine import Engine  # noqa: PLC0415
 
@@ -176,6 +177,9 @@ def run(args) -> int:
         raise UsageError(str(error)) from error
     served = ServedModel(engine, tokenizer, name=name, max_len=max_len,
                          adapters=tuple(adapters), chat_template=template,
+                         make_constraint=structured_output(
+                             tokenizer, vocab_size=model.config.tgt_vocab_size,
+                             eos_id=model.config.eos_id),
                          drain_timeout=args.drain_timeout)
     host = f"[{args.host}]" if ":" in args.host else args.host
     run_server(create_app(served, api_key=args.api_key), host=args.host, port=args.port,

@@ -284,14 +284,16 @@ class Api:
             raise ApiError(str(error), "messages") from error
         return [int(i) for i in tokenizer.encode(rendered)]
 
-    def constraint(self, response_format):
+    async def constraint(self, response_format):
+        """The request's TokenConstraint (compiled off the event loop: a new schema's
+        index takes a while), or None."""
         if response_format is None:
             return None
         if self.served.make_constraint is None:
-            raise ApiError("response_format needs a grammar library that is not installed "
-                           "here", "response_format")
+            raise ApiError("response_format is not available on this server", "response_format")
         try:
-            return self.served.make_constraint(response_format)
+            return await asyncio.get_running_loop().run_in_executor(
+                None, self.served.make_constraint, response_format)
         except ImportError as error:
             raise ApiError(f"response_format: {error}", "response_format") from error
         except ValueError as error:
@@ -302,7 +304,7 @@ class Api:
         adapter = self.adapter(body.model)
         prompt = self.chat_prompt(body.messages)
         request = self.request(prompt, body.sampling, param="messages", adapter=adapter,
-                               constraint=self.constraint(body.response_format))
+                               constraint=await self.constraint(body.response_format))
         model = body.model or self.served.name
         handle = generation.submit(self.served.engine, request)
         if body.sampling.stream:
@@ -360,6 +362,27 @@ class Api:
             self.counts[(path, response.status_code)] += 1
             return response
         return handle
+
+
+def structured_output(tokenizer, *, vocab_size: int, eos_id: int) -> Callable:
+    """`ServedModel.make_constraint` over the `Grammars` of serve/constraint.py (built on
+    first use: it reads the vocabulary; ImportError without outlines-core)."""
+    grammars = []
+
+    def make(response_format: dict):
+        from jaxformer.serve import constraint  # noqa: PLC0415 - outlines-core on first use
+
+        if not grammars:
+            grammars.append(constraint.Grammars(getattr(tokenizer, "hf_tokenizer", tokenizer),
+                                     vocab_size=vocab_size, eos_id=eos_id))
+        kind = response_format["type"]
+        if kind == "json_schema":
+            return grammars[0].json_schema(response_format["schema"])
+        if kind == "json_object":
+            return grammars[0].json_schema({"type": "object"})
+        return grammars[0].regex(response_format["regex"])
+
+    return make
 
 
 def create_app(served: ServedModel, *, api_key: Optional[str] = None) -> Starlette:

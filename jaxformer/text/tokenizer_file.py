@@ -79,6 +79,11 @@ class JSONTokenizer:
         self.pretrained = True
         return self
 
+    @property
+    def hf_tokenizer(self):
+        """The `tokenizers.Tokenizer` inside (its vocabulary, e.g. for structured output)."""
+        return self._tok
+
     def encode(self, data: str) -> np.ndarray:
         """(N,) int32 ids, no specials added (a post-processor's BOS/EOS are not applied)."""
         return np.asarray(self._tok.encode(data, add_special_tokens=False).ids, np.int32)

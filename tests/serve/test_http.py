@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from tests.serve.conftest import running
+from tests.serve.server_fixture import running
 from tests.serve.fake_engine import BYTES, FAIL_TEXT, FakeEngine
 
 openai = pytest.importorskip("openai", reason="needs the `test` extra (the openai client)")

@@ -24,7 +24,7 @@ import pytest
 
 import jaxformer as jf
 from jaxformer.cli.main import main
-from tests.serve.conftest import free_port
+from tests.serve.server_fixture import free_port
 
 openai = pytest.importorskip("openai", reason="needs the `test` extra (the openai client)")
 pytest.importorskip("uvicorn", reason="needs the `serve` extra")

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from jaxformer.decode import generate
-from tests.serve.conftest import running
+from tests.serve.server_fixture import running
 
 openai = pytest.importorskip("openai", reason="needs the `test` extra (the openai client)")
 pytest.importorskip("uvicorn", reason="needs the `serve` extra")
@@ -32,7 +32,7 @@ MAX_LEN = 256
 def setup(smollm2):
     """(model, params, tokenizer, chat template, base URL) of a served SmolLM2."""
     from jaxformer.serve.engine import Engine  # noqa: PLC0415
-    from jaxformer.serve.http import ServedModel, create_app  # noqa: PLC0415
+    from jaxformer.serve.http import ServedModel, create_app, structured_output  # noqa: PLC0415
     from jaxformer.text import JSONTokenizer, chat_template  # noqa: PLC0415
 
     model, params, raw_tokenizer, path = smollm2
@@ -43,7 +43,8 @@ def setup(smollm2):
     engine = Engine(model, params, tokenizer, slots=4, max_len=MAX_LEN, page_size=16,
                     prefill_chunk=64, max_queue=8)
     served = ServedModel(engine, tokenizer, name="smollm2", max_len=MAX_LEN,
-                         chat_template=template)
+                         chat_template=template, make_constraint=structured_output(
+                             tokenizer, vocab_size=c.tgt_vocab_size, eos_id=c.eos_id))
     with running(create_app(served)) as url:
         yield model, params, tokenizer, template, url
 
@@ -173,3 +174,29 @@ def test_a_disconnect_frees_its_pages(setup):
         time.sleep(0.05)
     assert now["jaxformer_running_requests"] == 0, now
     assert now["jaxformer_kv_free_pages"] == idle["jaxformer_kv_free_pages"], now
+
+
+def test_json_schema_output_parses_and_validates(client):
+    pytest.importorskip("jaxformer.serve.constraint", reason="structured output not here yet")
+    pytest.importorskip("outlines_core", reason="needs the `structured` extra")
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                               "is_capital": {"type": "boolean"}},
+              "required": ["city", "is_capital"], "additionalProperties": False}
+    out = client.chat.completions.create(
+        model="smollm2", max_tokens=40, temperature=0,
+        messages=[{"role": "user", "content": "Give the largest city of France as JSON."}],
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "city", "schema": schema}})
+    assert out.choices[0].finish_reason == "stop", out.choices[0].message.content
+    jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+
+
+def test_a_schema_that_cannot_compile_is_400(client):
+    pytest.importorskip("jaxformer.serve.constraint", reason="structured output not here yet")
+    pytest.importorskip("outlines_core", reason="needs the `structured` extra")
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(
+            model="smollm2", max_tokens=4, messages=[{"role": "user", "content": "x"}],
+            response_format={"type": "regex", "regex": "(unclosed"})
+    assert raised.value.body["param"] == "response_format"
