@@ -22,20 +22,8 @@ config value jaxformer does not implement raises ValueError naming it
 the config implies, and every missing, unexpected or wrong-shaped tensor is
 listed in one `CheckpointMismatch`.
 
-Name mapping (Hugging Face, torch Linear (out, in) -> jaxformer):
-
-    model.embed_tokens.weight (V, D)               embed/embedding
-    lm_head.weight (V, D)                          decoder/out_proj/kernel (D, V)  if untied
-    model.norm.weight                              decoder/final_norm/scale
-    model.layers.i.input_layernorm                 decoder/layers_i/self_attn_norm
-    model.layers.i.post_attention_layernorm        .../ffn_norm  (Gemma: self_attn_post_norm)
-    model.layers.i.pre_feedforward_layernorm       .../ffn_norm                (Gemma)
-    model.layers.i.post_feedforward_layernorm      .../ffn_post_norm           (Gemma)
-    model.layers.i.self_attn.{q,k,v}_proj (N*K, D) .../self_attn/{query,key,value}/kernel (D, N, K)
-    model.layers.i.self_attn.o_proj (D, H*K)       .../self_attn/out/kernel (H, K, D)
-    model.layers.i.self_attn.{q,k}_norm (K,)       .../self_attn/{query,key}_norm/scale
-    model.layers.i.mlp.{gate,up}_proj (F, D)       .../ffn/{gate,wi}/kernel (D, F)
-    model.layers.i.mlp.down_proj (D, F)            .../ffn/wo/kernel (F, D)
+The tensors' names, shapes and layouts are the family's table
+(`jaxformer.models.llama_tensors.LLAMA`); `params_from_hf` loops over it.
 """
 
 from __future__ import annotations
@@ -49,8 +37,10 @@ import numpy as np
 
 from jaxformer.config import TransformerConfig, llama
 from jaxformer.errors import FileFormatError, require_file
-from jaxformer.interop.flat import CheckpointMismatch, unflatten
+from jaxformer.interop.flat import unflatten
 from jaxformer.interop.progress import tensor_bar
+from jaxformer.models import tensor_table
+from jaxformer.models.llama_tensors import LLAMA
 from jaxformer.nn.model import DecoderOnlyLM
 from jaxformer.text.pretrained import tokenizer_from_dir
 
@@ -245,57 +235,22 @@ def config_from_hf(values: dict, *, dtype: str = "float32",
 
 
 def expected_tensors(config: TransformerConfig, arch: str) -> dict[str, tuple[int, ...]]:
-    """Hugging Face tensor name -> shape that `config` implies for `arch`."""
-    D, H, G, K, F, V = (config.d_model, config.num_heads, config.kv_heads, config.head_dim,
-                        config.d_ff, config.tgt_vocab_size)
-    shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
-    if not config.tie_output_embedding:
-        shapes["lm_head.weight"] = (V, D)
-    for i in range(config.num_decoder_layers):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,),
-            p + "self_attn.q_proj.weight": (H * K, D), p + "self_attn.k_proj.weight": (G * K, D),
-            p + "self_attn.v_proj.weight": (G * K, D), p + "self_attn.o_proj.weight": (D, H * K),
-            p + "mlp.gate_proj.weight": (F, D), p + "mlp.up_proj.weight": (F, D),
-            p + "mlp.down_proj.weight": (D, F)})
-        for letter, n in (("q", H), ("k", G), ("v", G)):
-            if config.has_attention_bias(letter):
-                shapes[p + f"self_attn.{letter}_proj.bias"] = (n * K,)
-        if config.has_attention_bias("o"):
-            shapes[p + "self_attn.o_proj.bias"] = (D,)
-        if config.ffn_bias:
-            shapes.update({p + "mlp.gate_proj.bias": (F,), p + "mlp.up_proj.bias": (F,),
-                           p + "mlp.down_proj.bias": (D,)})
-        if config.qk_norm:
-            shapes.update({p + "self_attn.q_norm.weight": (K,), p + "self_attn.k_norm.weight": (K,)})
-        if arch in GEMMA:
-            shapes.update({p + "pre_feedforward_layernorm.weight": (D,),
-                           p + "post_feedforward_layernorm.weight": (D,)})
-    return shapes
+    """Hugging Face tensor name -> shape that `config` implies (`LLAMA`'s rows; `arch`'s
+    blocks are the config's: `config_from_hf`)."""
+    return tensor_table.file_shapes(LLAMA, config, "hf")
 
 
 def _ignored(name: str, config: TransformerConfig) -> bool:
     """Tensors a checkpoint may carry that change nothing: RoPE buffers, a tied head."""
     return name.endswith("rotary_emb.inv_freq") or (
-        name == "lm_head.weight" and config.tie_output_embedding)
+        name == LLAMA.row("decoder/out_proj/kernel").hf and config.tie_output_embedding)
 
 
 def check_tensors(checkpoint, config: TransformerConfig, arch: str) -> None:
     """CheckpointMismatch listing every missing, unexpected and wrong-shaped tensor,
     from the files' headers (no tensor is read)."""
-    check_shapes(expected_tensors(config, arch),
+    tensor_table.check_shapes(expected_tensors(config, arch),
                  {n: s for n, s in checkpoint.shapes.items() if not _ignored(n, config)})
-
-
-def check_shapes(want: dict, have: dict) -> None:
-    """CheckpointMismatch listing every name of `want` missing from `have`, every name
-    `have` has beyond it, and every shape that differs ({name: shape} both)."""
-    missing = sorted(set(want) - set(have))
-    unexpected = sorted(set(have) - set(want))
-    wrong = {n: (have[n], want[n]) for n in sorted(set(want) & set(have)) if have[n] != want[n]}
-    if missing or unexpected or wrong:
-        raise CheckpointMismatch(missing, unexpected, wrong)
 
 
 def params_from_hf(checkpoint, config: TransformerConfig, arch: str, *,
@@ -304,50 +259,16 @@ def params_from_hf(checkpoint, config: TransformerConfig, arch: str, *,
 
     `progress`: a bar on stderr per tensor read (None: if stderr is a terminal)."""
     check_tensors(checkpoint, config, arch)
-    H, G, K, D = config.num_heads, config.kv_heads, config.head_dim, config.d_model
-    dtype = config.params_dtype
-    flat: dict[str, np.ndarray] = {}
-    bar = tensor_bar(len(expected_tensors(config, arch)),
+    dims, dtype = LLAMA.dims(config), config.params_dtype
+    entries = tensor_table.entries(LLAMA, config)
+    bar = tensor_bar(len(entries),
                      f"reading {os.path.basename(os.path.normpath(checkpoint.path))}", progress)
-
-    def put(ours: str, theirs: str, transform=lambda w: w):
-        flat[ours] = jnp.asarray(np.ascontiguousarray(transform(
-            checkpoint.array(theirs).astype(np.float32))), dtype)
+    flat: dict[str, np.ndarray] = {}
+    for entry in entries:  # Hugging Face's RoPE layout is the config's ("half")
+        value = checkpoint.array(entry.hf).astype(np.float32)
+        flat[entry.ours] = jnp.asarray(np.ascontiguousarray(
+            tensor_table.to_params(entry.row, value, dims)), dtype)
         bar.update(1)
-
-    put("embed/embedding", "model.embed_tokens.weight")
-    put("decoder/final_norm/scale", "model.norm.weight")
-    if not config.tie_output_embedding:
-        put("decoder/out_proj/kernel", "lm_head.weight", lambda w: w.T)
-    gemma = arch in GEMMA
-    for i in range(config.num_decoder_layers):
-        ours, theirs = f"decoder/layers_{i}/", f"model.layers.{i}."
-        attn, a = ours + "self_attn/", theirs + "self_attn."
-        put(ours + "self_attn_norm/scale", theirs + "input_layernorm.weight")
-        if gemma:
-            put(ours + "self_attn_post_norm/scale", theirs + "post_attention_layernorm.weight")
-            put(ours + "ffn_norm/scale", theirs + "pre_feedforward_layernorm.weight")
-            put(ours + "ffn_post_norm/scale", theirs + "post_feedforward_layernorm.weight")
-        else:
-            put(ours + "ffn_norm/scale", theirs + "post_attention_layernorm.weight")
-        for name, letter, n in (("query", "q", H), ("key", "k", G), ("value", "v", G)):
-            put(attn + f"{name}/kernel", a + f"{letter}_proj.weight",
-                lambda w, n=n: w.T.reshape(D, n, K))
-            if config.has_attention_bias(letter):
-                put(attn + f"{name}/bias", a + f"{letter}_proj.bias",
-                    lambda b, n=n: b.reshape(n, K))
-        put(attn + "out/kernel", a + "o_proj.weight", lambda w: w.T.reshape(H, K, D))
-        if config.has_attention_bias("o"):
-            put(attn + "out/bias", a + "o_proj.bias")
-        if config.qk_norm:
-            put(attn + "query_norm/scale", a + "q_norm.weight")
-            put(attn + "key_norm/scale", a + "k_norm.weight")
-        for ours_ffn, theirs_ffn in (("gate", "gate_proj"), ("wi", "up_proj"),
-                                     ("wo", "down_proj")):
-            put(ours + f"ffn/{ours_ffn}/kernel", theirs + f"mlp.{theirs_ffn}.weight",
-                lambda w: w.T)
-            if config.ffn_bias:
-                put(ours + f"ffn/{ours_ffn}/bias", theirs + f"mlp.{theirs_ffn}.bias")
     bar.close()
     return unflatten(flat)
 

@@ -51,7 +51,8 @@ import numpy as np
 from jaxformer.config import TransformerConfig
 from jaxformer.interop.flat import load_flat
 from jaxformer.models.whisper.config import whisper_config
-from jaxformer.models.hf import ACTIVATIONS, check_shapes, read_config
+from jaxformer.models.hf import ACTIVATIONS, read_config
+from jaxformer.models.tensor_table import check_shapes
 from jaxformer.text.pretrained import tokenizer_from_dir
 from jaxformer.nn.model import Transformer
 from jaxformer.nn.stems import ConvStem

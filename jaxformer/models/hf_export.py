@@ -27,7 +27,9 @@ import numpy as np
 
 from jaxformer.config import TransformerConfig
 from jaxformer.interop.flat import flatten
-from jaxformer.models.hf import ARCHITECTURES, GEMMA, expected_tensors
+from jaxformer.models import tensor_table
+from jaxformer.models.hf import ARCHITECTURES, GEMMA
+from jaxformer.models.llama_tensors import LLAMA
 from jaxformer.nn.rope import half_to_interleaved_rows
 from jaxformer.nn.stacking import unstack_layers
 
@@ -183,65 +185,32 @@ def config_to_hf(config: TransformerConfig, arch: str, dtype: str = "float32") -
 
 def tensors_to_hf(config: TransformerConfig, params, arch: str, dtype=np.float32) -> dict:
     """Hugging Face tensor name -> numpy array (torch Linear layout) of `params` (either
-    layer layout); ValueError if a parameter has no place in `arch`."""
+    layer layout), a loop over the family's table (`llama_tensors.LLAMA`); ValueError if
+    a parameter has no place in `arch` or the params are of another config."""
     check_exportable(config, arch)
-    flat = {k: v for k, v in flatten(unstack_layers(params)).items()}
-    used: set[str] = set()
-    H, G, K, D = config.num_heads, config.kv_heads, config.head_dim, config.d_model
+    flat = flatten(unstack_layers(params))
+    dims = LLAMA.dims(config)
     # Interleaved RoPE rows -> Hugging Face's half-split rows (the inverse permutation).
-    to_half = (np.argsort(half_to_interleaved_rows(K)) if config.rope == "interleaved"
-               else np.arange(K))
+    to_half = (np.argsort(half_to_interleaved_rows(config.head_dim))
+               if config.rope == "interleaved" else None)
+    entries = tensor_table.entries(LLAMA, config)
     out: dict[str, np.ndarray] = {}
-
-    def put(theirs: str, ours: str, transform=lambda w: w):
-        if ours not in flat:
-            raise ValueError(f"params have no {ours!r}, which {arch}'s {theirs} needs "
+    for entry in entries:
+        if entry.ours not in flat:
+            raise ValueError(f"params have no {entry.ours!r}, which {arch}'s {entry.hf} needs "
                              "(params of another config?)")
-        used.add(ours)
-        value = transform(np.asarray(flat[ours], np.float32))
-        out[theirs] = np.ascontiguousarray(value).astype(dtype)
-
-    put("model.embed_tokens.weight", "embed/embedding")
-    put("model.norm.weight", "decoder/final_norm/scale")
-    if not config.tie_output_embedding:
-        put("lm_head.weight", "decoder/out_proj/kernel", lambda w: w.T)
-    for i in range(config.num_decoder_layers):
-        ours, theirs = f"decoder/layers_{i}/", f"model.layers.{i}."
-        attn, a = ours + "self_attn/", theirs + "self_attn."
-        put(theirs + "input_layernorm.weight", ours + "self_attn_norm/scale")
-        if arch in GEMMA:
-            put(theirs + "post_attention_layernorm.weight", ours + "self_attn_post_norm/scale")
-            put(theirs + "pre_feedforward_layernorm.weight", ours + "ffn_norm/scale")
-            put(theirs + "post_feedforward_layernorm.weight", ours + "ffn_post_norm/scale")
-        else:
-            put(theirs + "post_attention_layernorm.weight", ours + "ffn_norm/scale")
-        for name, letter, n in (("query", "q", H), ("key", "k", G), ("value", "v", G)):
-            order = to_half if letter in "qk" else np.arange(K)
-            put(a + f"{letter}_proj.weight", attn + f"{name}/kernel",
-                lambda w, n=n, order=order: w[:, :, order].reshape(D, n * K).T)
-            if config.has_attention_bias(letter):
-                put(a + f"{letter}_proj.bias", attn + f"{name}/bias",
-                    lambda b, n=n, order=order: b[:, order].reshape(n * K))
-        put(a + "o_proj.weight", attn + "out/kernel", lambda w: w.reshape(H * K, D).T)
-        if config.has_attention_bias("o"):
-            put(a + "o_proj.bias", attn + "out/bias")
-        if config.qk_norm:
-            put(a + "q_norm.weight", attn + "query_norm/scale", lambda w: w[to_half])
-            put(a + "k_norm.weight", attn + "key_norm/scale", lambda w: w[to_half])
-        for ours_ffn, theirs_ffn in (("gate", "gate_proj"), ("wi", "up_proj"),
-                                     ("wo", "down_proj")):
-            put(theirs + f"mlp.{theirs_ffn}.weight", ours + f"ffn/{ours_ffn}/kernel",
-                lambda w: w.T)
-            if config.ffn_bias:
-                put(theirs + f"mlp.{theirs_ffn}.bias", ours + f"ffn/{ours_ffn}/bias")
-    unused = sorted(set(flat) - used)
+        value = tensor_table.to_file(entry.row, np.asarray(flat[entry.ours], np.float32),
+                                     dims, to_half)
+        out[entry.hf] = np.ascontiguousarray(value).astype(dtype)
+    unused = sorted(set(flat) - {e.ours for e in entries})
     if unused:
         raise ValueError(f"cannot export as {arch}: parameters with no Hugging Face "
                          f"tensor: {', '.join(unused)}")
-    want = expected_tensors(config, arch)
-    wrong = {n: (out[n].shape, s) for n, s in want.items() if out[n].shape != s}
-    if wrong:
-        raise ValueError(f"parameters do not match the config: (shape, wanted) {wrong}")
+    try:
+        tensor_table.check_shapes({e.hf: e.shape for e in entries},
+                                  {n: v.shape for n, v in out.items()})
+    except ValueError as error:
+        raise ValueError(f"parameters do not match the config: {error}") from error
     return out
 
 

@@ -39,23 +39,9 @@ layout, the other types (and files mixing layouts) convert to int8_block
 (`interop.gguf_blocks`), with a `QuantConversionWarning` stating each inexact
 conversion's error; a type jaxformer does not decode is refused by name.
 
-GGUF name -> jaxformer parameter (numpy order of the GGUF tensor on the left):
-
-    token_embd.weight     (V, D)    embed/embedding
-    output.weight         (V, D)    decoder/out_proj/kernel (D, V)   if untied
-    output_norm.weight    (D,)      decoder/final_norm/scale
-    blk.i.attn_norm       (D,)      decoder/layers_i/self_attn_norm/scale
-    blk.i.attn_q          (H*K, D)  .../self_attn/query/kernel (D, H, K)   rows permuted, below
-    blk.i.attn_k          (G*K, D)  .../self_attn/key/kernel   (D, G, K)   rows permuted, below
-    blk.i.attn_v          (G*K, D)  .../self_attn/value/kernel (D, G, K)
-    blk.i.attn_{q,k,v}.bias (N*K,)  .../self_attn/{query,key,value}/bias (N, K)   qwen2
-    blk.i.attn_{q,k}_norm (K,)      .../self_attn/{query,key}_norm/scale          qwen3, gemma3
-    blk.i.attn_output     (D, H*K)  .../self_attn/out/kernel   (H, K, D)
-    blk.i.post_attention_norm (D,)  .../self_attn_post_norm/scale                 gemma
-    blk.i.ffn_norm        (D,)      decoder/layers_i/ffn_norm/scale
-    blk.i.post_ffw_norm   (D,)      .../ffn_post_norm/scale                       gemma
-    blk.i.ffn_gate / ffn_up (F, D)  .../ffn/gate/kernel, ffn/wi/kernel (D, F)
-    blk.i.ffn_down        (D, F)    .../ffn/wo/kernel (F, D)
+The tensors' names, shapes and layouts are the family's table
+(`jaxformer.models.llama_tensors.LLAMA`, GGUF names in numpy order);
+`params_from_gguf` loops over it.
 
 RoPE layout: for llama/mistral, llama.cpp's converter permutes each head's
 query/key rows from Hugging Face's half-split order to the interleaved pair
@@ -80,7 +66,10 @@ from jaxformer.config import TransformerConfig, llama
 from jaxformer.interop.gguf import (BLOCK, FLOAT_TYPES, GGUFFile, read_architecture,
                                     read_gguf)
 from jaxformer.interop.gguf_blocks import target_layout
+from jaxformer.interop.flat import unflatten
 from jaxformer.interop.progress import tensor_bar
+from jaxformer.models import tensor_table
+from jaxformer.models.llama_tensors import LLAMA
 from jaxformer.nn.model import DecoderOnlyLM
 from jaxformer.nn.quant import check_format
 from jaxformer.nn.quant_dense import leaf_names
@@ -94,9 +83,6 @@ GEMMA = ("gemma2", "gemma3")
 # llama.cpp's local:global period when the file states none, and its 27B layer counts.
 _SWA_PERIOD = {"gemma2": 2, "gemma3": 6}
 _27B_LAYERS = {"gemma2": 46, "gemma3": 62}
-# The layer kernels' GGUF names end so (attention and FFN projections).
-_KERNELS = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
-            "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
 # Metadata that would change the function but that jaxformer does not implement.
 _UNSUPPORTED_KEYS = ("{a}.attention.layer_norm_epsilon", "{a}.expert_count",
                      "{a}.rope.scaling.attn_factor", "{a}.attention.key_length_swa")
@@ -198,7 +184,7 @@ def config_from_gguf(file: GGUFFile, *, rope: str = "half", dtype: str = "float3
         num_decoder_layers=layers, max_len=context if max_len is None else max_len,
         layer_norm_epsilon=float(_meta(file, f"{a}.attention.layer_norm_rms_epsilon")),
         rope_theta=float(file.metadata.get(f"{a}.rope.freq_base", 10000.0)), rope=rope,
-        tie_output_embedding="output.weight" not in file.tensors,
+        tie_output_embedding=LLAMA.row("decoder/out_proj/kernel").gguf not in file.tensors,
         sliding_window=window, attention_pattern=pattern,
         pad_id=pad, bos_id=bos, eos_id=eos, dtype=dtype, **_rope_scaling(file, a))
     if a == "qwen2":
@@ -228,8 +214,8 @@ class QuantConversionWarning(UserWarning):
 def kept_formats(file: GGUFFile, config: TransformerConfig) -> dict:
     """The config fields that keep the file's blocks (`load(..., quantize="keep")`):
     weight_quant from the layer kernels' block types (`gguf_blocks.target_layout`; types
-    of different layouts: "int8_block", the widest), embed_quant from token_embd's (and
-    output.weight's, which must both be quantized or both float).
+    of different layouts: "int8_block", the widest), embed_quant from the token table's (and
+    the untied output's, which must both be quantized or both float).
 
     Raises ValueError naming the tensor and its type for a type jaxformer does not
     decode, for layer kernels partly float, and for a file whose layer kernels are float
@@ -241,8 +227,10 @@ def kept_formats(file: GGUFFile, config: TransformerConfig) -> dict:
         layouts = {target_layout(k) for k in kinds}
         return layouts.pop() if len(layouts) == 1 else "int8_block"
 
-    kernels = [n for n in expected_shapes(config, file.architecture)
-               if n.startswith("blk.") and n.endswith(_KERNELS)]
+    kernel_entries = [e for e in tensor_table.entries(LLAMA, config)
+                      if e.row.kind in tensor_table.KERNELS]
+    kernels = [e.gguf for e in kernel_entries if e.layer is not None]
+    embeddings = [e.gguf for e in kernel_entries if e.layer is None]  # table, untied output
     file.check_types()  # a type jaxformer does not decode, by name
     types = {kind(n) for n in kernels}
     if types <= FLOAT_TYPES:
@@ -253,12 +241,11 @@ def kept_formats(file: GGUFFile, config: TransformerConfig) -> dict:
         raise ValueError(f"{file.path}: quantize='keep' needs every layer kernel quantized, "
                          f"the file mixes {', '.join(sorted(t.name for t in types))}: "
                          "load it with quantize='int8' or 'int4' (or without quantize)")
-    tables = {kind("token_embd.weight")} | (
-        set() if config.tie_output_embedding else {kind("output.weight")})
+    tables = {kind(n) for n in embeddings}
     if tables & FLOAT_TYPES and tables - FLOAT_TYPES:
-        raise ValueError(f"{file.path}: quantize='keep' needs token_embd.weight and "
-                         f"output.weight both quantized or both float, got "
-                         f"{kind('token_embd.weight').name} and {kind('output.weight').name}")
+        raise ValueError(f"{file.path}: quantize='keep' needs {' and '.join(embeddings)} "
+                         f"both quantized or both float, got "
+                         f"{' and '.join(kind(n).name for n in embeddings)}")
     return dict(weight_quant=layout_of(types), quant_block=BLOCK,
                 embed_quant="float" if tables <= FLOAT_TYPES else layout_of(tables))
 
@@ -272,44 +259,16 @@ def quantized_layout(file: GGUFFile, config: TransformerConfig) -> Optional[str]
 
 
 def expected_shapes(config: TransformerConfig, arch: str = "llama") -> dict[str, tuple[int, ...]]:
-    """GGUF tensor name -> numpy shape that `config` implies (the file must match exactly)."""
-    D, H, G, K, F, V = (config.d_model, config.num_heads, config.kv_heads, config.head_dim,
-                        config.d_ff, config.tgt_vocab_size)
-    shapes = {"token_embd.weight": (V, D), "output_norm.weight": (D,)}
-    if not config.tie_output_embedding:
-        shapes["output.weight"] = (V, D)
-    for i in range(config.num_decoder_layers):
-        b = f"blk.{i}."
-        shapes.update({
-            b + "attn_norm.weight": (D,), b + "ffn_norm.weight": (D,),
-            b + "attn_q.weight": (H * K, D), b + "attn_k.weight": (G * K, D),
-            b + "attn_v.weight": (G * K, D), b + "attn_output.weight": (D, H * K),
-            b + "ffn_gate.weight": (F, D), b + "ffn_up.weight": (F, D),
-            b + "ffn_down.weight": (D, F)})
-        for letter, n in (("q", H), ("k", G), ("v", G)):
-            if config.has_attention_bias(letter):
-                shapes[b + f"attn_{letter}.bias"] = (n * K,)
-        if config.qk_norm:
-            shapes.update({b + "attn_q_norm.weight": (K,), b + "attn_k_norm.weight": (K,)})
-        if arch in GEMMA:
-            shapes.update({b + "post_attention_norm.weight": (D,),
-                           b + "post_ffw_norm.weight": (D,)})
-    return shapes
+    """GGUF tensor name -> numpy shape that `config` implies (`LLAMA`'s rows; `arch`'s
+    blocks are the config's: `config_from_gguf`). The file must match exactly."""
+    return tensor_table.file_shapes(LLAMA, config, "gguf")
 
 
 def check_shapes(file: GGUFFile, config: TransformerConfig) -> None:
-    """Every tensor present with the shape `config` implies, and no other tensor."""
-    want = expected_shapes(config, file.architecture)
-    missing = sorted(set(want) - set(file.tensors))
-    extra = sorted(set(file.tensors) - set(want))
-    if missing or extra:
-        raise ValueError(f"{file.path}: tensors do not match a {file.architecture} model with "
-                         f"{config.num_decoder_layers} layers: missing {missing[:5]}, "
-                         f"unexpected {extra[:5]}")
-    for name, shape in want.items():
-        if file.shape(name) != shape:
-            raise ValueError(f"{file.path}: tensor {name!r} has shape {file.shape(name)}, "
-                             f"expected {shape} from the metadata")
+    """Every tensor present with the shape `config` implies, and no other tensor:
+    else one `CheckpointMismatch` listing every difference (from the header)."""
+    tensor_table.check_shapes(expected_shapes(config, file.architecture),
+                              {name: file.shape(name) for name in file.tensors})
 
 
 def _feature_order(arch: str, head_dim: int, rope: str) -> np.ndarray:
@@ -331,68 +290,44 @@ def params_from_gguf(file: GGUFFile, config: TransformerConfig, *,
     `progress`: a bar on stderr per tensor read (None: if stderr is a terminal).
     """
     check_shapes(file, config)
-    arch = file.architecture
-    H, G, K, D = config.num_heads, config.kv_heads, config.head_dim, config.d_model
-    order = _feature_order(arch, K, config.rope)
+    gemma = file.architecture in GEMMA
+    order = _feature_order(file.architecture, config.head_dim, config.rope)
     bar = tensor_bar(len(file.tensors), f"reading {os.path.basename(file.path)}", progress)
+    dims = LLAMA.dims(config)
 
-    def get(name):
-        value = file.array(name)
+    def get(entry):
+        value = file.array(entry.gguf)
         bar.update(1)
-        if arch in GEMMA and name.endswith("norm.weight"):
+        if gemma and entry.row.kind in tensor_table.NORMS:
             value = value - 1.0  # the converter stored 1 + w
         return value
 
-    def heads(value, n, permute):  # (n*K, X) rows -> (n, K, X), rows in `rope`'s order
-        value = value.reshape(n, K, -1)
-        return value[:, order] if permute else value
-
-    def weight(name, role, to_kernel, float_shape=None, leaf="kernel"):
-        """{leaf: float} or the kept blocks {leaf_q, scale, offset}; `to_kernel` maps the
-        file's (rows, X) to the parameter layout (X: the input features, or their blocks)."""
+    def weight(entry, role):
+        """{leaf: float} or the kept blocks {leaf_q, scale, offset} of a kernel, in the
+        parameter layout (the blocks' rows moved as the float kernel's rows move)."""
+        leaf = entry.ours.rsplit("/", 1)[1]
         fmt = config.quant_format(role)
         if fmt is None:
-            value = to_kernel(get(name))
-            return {leaf: value if float_shape is None else value.reshape(float_shape)}
-        _, parts = file.blocks(name, fmt)
+            return {leaf: tensor_table.to_params(entry.row, get(entry), dims, order)}
+        _, parts = file.blocks(entry.gguf, fmt)
         bar.update(1)
-        return {leaf_names(leaf, fmt)[part]: to_kernel(value) for part, value in parts.items()}
+        return {leaf_names(leaf, fmt)[part]: tensor_table.to_params(
+            entry.row, value, dims, order, blocks=True) for part, value in parts.items()}
 
-    def qkv(name, n, permute):  # (n*K, D) -> (D, n, K)
-        return weight(name, "layers", lambda v: heads(v, n, permute).transpose(2, 0, 1))
-
-    decoder = {"final_norm": {"scale": get("output_norm.weight")}}
-    if not config.tie_output_embedding:
-        decoder["out_proj"] = weight("output.weight", "embed", lambda v: v.T)
-    for i in range(config.num_decoder_layers):
-        b = f"blk.{i}."
-        attn = {"query": qkv(b + "attn_q.weight", H, True),
-                "key": qkv(b + "attn_k.weight", G, True),
-                "value": qkv(b + "attn_v.weight", G, False),
-                "out": weight(b + "attn_output.weight", "layers", lambda v: v.T, (H, K, D))}
-        for name, letter, n in (("query", "q", H), ("key", "k", G), ("value", "v", G)):
-            if config.has_attention_bias(letter):
-                attn[name]["bias"] = heads(get(b + f"attn_{letter}.bias"), n,
-                                           letter != "v")[..., 0]
-        if config.qk_norm:  # a per-feature scale: reordered with the rows
-            attn["query_norm"] = {"scale": get(b + "attn_q_norm.weight")[order]}
-            attn["key_norm"] = {"scale": get(b + "attn_k_norm.weight")[order]}
-        transpose = lambda v: v.T  # noqa: E731  (F, D) -> (D, F) and (D, F) -> (F, D)
-        layer = {"self_attn_norm": {"scale": get(b + "attn_norm.weight")}, "self_attn": attn,
-                 "ffn_norm": {"scale": get(b + "ffn_norm.weight")},
-                 "ffn": {"gate": weight(b + "ffn_gate.weight", "layers", transpose),
-                         "wi": weight(b + "ffn_up.weight", "layers", transpose),
-                         "wo": weight(b + "ffn_down.weight", "layers", transpose)}}
-        if arch in GEMMA:
-            layer["self_attn_post_norm"] = {"scale": get(b + "post_attention_norm.weight")}
-            layer["ffn_post_norm"] = {"scale": get(b + "post_ffw_norm.weight")}
-        decoder[f"layers_{i}"] = layer
-    params = {"embed": weight("token_embd.weight", "embed", lambda v: v, leaf="embedding"),
-              "decoder": decoder}
+    flat = {}
+    for entry in tensor_table.entries(LLAMA, config):
+        if entry.row.kind in tensor_table.KERNELS:  # kept blocks or float, by role
+            module = entry.ours.rsplit("/", 1)[0]
+            for leaf, value in weight(entry, "embed" if entry.layer is None
+                                      else "layers").items():
+                flat[f"{module}/{leaf}"] = value
+        else:
+            flat[entry.ours] = tensor_table.to_params(entry.row, get(entry), dims, order)
     bar.close()
     return jax.tree_util.tree_map(
         lambda x: jnp.asarray(np.ascontiguousarray(x), config.params_dtype
-                              if np.issubdtype(x.dtype, np.float32) else x.dtype), params)
+                              if np.issubdtype(x.dtype, np.float32) else x.dtype),
+        unflatten(flat))
 
 
 def load_gguf(path, *, rope: str = "half", dtype: str = "float32", max_len: int | None = None,
