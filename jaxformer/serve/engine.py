@@ -279,6 +279,10 @@ class Engine:
             top_p=column(lambda p: 1.0 if p.top_p is None else p.top_p, jnp.float32, 1.0),
             seed=column(lambda p: p.seed, jnp.uint32, 0))
 
+    @staticmethod
+    def want_top(slots: list[Slot]) -> np.ndarray:
+        return np.asarray(any(s.request.params.logprobs for s in slots))
+
     def allowed(self, slots: list[Optional[Slot]]):
         """(S, V) bool masks of the rows' constraints, or None if no row has one."""
         if all(s is None or s.request.constraint is None for s in slots):
@@ -302,9 +306,10 @@ class Engine:
         echo = slot.request.params.echo
         allowed = self.allowed([slot])
         picks, extra, self.pools = self.prefill_fn(
-            self.model, self.page_size, self.params[slot.request.adapter], self.pools, slot.table.row()[None],
+            self.model, self.page_size, self.params[slot.request.adapter], self.pools,
+            slot.table.row()[None],
             np.asarray([start], np.int32), tokens, np.arange(width)[None] < count,
-            self.slot_params([slot]), np.int32(count - 1), targets,
+            self.slot_params([slot]), self.want_top([slot]), np.int32(count - 1), targets,
             np.zeros((1, 1), bool) if allowed is None else allowed,
             view_len=bucket(start + width, self.view_sizes), echo=echo,
             masked=allowed is not None)
@@ -337,7 +342,8 @@ class Engine:
         for adapter, members in groups.items():
             valid = np.asarray([s in members for s in self.running])
             picks, self.pools = self.decode_fn(
-                self.model, self.page_size, self.params[adapter], self.pools, table, lengths, tokens, valid, params,
+                self.model, self.page_size, self.params[adapter], self.pools, table, lengths,
+                tokens, valid, params, self.want_top(members),
                 np.zeros((1, 1), bool) if allowed is None else allowed, view_len=view_len,
                 masked=allowed is not None)
             results.append((members, jax.device_get(picks)))

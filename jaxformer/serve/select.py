@@ -58,20 +58,37 @@ def filtered_logits(logits_SV: jnp.ndarray, params: SlotParams) -> jnp.ndarray:
     return jnp.where(logits_SV >= threshold_S1, logits_SV, NEG)
 
 
-def pick(logits_SV: jnp.ndarray, params: SlotParams, positions_S: jnp.ndarray) -> Picks:
+def pick(logits_SV: jnp.ndarray, params: SlotParams, positions_S: jnp.ndarray,
+         want_top: jnp.ndarray) -> Picks:
     """Each row's next token under its own settings; `positions_S` are the positions
-    the picked tokens will have (their keys' `fold_in` value)."""
+    the picked tokens will have (their keys' `fold_in` value); `want_top` () bool: some
+    row asked for top-n logprobs.
+
+    Work is skipped at run time (`lax.cond`) when no row needs it: the draw when every
+    row is greedy, the sort of top-k/top-p when no row filters, the top-n when no row
+    asks (a sort of the vocabulary per row costs more than the argmax by 100x on a CPU).
+    """
     logits_SV = logits_SV.astype(jnp.float32)
-    filtered_SV = filtered_logits(logits_SV, params)
-    keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(
-        params.seed.astype(jnp.uint32), positions_S)
-    drawn_S = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, filtered_SV)
     greedy_S = params.temperature <= 0
-    token_S = jnp.where(greedy_S, jnp.argmax(logits_SV, axis=-1), drawn_S).astype(jnp.int32)
-    scaled_SV = jnp.where(greedy_S[:, None], logits_SV,
-                          logits_SV / jnp.where(greedy_S, 1.0, params.temperature)[:, None])
-    logp_SV = jax.nn.log_softmax(scaled_SV, axis=-1)
-    top_lp, top_ids = jax.lax.top_k(logp_SV, min(MAX_LOGPROBS, logp_SV.shape[-1]))
+    argmax_S = jnp.argmax(logits_SV, axis=-1).astype(jnp.int32)
+    temperature_S1 = jnp.where(greedy_S, 1.0, params.temperature)[:, None]
+
+    def draw(_):
+        filters = jnp.any((params.top_k > 0) | (params.top_p < 1))
+        filtered_SV = jax.lax.cond(filters, lambda: filtered_logits(logits_SV, params),
+                                   lambda: logits_SV / temperature_S1)
+        keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(
+            params.seed.astype(jnp.uint32), positions_S)
+        drawn_S = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, filtered_SV)
+        return jnp.where(greedy_S, argmax_S, drawn_S).astype(jnp.int32)
+
+    token_S = jax.lax.cond(jnp.all(greedy_S), lambda _: argmax_S, draw, None)
+    logp_SV = jax.nn.log_softmax(logits_SV / temperature_S1, axis=-1)
+    n = min(MAX_LOGPROBS, logp_SV.shape[-1])
+    top_lp, top_ids = jax.lax.cond(
+        want_top, lambda: tuple(jax.lax.top_k(logp_SV, n)),
+        lambda: (jnp.zeros(logp_SV.shape[:1] + (n,), jnp.float32),
+                 jnp.zeros(logp_SV.shape[:1] + (n,), jnp.int32)))
     return Picks(token=token_S,
                  logprob=jnp.take_along_axis(logp_SV, token_S[:, None], axis=1)[:, 0],
                  top_ids=top_ids.astype(jnp.int32), top_logprobs=top_lp)
