@@ -16,9 +16,10 @@ generate, SGLang's chunked prefill beside the decodes):
      `max_tokens` (pages already promised to running requests are counted);
      with the prefix cache, a prompt's leading full pages already in the pool
      are shared instead of computed;
-  3. one prefill chunk (at most `prefill_chunk` tokens, padded to one of a few
-     compiled sizes) of the oldest request still reading its prompt: a long
-     prompt never stalls the running requests for its whole prefill;
+  3. one prefill call: the next chunk (at most `prefill_chunk` tokens, padded
+     to one of a few compiled sizes) of the oldest requests still reading their
+     prompts, as many rows as fit `PREFILL_BUDGET` chunks: a long prompt never
+     stalls the running requests for its whole prefill;
   4. one decode step: every decoding slot feeds its last token and picks the
      next with its own settings (`select.pick`); finished requests leave.
 
@@ -50,7 +51,8 @@ from jaxformer.serve.request import FinishReason, QueueFull, Request, TokenEvent
 from jaxformer.serve.slots import Slot, token_event
 
 log = logging.getLogger(__name__)
-RATE_WINDOW_S = 10.0  # tokens_per_s is measured over this many recent seconds
+RATE_WINDOW_S = 10.0
+PREFILL_BUDGET = 4  # a prefill call feeds at most this many chunks' tokens (rows x width)  # tokens_per_s is measured over this many recent seconds
 
 
 def bucket(value: int, sizes: tuple[int, ...]) -> int:
@@ -105,6 +107,7 @@ class Engine:
         self.prefill_chunk, self.max_queue = prefill_chunk, max_queue
         self.chunk_sizes = tuple(sorted({c for c in (16, 64, 256) if c < prefill_chunk}
                                         | {prefill_chunk}))
+        self.row_sizes = tuple(sorted({r for r in (1, 2, 4, 8, 16, 32) if r < slots} | {slots}))
         self.view_sizes = tuple(sorted({v for v in (128, 256, 512, 1024, 2048) if v < max_len}
                                        | {max_len}))
         self.pool = PagePool(num_pages, page_size, prefix_cache=prefix_cache)
@@ -221,7 +224,8 @@ class Engine:
         self.admit()
         prefilling = [s for s in self.running if s is not None and s.prefilling]
         if prefilling:
-            self.guarded(prefilling[:1], lambda: self.prefill_chunk_of(prefilling[0]))
+            batch = self.prefill_batch(prefilling)
+            self.guarded(batch, lambda: self.prefill_rows(batch))
         decoding = [s for s in self.running if s is not None and s.pending is not None]
         if decoding:
             self.guarded(decoding, lambda: self.decode_step(decoding))
@@ -293,38 +297,64 @@ class Engine:
                 mask[i] = np.asarray(s.request.constraint.allowed(), bool)
         return mask
 
-    def prefill_chunk_of(self, slot: Slot) -> None:
-        start = slot.cached
-        count = min(self.prefill_chunk, slot.prompt_len - start)
-        width = bucket(count, self.chunk_sizes)
-        self.take_pages(slot, start + count)
-        tokens = np.zeros((1, width), np.int32)
-        tokens[0, :count] = slot.tokens[start:start + count]
-        targets = np.zeros((width,), np.int32)
-        following = slot.tokens[start + 1:min(start + count + 1, slot.prompt_len)]
-        targets[:len(following)] = following
-        echo = slot.request.params.echo
-        allowed = self.allowed([slot])
+    def prefill_batch(self, prefilling: list[Slot]) -> list[Slot]:
+        """The oldest prefilling requests of one adapter whose next chunks fit one call:
+        at most PREFILL_BUDGET chunks' worth of (padded) tokens."""
+        first = prefilling[0]
+        chosen, width = [], 0
+        for slot in prefilling:
+            count = min(self.prefill_chunk, slot.prompt_len - slot.cached)
+            wider = max(width, bucket(count, self.chunk_sizes))
+            if chosen and (slot.request.adapter != first.request.adapter or
+                           bucket(len(chosen) + 1, self.row_sizes) * wider >
+                           PREFILL_BUDGET * self.prefill_chunk):
+                break
+            chosen.append(slot)
+            width = wider
+        return chosen
+
+    def prefill_rows(self, slots: list[Slot]) -> None:
+        """The next prompt chunk of each of `slots` in one call (rows padded to a bucket)."""
+        counts = [min(self.prefill_chunk, s.prompt_len - s.cached) for s in slots]
+        width = bucket(max(counts), self.chunk_sizes)
+        rows = bucket(len(slots), self.row_sizes)
+        tokens = np.zeros((rows, width), np.int32)
+        targets = np.zeros((rows, width), np.int32)
+        starts = np.zeros((rows,), np.int32)
+        lasts = np.zeros((rows,), np.int32)
+        valid = np.zeros((rows, width), bool)
+        table = np.zeros((rows, self.max_pages), np.int32)
+        for i, (slot, count) in enumerate(zip(slots, counts)):
+            start = starts[i] = slot.cached
+            self.take_pages(slot, start + count)
+            tokens[i, :count] = slot.tokens[start:start + count]
+            following = slot.tokens[start + 1:min(start + count + 1, slot.prompt_len)]
+            targets[i, :len(following)] = following
+            lasts[i], valid[i, :count], table[i] = count - 1, True, slot.table.row()
+        padded = slots + [None] * (rows - len(slots))
+        echo = any(s.request.params.echo for s in slots)
+        allowed = self.allowed(padded)
         picks, extra, self.pools = self.prefill_fn(
-            self.model, self.page_size, self.params[slot.request.adapter], self.pools,
-            slot.table.row()[None],
-            np.asarray([start], np.int32), tokens, np.arange(width)[None] < count,
-            self.slot_params([slot]), self.want_top([slot]), np.int32(count - 1), targets,
-            np.zeros((1, 1), bool) if allowed is None else allowed,
-            view_len=bucket(start + width, self.view_sizes), echo=echo,
+            self.model, self.page_size, self.params[slots[0].request.adapter], self.pools,
+            table, starts, tokens, valid, self.slot_params(padded), self.want_top(slots), lasts,
+            targets, np.zeros((1, 1), bool) if allowed is None else allowed,
+            view_len=bucket(int(starts.max()) + width, self.view_sizes), echo=echo,
             masked=allowed is not None)
-        slot.cached += count
-        slot.table.register_full(slot.tokens[:slot.cached])
-        if echo:
-            logprobs, top_ids, top_lps = (np.asarray(x) for x in extra)
-            for j in range(len(following)):
-                slot.prompt_logprobs.append(
-                    (float(logprobs[j]), self.top(slot, top_ids[j], top_lps[j])))
-        if not slot.prefilling:
-            if echo:
-                self.echo_prompt(slot)
-            self.accept(slot, *(np.asarray(x)[0] for x in (picks.token, picks.logprob,
-                                                            picks.top_ids, picks.top_logprobs)))
+        picks = jax.device_get(picks)
+        extra = None if extra is None else jax.device_get(extra)
+        for i, (slot, count) in enumerate(zip(slots, counts)):
+            slot.cached += count
+            slot.table.register_full(slot.tokens[:slot.cached])
+            if slot.request.params.echo:
+                logprobs, top_ids, top_lps = (x[i] for x in extra)
+                for j in range(min(count, slot.prompt_len - slot.cached + count - 1)):
+                    slot.prompt_logprobs.append(
+                        (float(logprobs[j]), self.top(slot, top_ids[j], top_lps[j])))
+            if not slot.prefilling:
+                if slot.request.params.echo:
+                    self.echo_prompt(slot)
+                self.accept(slot, picks.token[i], picks.logprob[i], picks.top_ids[i],
+                            picks.top_logprobs[i])
 
     def decode_step(self, decoding: list[Slot]) -> None:
         for slot in decoding:

@@ -28,19 +28,20 @@ def decode_program(model, page_size, params, pools, table_SM, lengths_S, tokens_
     return select.pick(logits_SV, slot_params, lengths_S + 1, want_top), pools
 
 
-def prefill_program(model, page_size, params, pools, table_1M, length_1, tokens_1C, valid_1C,
-                    slot_params, want_top, last, targets_C, allowed_1V, *, view_len: int,
+def prefill_program(model, page_size, params, pools, table_RM, start_R, tokens_RC, valid_RC,
+                    slot_params, want_top, last_R, targets_RC, allowed_RV, *, view_len: int,
                     echo: bool, masked: bool):
-    """C prompt tokens of one request; the pick after token `last` (its final prompt
-    token, when this chunk ends the prompt), the prompt logprobs if `echo`, the pools."""
-    logits_1CV, pools = paged.paged_forward(
-        model, params, pools, table_1M, length_1, tokens_1C, valid_1C,
+    """C prompt tokens of each of R requests at positions start_R..; the picks after
+    each row's token `last_R` (its final prompt token, when this chunk ends its
+    prompt), the prompt logprobs if `echo` (of each next token `targets_RC`), the pools."""
+    logits_RCV, pools = paged.paged_forward(
+        model, params, pools, table_RM, start_R, tokens_RC, valid_RC,
         page_size=page_size, view_len=view_len)
-    last_1V = jax.lax.dynamic_index_in_dim(logits_1CV[0], last, axis=0)
+    last_RV = jnp.take_along_axis(logits_RCV, last_R[:, None, None], axis=1)[:, 0]
     if masked:
-        last_1V = jnp.where(allowed_1V, last_1V, select.NEG)
-    picks = select.pick(last_1V, slot_params, length_1 + last + 1, want_top)
-    extra = select.prompt_logprobs(logits_1CV[0], targets_C) if echo else None
+        last_RV = jnp.where(allowed_RV, last_RV, select.NEG)
+    picks = select.pick(last_RV, slot_params, start_R + last_R + 1, want_top)
+    extra = jax.vmap(select.prompt_logprobs)(logits_RCV, targets_RC) if echo else None
     return picks, extra, pools
 
 
