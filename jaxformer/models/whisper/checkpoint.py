@@ -27,6 +27,11 @@ class Whisper:
     suppress_ids_begin: tuple[int, ...]
     multilingual: bool  # False: an English-only (".en") model, which neither detects nor translates
 
+    @property
+    def n_mels(self) -> int:
+        """The log-mel bins the encoder reads: 80, or 128 (large-v3 and its family)."""
+        return config_lib.mel_bins(self.params)
+
 
 def load(model_dir: str, dtype: str = "float32") -> Whisper:
     """A CTranslate2 Whisper folder (`model.bin`, `vocabulary.txt`, `config.json`), or a
@@ -38,8 +43,8 @@ def load(model_dir: str, dtype: str = "float32") -> Whisper:
         return load_hf(model_dir, dtype)
     model, params, vocab = config_lib.load_ct2(model_dir, dtype)
     special = config_lib.special_ids(model_dir)
-    return Whisper(model, params, tuple(vocab), tuple(special["suppress_ids"]),
-                   tuple(special["suppress_ids_begin"]), tokens_of(vocab).multilingual)
+    return Whisper(model, params, tuple(vocab), tuple(special.get("suppress_ids") or ()),
+                   tuple(special.get("suppress_ids_begin") or ()), tokens_of(vocab).multilingual)
 
 
 def load_hf(model_dir: str, dtype: str = "float32") -> Whisper:
@@ -51,9 +56,9 @@ def load_hf(model_dir: str, dtype: str = "float32") -> Whisper:
     if values.get("architectures", [None])[0] != hf_encdec.WHISPER:
         raise ValueError(f"{model_dir}: config.json architectures={values.get('architectures')}"
                          f", not {hf_encdec.WHISPER}")
-    if int(values.get("num_mel_bins", 80)) != config_lib.N_MELS or int(
+    if int(values.get("num_mel_bins", 80)) not in config_lib.MEL_BINS or int(
             values.get("max_source_positions", 1500)) * 2 != config_lib.N_FRAMES:
-        raise ValueError(f"{model_dir}: transcription reads {config_lib.N_MELS} mel bins over "
+        raise ValueError(f"{model_dir}: transcription reads 80 or 128 mel bins over "
                          f"{config_lib.N_FRAMES} frames; config.json has num_mel_bins="
                          f"{values.get('num_mel_bins')}, max_source_positions="
                          f"{values.get('max_source_positions')}")

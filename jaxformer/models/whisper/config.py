@@ -28,7 +28,8 @@ from jaxformer.interop.flat import load_flat
 from jaxformer.nn.model import Transformer
 from jaxformer.nn.stems import ConvStem
 
-N_MELS = 80
+N_MELS = 80  # the original models; large-v3 and its family (turbo, distilled) have 128
+MEL_BINS = (80, 128)
 N_FRAMES = 3000  # 30 s at a 10 ms hop
 
 
@@ -146,10 +147,10 @@ def map_ct2(model: ct2.Ct2Model, config: TransformerConfig) -> dict[str, np.ndar
 
 def load_ct2(model_dir: str, dtype: str = "float32"):
     """(model, params, vocabulary) from a CTranslate2 Whisper folder
-    (`model.bin`, `vocabulary.txt`); float16 weights are cast to float32."""
-    vocab_path = require_file(os.path.join(model_dir, "vocabulary.txt"), "vocabulary file")
-    with open(vocab_path, encoding="utf-8") as f:
-        vocab = f.read().rstrip("\n").split("\n")
+    (`model.bin`, `vocabulary.txt` or `vocabulary.json`); float16 weights are cast to
+    float32. The mel bins (80, or 128 for large-v3) are those of the file's first
+    convolution."""
+    vocab_path, vocab = read_vocabulary(model_dir)
     missing = [t for t in ("<|endoftext|>", "<|startoftranscript|>", "<|transcribe|>",
                            "<|notimestamps|>") if t not in vocab]
     if missing:
@@ -162,10 +163,36 @@ def load_ct2(model_dir: str, dtype: str = "float32"):
                              f"expects {want}")
     config = config_from_ct2(file, vocab, dtype)
     model = Transformer(config, stem=ConvStem(config))
-    features = jax.ShapeDtypeStruct((1, 2 * config.encoder_len, N_MELS), jnp.float32)
+    mels = int(file.variables["encoder/conv1/weight"].shape[1])
+    if mels not in MEL_BINS:
+        raise ValueError(f"{model_dir}: the encoder reads {mels} mel bins; Whisper "
+                         f"checkpoints have {' or '.join(map(str, MEL_BINS))}")
+    features = jax.ShapeDtypeStruct((1, 2 * config.encoder_len, mels), jnp.float32)
     params = load_flat(model, map_ct2(file, config), features,
                        jax.ShapeDtypeStruct((1, 1), jnp.int32))
     return model, params, vocab
+
+
+def read_vocabulary(model_dir: str) -> tuple[str, list[str]]:
+    """(path, tokens) of a CTranslate2 folder's `vocabulary.txt` (one token a line) or
+    `vocabulary.json` (a list, as newer converters write it)."""
+    json_path = os.path.join(model_dir, "vocabulary.json")
+    if not os.path.exists(os.path.join(model_dir, "vocabulary.txt")) and os.path.exists(
+            json_path):
+        with open(json_path, encoding="utf-8") as f:
+            vocab = json.load(f)
+        if not isinstance(vocab, list) or not all(isinstance(t, str) for t in vocab):
+            raise FileFormatError(json_path, "is not a list of tokens",
+                                  "convert the model again")
+        return json_path, vocab
+    path = require_file(os.path.join(model_dir, "vocabulary.txt"), "vocabulary file")
+    with open(path, encoding="utf-8") as f:
+        return path, f.read().rstrip("\n").split("\n")
+
+
+def mel_bins(params) -> int:
+    """The mel bins the encoder's first convolution reads (80, or 128 for large-v3)."""
+    return int(params["stem"]["conv_0"]["kernel"].shape[1])
 
 
 def special_ids(model_dir: str) -> dict:

@@ -6,7 +6,7 @@ The spectrogram follows Whisper's `log_mel_spectrogram`: audio padded or cut to
 30 s (480,000 samples at 16 kHz), a periodic Hann window of 400 samples (25 ms),
 hop 160 (10 ms), reflect padding of 200 on both sides, power spectrum, the last
 frame dropped, 80 Slaney mel filters (0 to 8 kHz, Slaney area norm), log10
-floored at 1e-10, then clamped to (max - 8) and scaled by (x + 4) / 4. Frames
+floored at 1e-10 (128 filters for large-v3, the same formula), then clamped to (max - 8) and scaled by (x + 4) / 4. Frames
 come out channels-last (B, T, 80), the layout of the encoder's stem.
 """
 
@@ -61,8 +61,9 @@ def pad_or_trim(audio_BN: jnp.ndarray, length: int = CHUNK_SAMPLES) -> jnp.ndarr
     return jnp.pad(audio_BN, [(0, 0)] * (audio_BN.ndim - 1) + [(0, length - n)])
 
 
-def log_mel_spectrogram(audio_BN: jnp.ndarray) -> jnp.ndarray:
-    """(B, N) 16 kHz samples -> (B, 3000, 80) Whisper log-mel features (float32)."""
+def log_mel_spectrogram(audio_BN: jnp.ndarray, n_mels: int = N_MELS) -> jnp.ndarray:
+    """(B, N) 16 kHz samples -> (B, 3000, n_mels) Whisper log-mel features (float32):
+    80 bins, or 128 for large-v3 and its family (`Whisper.n_mels`)."""
     audio_BN = pad_or_trim(jnp.asarray(audio_BN, jnp.float32))
     padded_BN = jnp.pad(audio_BN, ((0, 0), (N_FFT // 2, N_FFT // 2)), mode="reflect")
     num_frames = 1 + (padded_BN.shape[1] - N_FFT) // HOP
@@ -70,7 +71,7 @@ def log_mel_spectrogram(audio_BN: jnp.ndarray) -> jnp.ndarray:
     window_W = 0.5 - 0.5 * np.cos(2 * np.pi * np.arange(N_FFT) / N_FFT)  # periodic Hann
     frames_BTW = padded_BN[:, index_TW] * window_W.astype(np.float32)
     power_BTF = jnp.abs(jnp.fft.rfft(frames_BTW, axis=-1)) ** 2
-    mel_BTM = power_BTF[:, :-1] @ mel_filters()  # Whisper drops the last frame
+    mel_BTM = power_BTF[:, :-1] @ mel_filters(n_mels)  # Whisper drops the last frame
     log_BTM = jnp.log10(jnp.maximum(mel_BTM, 1e-10))
     log_BTM = jnp.maximum(log_BTM, log_BTM.max(axis=(1, 2), keepdims=True) - 8.0)
     return (log_BTM + 4.0) / 4.0

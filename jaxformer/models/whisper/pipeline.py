@@ -159,7 +159,7 @@ def detect(w: Whisper, t: Tokens, sources: list, language: str,
     rows = padded_rows(len(sources), batch_size)
     languages, probabilities = [], []
     for i in range(0, len(sources), rows):
-        chunk = [window_features(s, 0) for s in sources[i:i + rows]]
+        chunk = [window_features(s, 0, w.n_mels) for s in sources[i:i + rows]]
         features = np.stack(chunk + [chunk[0]] * (rows - len(chunk)))
         for code, p in detect_language(w.model, w.params, list(w.vocab),
                                                features)[:len(chunk)]:

@@ -20,7 +20,8 @@ class TimestampRules:
     <|notimestamps|> is never picked; the first token is a timestamp of at most
     `max_initial` (index into the timestamps: 50 = 1.00 s); timestamps come in
     pairs (after a pair the next token is text or EOS, after a single timestamp
-    it is a timestamp or EOS) and never decrease; and where the timestamps
+    it is a timestamp or EOS) and never decrease (a segment's closing timestamp
+    is above its opening one); and where the timestamps
     together are more probable than any single text token, a timestamp is
     picked. Rows are handled independently; the other processors (token
     suppression) must run before this one, as in ctranslate2.
@@ -58,8 +59,12 @@ class TimestampRules:
         ban_BV |= first & (~is_time_V | (ids_V > self.timestamp_begin + self.max_initial))
         ban_BV |= pair_B[:, None] & is_time_V
         ban_BV |= (last_time_B & ~pair_B)[:, None] & (ids_V < self.eot_id)
+        # Never below the latest timestamp, and above it unless the last token is a
+        # segment's closing timestamp (the next segment may open where this one
+        # closed): every segment has a nonzero length (openai-whisper, ctranslate2).
+        strict_B = ~(last_time_B & ~pair_B)
         ban_BV |= (after & seen_BN.any(axis=1))[:, None] & is_time_V & (
-            ids_V < latest_B[:, None])
+            ids_V < latest_B[:, None] + strict_B[:, None])
         logits_BV = jnp.where(ban_BV, NEG, logits_BV)
         # Timestamps as a whole more probable than the best text token: take one.
         logp_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
@@ -73,11 +78,12 @@ def whisper_processors(vocab: list[str], prompt: list[int], suppress_ids, suppre
                        *, max_initial_timestamp_index: int = 50) -> tuple:
     """The logits processors Whisper decodes with after `prompt`: `suppress_ids` at
     every step, `suppress_ids_begin` (blank, EOS) at the first step after the
-    prompt, and the `TimestampRules` unless the prompt ends with <|notimestamps|>."""
+    prompt (either may be empty), and the `TimestampRules` unless the prompt ends with <|notimestamps|>."""
     t = tokens_of(vocab)
     begin = len(prompt) - 1  # the prompt after BOS is forced: steps 0 .. begin - 1
-    out = (processors.suppress_tokens(suppress_ids),
-           processors.suppress_at_step(suppress_ids_begin, at=begin))
+    out = ((processors.suppress_tokens(suppress_ids),) if len(suppress_ids) else ()) + (
+        (processors.suppress_at_step(suppress_ids_begin, at=begin),)
+        if len(suppress_ids_begin) else ())
     if prompt[-1] != t.no_timestamps:
         out += (TimestampRules(t.eot, t.no_timestamps, t.timestamp_begin, begin,
                                int(max_initial_timestamp_index)),)

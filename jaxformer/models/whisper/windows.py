@@ -30,14 +30,15 @@ def window_samples(source, seek: int) -> np.ndarray:
     return source.read(start, start + features_lib.CHUNK_SAMPLES)
 
 
-def features_of(chunk_N: np.ndarray) -> np.ndarray:
-    """(3000, 80) log-mel features of up to 30 s of samples (zero-padded)."""
-    return np.asarray(features_lib.log_mel_spectrogram(features_lib.pad_or_trim(chunk_N)[None]))[0]
+def features_of(chunk_N: np.ndarray, n_mels: int = features_lib.N_MELS) -> np.ndarray:
+    """(3000, n_mels) log-mel features of up to 30 s of samples (zero-padded)."""
+    return np.asarray(features_lib.log_mel_spectrogram(
+        features_lib.pad_or_trim(chunk_N)[None], n_mels))[0]
 
 
-def window_features(source, seek: int) -> np.ndarray:
-    """(3000, 80) log-mel features of the 30 s of audio from mel frame `seek` on."""
-    return features_of(window_samples(source, seek))
+def window_features(source, seek: int, n_mels: int = features_lib.N_MELS) -> np.ndarray:
+    """(3000, n_mels) log-mel features of the 30 s of audio from mel frame `seek` on."""
+    return features_of(window_samples(source, seek), n_mels)
 
 
 def split_segments(tokens: Sequence[int], timestamp_begin: int, seek: int, size: int
@@ -99,9 +100,12 @@ class Windows:
     no_speech_threshold: Optional[float]
     logprob_threshold: Optional[float]
 
+    def __post_init__(self):
+        self.n_mels = self.w.n_mels
+
     def features(self, f: int, seek: int) -> Optional[np.ndarray]:
         chunk = window_samples(self.sources[f], seek)
-        return None if audio_lib.is_silent(chunk) else features_of(chunk)
+        return None if audio_lib.is_silent(chunk) else features_of(chunk, self.n_mels)
 
     def decode(self, batch: list[tuple[int, np.ndarray]], rows: int
                ) -> list[Optional[list[int]]]:
