@@ -35,6 +35,7 @@ LONGEST_FIRST = ("cli/test_cli.py", "test_docs.py", "parallel/test_partitioning.
                  "test_gpu_benchmark.py",
                  "nn/test_reduced_precision_values.py", "decode/test_ring_short_prompts.py",
                  "models/test_smollm2_quant.py", "train/test_qlora.py", "cli/test_qlora_cli.py",
+                 "models/test_llamacpp_logits.py",
                  "cli/test_damaged_checkpoint.py", "serve/test_serve_model.py",
                  "serve/test_serve_cli.py", "train/test_bf16.py", "train/test_chunked_loss.py")
 
