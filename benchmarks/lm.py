@@ -54,7 +54,14 @@ Prints tables, then one JSON line with archs_matched (rows within 1e-4 and
 greedy-identical), max_rel_logit_err and greedy_identical (over SmolLM2 and
 every architecture), decode_ratio_vs_reference (SmolLM2, batch 1, > 1 =
 jaxformer faster), window_cache_bytes_ratio, kv_cache_bytes_ratio (SmolLM2's
-grouped over full heads), `archs` (each row's figures), plus the other figures.
+grouped over full heads), `archs` (each row's figures), plus the other figures:
+eval_tokens_per_s_ratio_vs_hf (> 1 = jaxformer faster) and the start-up figures of
+`start_up_figures`: cold_start_s / warm_start_s (streaming) and cold_start_json_s /
+warm_start_json_s (--json), with their peak RSS. `--start-only` runs just those.
+
+Evaluation: jaxformer's held-out eval step (`jaxformer.train.make_lm_eval_step`: the
+cross-entropy over chunks of tokens, no (B, T, V) logits) over 8 windows of 512 tokens
+against transformers' forward with `labels` (its loss), interleaved with the others.
 """
 
 from __future__ import annotations
@@ -113,39 +120,50 @@ def seconds(fn):
     return time.perf_counter() - start, result
 
 
-def start_up(path: str, cache_dir: str, prompt: str = "The capital of France is") -> dict:
-    """`jaxformer generate --model PATH` in a fresh process: seconds from the process's
-    start to the first byte of its answer on stdout (the first token: generate streams),
-    to its exit, and its peak resident MiB (os.wait4's rusage of that child alone)."""
+def start_up(path: str, cache_dir: str, json_output: bool = False,
+             prompt: str = "The capital of France is") -> dict:
+    """`jaxformer generate --model PATH PROMPT` in a fresh process: seconds from the
+    process's start to its first token on stdout, and its peak resident MiB (os.wait4's
+    rusage of that child alone).
+
+    Streaming (the default for one prompt): the prompt is echoed first, the first byte
+    after it is the first token. `json_output` (--json): the line comes when all 8
+    tokens are decoded (the streaming callback keeps the decode program out of the
+    compile cache: JAX does not persist programs with host callbacks; --json does not
+    stream, so its programs are all cached)."""
     env = dict(os.environ, JAXFORMER_COMPILE_CACHE=cache_dir)
     command = [sys.executable, "-m", "jaxformer", "generate", "--model", path, prompt,
-               "--max-new-tokens", "8"]
+               "--max-new-tokens", "8"] + (["--json"] if json_output else [])
     start = time.perf_counter()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             env=env, cwd=REPO)
+    echo = b"" if json_output else proc.stdout.read(len(prompt.encode()))
     first = proc.stdout.read(1)
     first_s = time.perf_counter() - start
     proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)
-    if status != 0 or not first:
+    if status != 0 or not first or (not json_output and echo != prompt.encode()):
         raise SystemExit(f"{' '.join(command)} failed (status {status})")
-    return {"first_token_s": first_s, "exit_s": time.perf_counter() - start,
-            "peak_rss_mib": usage.ru_maxrss / 1024}
+    return {"first_token_s": first_s, "peak_rss_mib": usage.ru_maxrss / 1024}
 
 
 def start_up_figures(path: str) -> dict:
-    """cold_start_s (an empty compile cache), warm_start_s (the same cache again: what
-    every later run of the command costs), and each run's peak RSS."""
-    with tempfile.TemporaryDirectory() as cache_dir:
-        cold = start_up(path, cache_dir)
-        warm = start_up(path, cache_dir)
-    print(f"generate --model SmolLM2, process start to first token: cold {cold['first_token_s']:.1f} s "
-          f"(peak {cold['peak_rss_mib']:.0f} MiB), warm {warm['first_token_s']:.1f} s "
-          f"(peak {warm['peak_rss_mib']:.0f} MiB)", flush=True)
-    return {"cold_start_s": round(cold["first_token_s"], 2),
-            "warm_start_s": round(warm["first_token_s"], 2),
-            "cold_start_peak_rss_mib": round(cold["peak_rss_mib"]),
-            "warm_start_peak_rss_mib": round(warm["peak_rss_mib"])}
+    """cold_start_s (an empty compile cache) and warm_start_s (the same cache again: what
+    every later run costs) of the streaming command, the same of --json, and peak RSS."""
+    result = {}
+    for mode, json_output in (("", False), ("_json", True)):
+        with tempfile.TemporaryDirectory() as cache_dir:
+            cold = start_up(path, cache_dir, json_output)
+            warm = start_up(path, cache_dir, json_output)
+        print(f"generate --model SmolLM2{' --json' if json_output else ''}, process start to "
+              f"first token: cold {cold['first_token_s']:.1f} s (peak "
+              f"{cold['peak_rss_mib']:.0f} MiB), warm {warm['first_token_s']:.1f} s (peak "
+              f"{warm['peak_rss_mib']:.0f} MiB)", flush=True)
+        result.update({f"cold_start{mode}_s": round(cold["first_token_s"], 2),
+                       f"warm_start{mode}_s": round(warm["first_token_s"], 2),
+                       f"start{mode}_peak_rss_mib": round(max(cold["peak_rss_mib"],
+                                                              warm["peak_rss_mib"]))})
+    return result
 
 
 # -- part 2: one row per architecture, tiny random models ---------------------------------
