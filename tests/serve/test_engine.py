@@ -271,3 +271,36 @@ def test_quantized_and_layouts_equal_generate(make_lm, change):
     handles = [eng.submit(Request(p, SamplingParams(max_tokens=7))) for p in ps]
     eng.run_until_idle()
     assert [tokens_of(h) for h in handles] == [alone(*lm, p, 7) for p in ps]
+
+
+class OnlyTokens:
+    """A TokenConstraint stand-in: allows `allowed` ids, done after `length` tokens."""
+
+    def __init__(self, allowed, length):
+        self.mask = np.zeros((VOCAB,), bool)
+        self.mask[list(allowed)] = True
+        self.length, self.seen = length, []
+
+    def allowed(self):
+        return self.mask
+
+    def advance(self, token):
+        self.seen.append(token)
+
+    def done(self):
+        return len(self.seen) >= self.length
+
+
+def test_constraint_masks_every_pick_and_ends_the_request(lm):
+    eng = engine(lm)
+    prompt = prompts(9, (7,))[0]
+    free = eng.submit(Request(prompt, SamplingParams(max_tokens=6)))
+    constraint = OnlyTokens({10, 11, 40}, length=4)
+    constrained = eng.submit(Request(prompt, SamplingParams(max_tokens=10, temperature=1.0),
+                                     constraint=constraint))
+    eng.run_until_idle()
+    got = tokens_of(constrained)
+    assert len(got) == 4 and set(got) <= {10, 11, 40} and constraint.seen == got
+    assert constrained.finish_reason == FinishReason.STOP
+    assert not set(tokens_of(free)) <= {10, 11, 40}        # the mask changed the output
+    assert eng.metrics()["tokens_per_s"] > 0
