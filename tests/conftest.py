@@ -29,7 +29,8 @@ FIRST_REAL_ID = 3  # ids 0, 1, 2 are pad, bos, eos in every config here
 # order inside a file is kept: module fixtures and "last in this file" tests need it).
 LONGEST_FIRST = ("cli/test_cli.py", "test_docs.py", "parallel/test_partitioning.py",
                  "parallel/test_distributed.py", "train/test_finetune.py",
-                 "parallel/test_scale_out.py", "models/test_smollm2.py",
+                 "parallel/test_scale_out.py", "models/test_smollm2.py", "serve/test_engine.py",
+                 "serve/test_engine_smollm2.py",
                  "decode/test_decoding.py", "train/test_training.py", "train/test_lm.py",
                  "models/test_whisper.py", "nn/test_remat.py", "models/test_hf_dirs.py",
                  "test_gpu_benchmark.py",
