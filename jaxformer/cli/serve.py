@@ -19,7 +19,7 @@ import argparse
 import os
 import socket
 
-from jaxformer.cli.args import non_negative_float, positive_int
+from jaxformer.cli.args import non_negative_float, non_negative_int, positive_int
 from jaxformer.cli.runs import add_quantize_flag, language_model, load_run, open_run
 from jaxformer.cli.usage import UsageError
 
@@ -75,6 +75,10 @@ def add_parser(commands, add_common_flags) -> None:
     parser.add_argument("--max-queue", type=positive_int, default=64,
                         help="waiting requests beyond which the server answers 429 "
                              "(default 64)")
+    parser.add_argument("--speculative", type=non_negative_int, default=0, metavar="K",
+                        help="prompt-lookup speculation: draft up to K tokens per request "
+                             "and step from its prompt and output, verified in the step's "
+                             "one pass (greedy output unchanged; default 0 = off)")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ routes")
     parser.add_argument("--lora", action="append", type=lora_spec, default=[],
                         metavar="NAME=RUN_DIR",
@@ -172,7 +176,7 @@ def run(args) -> int:
                         page_size=args.page_size, num_pages=args.num_pages,
                         prefill_chunk=args.prefill_chunk,
                         prefix_cache=not args.no_prefix_cache, max_queue=args.max_queue,
-                        adapters=adapters)
+                        adapters=adapters, speculative=args.speculative)
     except ValueError as error:
         raise UsageError(str(error)) from error
     served = ServedModel(engine, tokenizer, name=name, max_len=max_len,

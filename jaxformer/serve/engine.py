@@ -43,7 +43,7 @@ import numpy as np
 from jaxformer.decode.inputs import decodable
 from jaxformer.nn import stacking
 from jaxformer.nn.model import DecoderOnlyLM
-from jaxformer.serve import paged, programs, select
+from jaxformer.serve import paged, programs, select, spec_step
 from jaxformer.serve.checks import check_engine_args, check_request
 from jaxformer.serve.handle import Handle
 from jaxformer.serve.pages import PagePool, PageTable
@@ -81,19 +81,32 @@ class Engine:
       max_queue: waiting requests beyond which `submit` raises `QueueFull`.
       adapters: {name: parameters} of the same model (e.g. LoRA adapters merged into
         the base, `nn.lora.merge_lora`), chosen by `Request.adapter`.
+      speculative: k > 0 drafts up to k tokens per slot and step by prompt lookup and
+        verifies them in the step's one pass (`spec_step`); 0 = off. Greedy tokens are
+        the same; `metrics()["acceptance_rate"]` reports accepted / drafted.
+      ngram: (n_min, n_max), the n-gram sizes prompt lookup tries (longest first).
     """
 
     def __init__(self, model, params, tokenizer=None, *, slots: int = 8,
                  max_len: Optional[int] = None, page_size: int = 16,
                  num_pages: Optional[int] = None, prefill_chunk: int = 128,
                  prefix_cache: bool = True, max_queue: int = 64,
-                 adapters: Optional[dict[str, Any]] = None):
+                 adapters: Optional[dict[str, Any]] = None, speculative: int = 0,
+                 ngram: tuple[int, int] = (1, 3)):
         if not isinstance(model, DecoderOnlyLM):
             raise TypeError(f"model must be a jaxformer DecoderOnlyLM, got {type(model).__name__}")
         config = model.config
         max_len = config.decoder_len if max_len is None else max_len
         check_engine_args(config, slots=slots, max_len=max_len, page_size=page_size,
                           num_pages=num_pages, prefill_chunk=prefill_chunk, max_queue=max_queue)
+        if isinstance(speculative, bool) or not isinstance(speculative, int) or speculative < 0:
+            raise ValueError(f"speculative must be an int >= 0 (drafts per step), got "
+                             f"{speculative!r}")
+        if (not isinstance(ngram, tuple) or len(ngram) != 2
+                or not all(isinstance(n, int) and not isinstance(n, bool) for n in ngram)
+                or not 1 <= ngram[0] <= ngram[1]):
+            raise ValueError(f"ngram must be (n_min, n_max) with 1 <= n_min <= n_max, "
+                             f"got {ngram!r}")
         self.max_pages = -(-max_len // page_size)
         num_pages = slots * self.max_pages if num_pages is None else num_pages
         model, base = stacking.for_decoding(*decodable(model, params))
@@ -121,6 +134,8 @@ class Engine:
         self.ids = itertools.count()
         self.generated_tokens, self.recent = 0, collections.deque()
         self.decode_fn, self.prefill_fn = programs.compiled()
+        self.speculative, self.ngram = speculative, ngram
+        self.drafted, self.accepted_drafts = 0, 0
 
     # -- the client's side (thread-safe) ------------------------------------
 
@@ -161,7 +176,9 @@ class Engine:
             return {"queued": len(self.queue), "running": running,
                     "free_pages": self.pool.available, "total_pages": self.pool.num_pages,
                     "tokens_per_s": sum(recent) / span if span > 0 else 0.0,
-                    "prefix_hit_rate": self.pool.hit_rate, "acceptance_rate": 0.0,
+                    "prefix_hit_rate": self.pool.hit_rate,
+                    "acceptance_rate": (self.accepted_drafts / self.drafted
+                                        if self.drafted else 0.0),
                     "generated_tokens": self.generated_tokens}
 
     def start(self) -> "Engine":
@@ -357,14 +374,17 @@ class Engine:
                             picks.top_logprobs[i])
 
     def decode_step(self, decoding: list[Slot]) -> None:
+        if self.speculative:
+            spec_step.speculative_step(self, decoding)
+            return
         for slot in decoding:
             self.take_pages(slot, slot.cached + 1)
         groups = {}
         for slot in decoding:
             groups.setdefault(slot.request.adapter, []).append(slot)
         lengths = np.asarray([0 if s is None else s.cached for s in self.running], np.int32)
-        view_len = bucket(int(lengths.max()) + 1, self.view_sizes)
-        table = np.stack([paged_row(s, self.max_pages) for s in self.running])
+        view_len = self.view_length(int(lengths.max()) + 1)
+        table = self.page_rows()
         tokens = np.asarray([s.pending if s in decoding else 0 for s in self.running], np.int32)
         allowed = self.allowed([s if s in decoding else None for s in self.running])
         params = self.slot_params(self.running)
@@ -384,6 +404,19 @@ class Engine:
                 slot.table.register_full(slot.tokens[:slot.cached])
                 self.accept(slot, picks.token[i], picks.logprob[i], picks.top_ids[i],
                             picks.top_logprobs[i])
+
+    def view_length(self, needed: int) -> int:
+        """The compiled view length bucket for rows of up to `needed` positions."""
+        return bucket(needed, self.view_sizes)
+
+    def page_rows(self) -> np.ndarray:
+        """(slots, max_pages) page tables of the running slots (zeros for free ones)."""
+        return np.stack([paged_row(s, self.max_pages) for s in self.running])
+
+    def count_drafts(self, drafted: int, accepted: int) -> None:
+        with self.lock:
+            self.drafted += drafted
+            self.accepted_drafts += accepted
 
     @staticmethod
     def top(slot: Slot, ids, logprobs) -> tuple:

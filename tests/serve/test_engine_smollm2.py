@@ -1,8 +1,10 @@
-"""SmolLM2-135M (the session's GGUF fixture) through the engine: concurrent requests of
-mixed lengths give `generate`'s greedy tokens of each prompt alone."""
+"""SmolLM2-135M (the session's GGUF fixture) through the engine, with and without
+prompt-lookup speculation: concurrent requests of mixed lengths give `generate`'s greedy
+tokens of each prompt alone."""
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jaxformer as jf
 from jaxformer.serve import Engine, FinishReason, Request, SamplingParams
@@ -14,12 +16,13 @@ TEXTS = ["The capital of France is",
 NEW, WIDTH = 12, 48
 
 
-def test_smollm2_concurrent_greedy_equals_generate_alone(smollm2):
+@pytest.mark.parametrize("speculative", [0, 4], ids=["plain", "prompt_lookup_k4"])
+def test_smollm2_concurrent_greedy_equals_generate_alone(smollm2, speculative):
     model, params, tokenizer, _ = smollm2
     prompts = [tokenizer.encode(text).ids for text in TEXTS]
     assert max(map(len, prompts)) <= WIDTH and len({len(p) for p in prompts}) == 3
     engine = Engine(model, params, tokenizer, slots=4, max_len=128, page_size=16,
-                    prefill_chunk=16)
+                    prefill_chunk=16, speculative=speculative)
     handles = [engine.submit(Request(p, SamplingParams(max_tokens=NEW))) for p in prompts]
     engine.run_until_idle()
     for prompt, handle in zip(prompts, handles):
@@ -36,3 +39,4 @@ def test_smollm2_concurrent_greedy_equals_generate_alone(smollm2):
         assert events[-1].finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
     metrics = engine.metrics()
     assert metrics["free_pages"] == metrics["total_pages"]
+    assert (metrics["acceptance_rate"] > 0) == (speculative > 0)
