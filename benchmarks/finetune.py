@@ -126,6 +126,36 @@ def jaxformer_worker(args, lora: bool, mixed: bool = False) -> dict:
             "temp_bytes": int(getattr(memory, "temp_size_in_bytes", 0) or 0)}
 
 
+def memory_worker(args) -> None:
+    """--memory KIND:CHUNK:REMAT,...: the compiled jaxformer step's memory_analysis
+    (MiB of temporaries, arguments, outputs, aliased), nothing run; KIND full|lora,
+    CHUNK auto|0|tokens (TrainConfig.loss_chunk_tokens), REMAT a remat policy."""
+    import jax  # noqa: PLC0415
+
+    from jaxformer import models  # noqa: PLC0415
+    from jaxformer.train import LMBatch, TrainConfig, train_functions  # noqa: PLC0415
+
+    model = models.load(smollm2_path(), max_len=args.seq_len, progress=False)[0]
+    shape = (args.batch, args.seq_len)
+    batch = LMBatch(*(jax.ShapeDtypeStruct(shape, dtype) for dtype in
+                      ("int32", "int32", "float32", "int32", "int32")))
+    for variant in args.memory.split(","):
+        kind, chunk, remat = variant.split(":")
+        config = model.config.replace(remat=remat)
+        if kind == "lora":
+            config = config.replace(lora_rank=args.rank, lora_alpha=2.0 * args.rank,
+                                    lora_targets=tuple(args.targets.split(",")))
+        train = TrainConfig(task="lm", data=("unused",), seq_len=args.seq_len,
+                            batch_size=args.batch, steps=1000, warmup_steps=0,
+                            loss_chunk_tokens=None if chunk == "auto" else int(chunk))
+        fns = train_functions(config, train)
+        start = time.perf_counter()
+        memory = fns.step.lower(fns.abstract_state(), batch).compile().memory_analysis()
+        print(json.dumps({"variant": variant, "compile_s": round(time.perf_counter() - start, 1),
+                          **{name: round(getattr(memory, f"{name}_size_in_bytes") / 2**20, 1)
+                             for name in ("temp", "argument", "output", "alias")}}), flush=True)
+
+
 def peer_worker(args, lora: bool) -> dict:
     import torch  # noqa: PLC0415
     import transformers  # noqa: PLC0415
@@ -189,8 +219,13 @@ def main() -> None:
                         help="jaxformer's remat policy (benchmarks/NOTES.md: which pays)")
     parser.add_argument("--runs", default=",".join(RUNS),
                         help="comma-separated subset of " + ",".join(RUNS))
+    parser.add_argument("--memory", metavar="KIND:CHUNK:REMAT,...",
+                        help="only the compiled step's memory_analysis of these variants "
+                             "(e.g. full:0:none,full:auto:none,lora:auto:full)")
     parser.add_argument("--worker", choices=RUNS, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.memory:
+        return memory_worker(args)
     if args.worker:
         return run_worker(args)
     smollm2_path()  # refuse at once, not in every worker
