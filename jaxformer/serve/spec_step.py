@@ -66,8 +66,10 @@ class Verified:
 
 
 def verify_program(model, page_size, params, pools, table_SM, lengths_S, tokens_ST, valid_ST,
-                   counts_S, slot_params, allowed_SV, *, view_len: int, masked: bool):
-    """Feed [pending, drafts] per row; accept as the module docstring says."""
+                   counts_S, slot_params, want_top, allowed_SV, *, view_len: int,
+                   masked: bool):
+    """Feed [pending, drafts] per row; accept as the module docstring says (`want_top`:
+    () bool, some row asked for top-n logprobs, as `select.pick`)."""
     logits_STV, pools = paged.paged_forward(model, params, pools, table_SM, lengths_S,
                                             tokens_ST, valid_ST, page_size=page_size,
                                             view_len=view_len)
@@ -79,7 +81,7 @@ def verify_program(model, page_size, params, pools, table_SM, lengths_S, tokens_
     flat = jax.tree_util.tree_map(lambda x: jnp.repeat(x, width), slot_params)
     positions_ST = lengths_S[:, None] + 1 + jnp.arange(width)[None, :]
     logits_NV = logits_STV.reshape(rows * width, vocab)
-    picks = select.pick(logits_NV, flat, positions_ST.reshape(-1))
+    picks = select.pick(logits_NV, flat, positions_ST.reshape(-1), want_top)
     pick_ST = picks.token.reshape(rows, width)
     filtered_NV = select.filtered_logits(logits_NV, flat)
     probs_STV = jax.nn.softmax(filtered_NV, axis=-1).reshape(rows, width, vocab)
@@ -165,7 +167,7 @@ def speculative_step(engine, decoding) -> None:
         valid = member[:, None] & (np.arange(k + 1)[None, :] <= counts[:, None])
         out, engine.pools = verify(
             engine.model, engine.page_size, engine.params[adapter], engine.pools, table,
-            lengths, tokens, valid, counts, params,
+            lengths, tokens, valid, counts, params, engine.want_top(members),
             np.zeros((1, 1), bool) if allowed is None else allowed, view_len=view_len,
             masked=allowed is not None)
         results.append((members, jax.device_get(out)))
