@@ -22,12 +22,27 @@ synthetic signals, repeated to fill the batch):
               `WhisperFeatureExtractor`, `generate` on both windows, the
               tokenizer's decode). Not committed: made in a temporary folder.
 
+  faster      faster-whisper as the peer (`--parts faster`; the same CTranslate2
+              files, float32, the same threads, the same beam size: 1, greedy,
+              jaxformer having no beam search yet; both with the temperature
+              fallback and no-speech rule at their defaults; no conditioning on
+              previous text, which jaxformer does not do yet), on a 60 s and a
+              10 min WAV file made from the committed clip and silence:
+              unbatched = segment timestamps, windows in sequence
+              (`WhisperModel.transcribe` vs `whisper.transcribe(timestamps=True)`);
+              batched = several 30 s windows of the file decoded together
+              (`BatchedInferencePipeline`, batch 8, its VAD chunks, vs
+              `whisper.transcribe(batch_size=8)`: consecutive windows).
+              `text_identical`: unbatched texts and segment boundaries equal.
+              `peak_rss_ratio_vs_faster_whisper`: jaxformer / faster-whisper peak
+              resident memory of a fresh process transcribing the 10 min file once.
+
 Rounds alternate jaxformer and ctranslate2 (interleaved), after a warm-up
 that compiles. Ratios are ctranslate2 time / jaxformer time (> 1: jaxformer
 faster), batch 1. Prints a table, then one JSON line.
 
     python benchmarks/whisper.py [--rounds 5] [--loop while|scan] [--batches 1 8]
-                                 [--parts windows file]
+                                 [--parts windows file faster]
 """
 
 import argparse
@@ -73,9 +88,12 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--loop", choices=("while", "scan"), default="while")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--parts", nargs="+", choices=("windows", "file"),
-                        default=["windows", "file"])
+    parser.add_argument("--parts", nargs="+", choices=("windows", "file", "faster"),
+                        default=["windows", "file", "faster"])
+    parser.add_argument("--child", nargs=2, metavar=("WHO", "FILE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child:
+        return child(*args.child)
     from conftest import whisper_model_dir  # noqa: PLC0415
 
     model_dir = whisper_model_dir()
@@ -132,6 +150,10 @@ def main():
         rows.append(("transcribe a 60 s WAV file, s", ours, theirs, theirs / ours))
         summary.update(transcribe_file_ratio_vs_ctranslate2=round(theirs / ours, 3),
                        transcribe_file_text_identical=same_text)
+    if "faster" in args.parts:
+        peer_rows, peer = faster_whisper_peer(model_dir, args.rounds)
+        rows += peer_rows
+        summary.update(peer)
     print(f"| {'Whisper tiny, float32, CPU':40s} | jaxformer | ctranslate2 | ratio |")
     print("|---|---|---|---|")
     for name, ours, theirs, ratio in rows:
@@ -177,6 +199,102 @@ def file_seconds(model_dir, runtime, rounds):
         timed(theirs, times, "ct")
     return (float(np.median(times["jf"])), float(np.median(times["ct"])),
             texts["jf"] == texts["ct"])
+
+
+def clip_file(folder, seconds):
+    """A 16 kHz WAV of `seconds`: the committed clip, then 2.6 s of silence, repeated."""
+    clip = whisper.read_wav(os.path.join(TESTS, "data", "fox_espeak.wav"))
+    period = np.concatenate([clip, np.zeros(6 * whisper.SAMPLE_RATE - len(clip), np.float32)])
+    samples = np.tile(period, -(-seconds // 6))[:seconds * whisper.SAMPLE_RATE]
+    path = os.path.join(folder, f"clip_{seconds}s.wav")
+    with wave.open(path, "wb") as f:
+        f.setnchannels(1), f.setsampwidth(2), f.setframerate(whisper.SAMPLE_RATE)
+        f.writeframes(np.round(samples * 32767).astype("<i2").tobytes())
+    return path
+
+
+def peer_runs(model_dir):
+    """{(who, batched): fn(path) -> (text, [(start, end)])} for jaxformer and faster-whisper."""
+    import faster_whisper  # noqa: PLC0415
+
+    w = whisper.load(model_dir)
+    fw = faster_whisper.WhisperModel(model_dir, device="cpu", compute_type="float32",
+                                     cpu_threads=os.cpu_count())
+    batched = faster_whisper.BatchedInferencePipeline(fw)
+
+    def jf(path, batch):
+        r = whisper.transcribe(w, path, timestamps=not batch, batch_size=8 if batch else 1)
+        return r.text, [(round(s.start, 2), round(s.end, 2)) for s in r.segments]
+
+    def fw_run(path, batch):
+        options = dict(beam_size=1, condition_on_previous_text=False)
+        segments, _ = (batched.transcribe(path, batch_size=8, **options) if batch
+                       else fw.transcribe(path, **options))
+        segments = list(segments)
+        return ("".join(s.text for s in segments).strip(),
+                [(round(s.start, 2), round(s.end, 2)) for s in segments])
+
+    return {(who, b): functools.partial(fn, batch=b) for who, fn in (("jf", jf), ("fw", fw_run))
+            for b in (False, True)}
+
+
+def faster_whisper_peer(model_dir, rounds):
+    """Table rows and JSON figures of jaxformer against faster-whisper."""
+    import subprocess  # noqa: PLC0415
+
+    folder = tempfile.mkdtemp()
+    files = {60: clip_file(folder, 60), 600: clip_file(folder, 600)}
+    runs = peer_runs(model_dir)
+    for key, fn in runs.items():
+        fn(files[60])  # warm-up: compile every program both files use
+    rows, ratios, identical = [], {}, True
+    for seconds, path in files.items():
+        for batch in (False, True):
+            times, out = {}, {}
+            for _ in range(rounds if seconds == 60 else 1):
+                for who in ("jf", "fw"):
+                    start = time.perf_counter()
+                    out[who] = runs[who, batch](path)
+                    times.setdefault(who, []).append(time.perf_counter() - start)
+            jf_s, fw_s = (float(np.median(times[k])) for k in ("jf", "fw"))
+            name = f"{seconds // 60} min WAV, {'batched' if batch else 'unbatched'}, s"
+            rows.append((name, jf_s, fw_s, fw_s / jf_s))
+            ratios[seconds, batch] = fw_s / jf_s
+            if not batch:
+                identical &= out["jf"] == out["fw"]
+    rss = {}
+    for who in ("jf", "fw"):
+        done = subprocess.run([sys.executable, __file__, "--child", who, files[600]],
+                              capture_output=True, text=True, check=True)
+        rss[who] = json.loads(done.stdout.splitlines()[-1])["peak_rss_mb"]
+    rows.append(("peak RSS MB, 10 min file, fresh process", rss["jf"], rss["fw"],
+                 rss["fw"] / rss["jf"]))
+    return rows, {
+        "transcribe_file_ratio_vs_faster_whisper": round(ratios[60, False], 3),
+        "transcribe_file_ratio_vs_faster_whisper_batched": round(ratios[60, True], 3),
+        "transcribe_10min_ratio_vs_faster_whisper": round(ratios[600, False], 3),
+        "transcribe_10min_ratio_vs_faster_whisper_batched": round(ratios[600, True], 3),
+        "text_identical": bool(identical),
+        "word_timestamps_max_abs_diff_s": None,  # word timestamps: not implemented yet
+        "peak_rss_ratio_vs_faster_whisper": round(rss["jf"] / rss["fw"], 3),
+        "beam_size": 1, "threads": os.cpu_count()}
+
+
+def child(who, path):
+    """Transcribe `path` once in this fresh process and print its peak RSS (MB)."""
+    import resource  # noqa: PLC0415
+    from conftest import whisper_model_dir  # noqa: PLC0415
+
+    model_dir = whisper_model_dir()
+    if who == "jf":
+        whisper.transcribe(whisper.load(model_dir), path, timestamps=True, batch_size=1)
+    else:
+        import faster_whisper  # noqa: PLC0415
+
+        model = faster_whisper.WhisperModel(model_dir, device="cpu", compute_type="float32",
+                                            cpu_threads=os.cpu_count())
+        list(model.transcribe(path, beam_size=1, condition_on_previous_text=False)[0])
+    print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""`jaxformer transcribe`: Whisper over WAV files (`jaxformer.models.whisper`).
+"""`jaxformer transcribe`: Whisper over audio and video files (`jaxformer.models.whisper`).
 
     jaxformer transcribe --model DIR talk.wav            # the text
     jaxformer transcribe --model DIR a.wav b.wav --json  # one JSON line per file
@@ -6,7 +6,9 @@
 
 DIR is a CTranslate2 Whisper folder (`model.bin`, `vocabulary.txt`,
 `config.json`) or a Hugging Face Whisper directory (`config.json`,
-safetensors, `tokenizer.json`). Any WAV sample rate and channel count; audio longer than 30 s
+safetensors, `tokenizer.json`). Any WAV sample rate and channel count, and with
+PyAV (`pip install 'jaxformer[media]'`) any audio or video container (MP3, FLAC,
+M4A, OGG, MP4, MKV, ...), decoded as a stream; audio longer than 30 s
 is decoded in windows; every file is read and every option checked before the
 model loads. Files are read window by window (memory does not grow with their
 length); silence gives an empty transcript (`whisper.transcribe`).
@@ -22,6 +24,9 @@ import os
 import sys
 import time
 
+import argparse
+import math
+
 from jaxformer.cli.args import positive_int
 from jaxformer.cli.usage import UsageError, require_positive
 
@@ -33,9 +38,12 @@ def add_parser(commands, add_common_flags) -> None:
     """Register the subcommand on `commands` (argparse subparsers)."""
     parser = commands.add_parser(
         "transcribe", help="speech to text with a Whisper model",
-        description="Transcribe (or translate to English) WAV files with a Whisper "
-                    "model (CTranslate2 or Hugging Face directory): any sample rate and channel count, any length.")
-    parser.add_argument("audio", nargs="+", metavar="AUDIO", help="WAV files")
+        description="Transcribe (or translate to English) audio files with a Whisper "
+                    "model (CTranslate2 or Hugging Face directory): WAV of any sample rate "
+                    "and channel count, and with PyAV (the media extra) any audio or video "
+                    "file; any length.")
+    parser.add_argument("audio", nargs="+", metavar="AUDIO",
+                        help="WAV files, or any audio or video file with PyAV installed")
     parser.add_argument("--model", required=True, metavar="DIR",
                         help="a CTranslate2 Whisper folder (model.bin, vocabulary.txt, "
                              "config.json) or a Hugging Face Whisper directory")
@@ -50,6 +58,24 @@ def add_parser(commands, add_common_flags) -> None:
                         help="the same as --format json")
     parser.add_argument("--batch", type=positive_int, default=8,
                         help="30 s windows decoded together")
+    safeguards = parser.add_argument_group(
+        "long-form safeguards", "openai-whisper's temperature fallback and no-speech rule "
+        "(defaults as faster-whisper; 'none' turns a threshold off)")
+    safeguards.add_argument("--temperature", type=temperatures, default=None,
+                            metavar="T[,T...]",
+                            help="temperatures tried in turn (default 0,0.2,0.4,0.6,0.8,1; "
+                                 "0 alone: greedy once)")
+    safeguards.add_argument("--best-of", type=positive_int, default=5,
+                            help="samples per window at a temperature above 0 (default 5)")
+    safeguards.add_argument("--compression-ratio-threshold", type=optional_number,
+                            default=2.4, metavar="X",
+                            help="fall back when the text's gzip ratio is above (default 2.4)")
+    safeguards.add_argument("--logprob-threshold", type=optional_number, default=-1.0,
+                            metavar="X", help="fall back when the average log-probability is "
+                                              "below (default -1.0)")
+    safeguards.add_argument("--no-speech-threshold", type=optional_number, default=0.6,
+                            metavar="P", help="drop a window whose no-speech probability is "
+                                              "above, unless confident (default 0.6)")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar on a terminal; as when stderr is not a "
                              f"terminal, a long run prints one status line every "
@@ -58,12 +84,56 @@ def add_parser(commands, add_common_flags) -> None:
     parser.set_defaults(func=run)
 
 
+def temperatures(text: str) -> tuple[float, ...]:
+    """argparse type: comma-separated finite numbers."""
+    try:
+        values = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be numbers separated by commas, got "
+                                         f"{text!r}") from None
+    if not all(math.isfinite(v) for v in values):
+        raise argparse.ArgumentTypeError(f"must be finite numbers, got {text!r}")
+    return values
+
+
+def optional_number(text: str):
+    """argparse type: a finite number, or 'none'."""
+    if text.lower() == "none":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number or 'none', got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number or 'none', got {text!r}")
+    return value
+
+
+def safeguards_of(args):
+    """The `Safeguards` of the flags, or UsageError naming the flag out of range."""
+    from jaxformer.models import whisper  # noqa: PLC0415
+
+    names = {"temperatures": "--temperature", "best_of": "--best-of",
+             "compression_ratio_threshold": "--compression-ratio-threshold",
+             "logprob_threshold": "--logprob-threshold",
+             "no_speech_threshold": "--no-speech-threshold"}
+    try:
+        return whisper.Safeguards(
+            args.temperature if args.temperature is not None else whisper.TEMPERATURES,
+            args.compression_ratio_threshold, args.logprob_threshold,
+            args.no_speech_threshold, args.best_of)
+    except ValueError as error:
+        flag = next((f for n, f in names.items() if str(error).startswith(n)), "")
+        raise UsageError(f"{flag}: {error}" if flag else str(error)) from error
+
+
 def run(args) -> int:
     from jaxformer.models import whisper  # noqa: PLC0415
 
     from jaxformer.models.whisper import check_language_code  # noqa: PLC0415
 
     require_positive("--batch", args.batch)
+    safeguards = safeguards_of(args)
     try:  # before the model is read
         check_language_code(args.language)
     except ValueError as error:
@@ -75,11 +145,17 @@ def run(args) -> int:
                               "folder with model.bin, vocabulary.txt and config.json, or a "
                               "Hugging Face Whisper directory)")
     try:
-        samples = [whisper.open_wav(path) for path in args.audio]  # all checked first
+        samples = [whisper.read_audio(path) for path in args.audio]  # all checked first
         w = whisper.load(args.model)
         whisper.check_options(w, args.language, args.task)
         results = whisper.transcribe(w, samples, language=args.language, task=args.task,
                                         timestamps=args.timestamps, batch_size=args.batch,
+                                        temperature=safeguards.temperatures,
+                                        best_of=safeguards.best_of,
+                                        compression_ratio_threshold=(
+                                            safeguards.compression_ratio_threshold),
+                                        logprob_threshold=safeguards.logprob_threshold,
+                                        no_speech_threshold=safeguards.no_speech_threshold,
                                         progress=_progress_bar(args))
     except ValueError as error:  # FileFormatError included
         raise UsageError(str(error)) from error

@@ -25,7 +25,7 @@ def ct2_text():
     model_dir = whisper_model_dir()
     runtime = whisper_ct2_runtime(model_dir)
     vocab = whisper.load_ct2(model_dir)[2]
-    features = np.asarray(whisper.log_mel_spectrogram(whisper.pad_or_trim(whisper.read_wav(FOX))[None]))
+    features = whisper.features_of(whisper.read_wav(FOX))[None]
     storage = ctranslate2.StorageView.from_array(np.ascontiguousarray(
         features.transpose(0, 2, 1)))
     ids = runtime.generate(storage, [whisper.prompt_ids(vocab, None)], beam_size=1)
@@ -47,7 +47,20 @@ def test_json_lines_of_a_44k_stereo_file(ct2_text, capsys):
     (["--task", "translate"], "English-only"),
     (["--format", "srt"], "--format srt needs --timestamps"),
     (["--batch", "0"], "--batch: must be a positive integer"),
-], ids=["language", "translate-english-only", "srt-without-timestamps", "batch"])
+    (["--task", "translate", "--language", "en"], "English-only"),
+    (["--no-speech-threshold", "1.5"], "--no-speech-threshold: no_speech_threshold is a "
+                                       "probability in [0, 1]"),
+    (["--logprob-threshold", "0.5"], "--logprob-threshold: logprob_threshold is a "
+                                     "log-probability"),
+    (["--compression-ratio-threshold", "0"], "--compression-ratio-threshold: "),
+    (["--temperature", "0,-0.2"], "--temperature: temperatures must be finite numbers >= 0"),
+    (["--temperature", "0.4,0.2"], "--temperature: temperatures must not decrease"),
+    (["--temperature", "hot"], "--temperature: must be numbers separated by commas"),
+    (["--logprob-threshold", "nan"], "--logprob-threshold: must be a finite number"),
+    (["--best-of", "0"], "--best-of: must be a positive integer"),
+], ids=["language", "translate-english-only", "srt-without-timestamps", "batch",
+        "translate-named-english", "no-speech", "logprob", "ratio", "negative-temperature",
+        "decreasing-temperatures", "temperature-word", "nan", "best-of"])
 def test_bad_options_are_one_line_and_exit_2(flags, message, capsys):
     assert main(["transcribe", "--model", whisper_model_dir(), FOX, *flags]) == 2
     err = capsys.readouterr().err

@@ -143,8 +143,8 @@ def whisper_tiny():
 
 
 def _features(*signals):
-    return np.asarray(whisper.log_mel_spectrogram(
-        np.stack([whisper.pad_or_trim(np.asarray(s, np.float32)) for s in signals])))
+    """Each signal's window features as transcription computes them (`features_of`)."""
+    return np.stack([whisper.features_of(np.asarray(s, np.float32)) for s in signals])
 
 
 def _ct2_ids(runtime, features_BTM, prompts):

@@ -13,19 +13,25 @@ formats).
 
 Modules, bottom up: `config` (`TransformerConfig`, CTranslate2 mapping), `tokens`
 (special ids, prompts, text), `rules` (logits processors), `decoding` (encoder,
-language detection, greedy decoding), `audio` (WAV reading), `features` (log-mel
+language detection, greedy decoding), `audio` (WAV reading), `media` (any other
+audio or video file through PyAV, streamed), `features` (log-mel
 spectrogram), `checkpoint` (`Whisper`, `load`), `output` (`Transcript`, SRT),
-`windows` (30 s windows and segments), `pipeline` (`transcribe`).
+`fallback` (temperature fallback, no-speech rule), `windows` (30 s windows and
+segments), `pipeline` (`transcribe`).
 """
 
 from jaxformer.models.whisper.audio import (SAMPLE_RATE, SILENCE_PEAK, Samples, WavFile,
                                             is_silent, open_wav, read_wav, resample)
 from jaxformer.models.whisper.checkpoint import Whisper, load, load_hf
-from jaxformer.models.whisper.config import (N_FRAMES, N_MELS, config_from_ct2, load_ct2,
-                                             map_ct2, special_ids, whisper_config)
+from jaxformer.models.whisper.config import (MEL_BINS, N_FRAMES, N_MELS, config_from_ct2, load_ct2,
+                                             map_ct2, mel_bins, read_vocabulary, special_ids,
+                                             whisper_config)
 from jaxformer.models.whisper.decoding import (Generated, detect_language, encode, generate,
                                                generate_ids, language_probabilities,
                                                transcribe_ids)
+from jaxformer.models.whisper.media import MediaFile, open_media, read_media
+from jaxformer.models.whisper.fallback import (TEMPERATURES, Safeguards, compression_ratio,
+                                               final_choice, is_no_speech, needs_fallback)
 from jaxformer.models.whisper.features import (CHUNK_SAMPLES, HOP, N_FFT, log_mel_spectrogram,
                                                mel_filters, pad_or_trim)
 from jaxformer.models.whisper.output import (Segment, Transcript, srt, srt_time, to_json,
@@ -37,25 +43,26 @@ from jaxformer.models.whisper.tokens import (LANGUAGE_CODES, MULTILINGUAL_VOCAB,
                                              TIME_PRECISION, Tokens, byte_decoder,
                                              check_language_code, decode_text, prompt_ids,
                                              tokens_of)
-from jaxformer.models.whisper.windows import (FRAMES_PER_SECOND, FRAMES_PER_TOKEN,
+from jaxformer.models.whisper.windows import (FRAMES_PER_SECOND, FRAMES_PER_TOKEN, Windows,
                                               WINDOW_FRAMES, features_of, split_segments,
                                               window_features, window_samples)
 
 __all__ = [
     # checkpoint and config
     "Whisper", "load", "load_hf", "load_ct2", "config_from_ct2", "map_ct2", "special_ids",
-    "whisper_config", "N_MELS", "N_FRAMES",
+    "whisper_config", "N_MELS", "N_FRAMES", "MEL_BINS", "mel_bins", "read_vocabulary",
     # audio and features
     "SAMPLE_RATE", "SILENCE_PEAK", "Samples", "WavFile", "is_silent", "open_wav", "read_wav",
     "resample", "CHUNK_SAMPLES", "HOP", "N_FFT", "log_mel_spectrogram", "mel_filters",
-    "pad_or_trim",
+    "pad_or_trim", "MediaFile", "open_media", "read_media",
     # tokens and decoding
     "LANGUAGE_CODES", "MULTILINGUAL_VOCAB", "TASKS", "TIME_PRECISION", "Tokens",
     "byte_decoder", "check_language_code", "decode_text", "prompt_ids", "tokens_of",
     "TimestampRules", "whisper_processors", "Generated", "detect_language", "encode",
     "generate", "generate_ids", "language_probabilities", "transcribe_ids",
     # transcription
-    "AudioInput", "check_options", "check_thresholds", "read_audio", "transcribe",
+    "TEMPERATURES", "Safeguards", "compression_ratio", "final_choice", "is_no_speech",
+    "needs_fallback", "Windows", "AudioInput", "check_options", "check_thresholds", "read_audio", "transcribe",
     "Segment", "Transcript", "srt", "srt_time", "to_json", "to_text",
     "FRAMES_PER_SECOND", "FRAMES_PER_TOKEN", "WINDOW_FRAMES", "features_of",
     "split_segments", "window_features", "window_samples",

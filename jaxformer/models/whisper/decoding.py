@@ -92,10 +92,10 @@ class Generated:
 
 
 @decode_jit(static_argnames=("model", "max_new_tokens", "processors", "no_speech_id", "loop",
-                             "segments"))
-def _generate_program(model, params, features_BTM, prefix_BP, *, max_new_tokens, processors,
-                      no_speech_id, loop, segments):
-    """Greedy decode that also records the no-speech probability of step 0 and the
+                             "segments", "select"))
+def _generate_program(model, params, features_BTM, prefix_BP, rng, *, max_new_tokens,
+                      processors, no_speech_id, loop, segments, select):
+    """Greedy (or sampled) decode that also records the no-speech probability of step 0 and the
     summed log-probabilities: (tokens (B, N), lengths (B,), logprob (B,), no_speech (B,))."""
     c = model.config
     batch = features_BTM.shape[0]
@@ -106,7 +106,7 @@ def _generate_program(model, params, features_BTM, prefix_BP, *, max_new_tokens,
     state = init_state(jnp.full((batch,), c.bos_id, jnp.int32),
                        (cache, jnp.zeros((batch,), jnp.float32)), max_new_tokens,
                        pad_id=c.pad_id, prefix_BP=prefix_BP, prefix_len_B=prefix_len_B,
-                       scores=True)
+                       scores=True, rng=rng)
     step_fn = cached_logits_fn(model, params)
 
     def logits_fn(token_B, carry, step):
@@ -115,7 +115,7 @@ def _generate_program(model, params, features_BTM, prefix_BP, *, max_new_tokens,
         p_B = jnp.exp(logits_BV32[:, no_speech_id] - jax.nn.logsumexp(logits_BV32, axis=-1))
         return logits_BV, (cache, jnp.where(step == 0, p_B, carry[1]))
 
-    state = decode_loop(logits_fn, state, max_new_tokens, select=sampling.greedy,
+    state = decode_loop(logits_fn, state, max_new_tokens, select=select,
                         eos_id=c.eos_id, pad_id=c.pad_id, loop=loop, processors=processors,
                         segments=segments,
                         fold=lambda carry, n: (cache_lib.fold(carry[0], n), carry[1]))
@@ -124,12 +124,15 @@ def _generate_program(model, params, features_BTM, prefix_BP, *, max_new_tokens,
 
 def generate(model, params, vocab: list[str], features_BTM, prompts: list[list[int]], *,
              suppress_ids, suppress_ids_begin, max_text_tokens: int = 224,
-             loop: str = "while") -> list[Generated]:
+             loop: str = "while", temperature: float = 0.0, seed: int = 0) -> list[Generated]:
     """Greedy decoding of each row after its prompt (all prompts of one length, each
     starting with <|startoftranscript|>), with `whisper_processors`, in one compiled
     program: each row's `Generated` ids, no-speech probability and average
     log-probability (what Whisper's no-speech rule reads). At most
-    `max_text_tokens` are generated."""
+    `max_text_tokens` are generated. `temperature` > 0 samples from
+    softmax(logits / temperature) instead (the log-probabilities stay those of the
+    unscaled logits, as openai-whisper scores a sampled window), seeded by `seed`."""
+    select = sampling.make_sampler(float(temperature))
     width = {len(p) for p in prompts}
     if len(width) != 1 or len(prompts) != features_BTM.shape[0]:
         raise ValueError(f"prompts: one per row of the features ({features_BTM.shape[0]}), "
@@ -147,8 +150,9 @@ def generate(model, params, vocab: list[str], features_BTM, prompts: list[list[i
     no_speech = t.no_speech if t.no_speech is not None else t.eot
     tokens, lengths, logprob, no_speech_p = (np.asarray(x) for x in _generate_program(
         *decodable(model, params), jnp.asarray(features_BTM), prefix_BP,
-        max_new_tokens=max_new_tokens, processors=procs, no_speech_id=no_speech, loop=loop,
-        segments=segments_for(max_new_tokens)))
+        jax.random.PRNGKey(int(seed)), max_new_tokens=max_new_tokens, processors=procs,
+        no_speech_id=no_speech, loop=loop, segments=segments_for(max_new_tokens),
+        select=select))
     eos = model.config.eos_id
     rows = []
     for row, length, total, p in zip(tokens, lengths, logprob, no_speech_p):

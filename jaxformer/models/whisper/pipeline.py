@@ -1,10 +1,10 @@
-"""Audio to text with Whisper: any WAV, any length, language detection, translation,
-segment timestamps, and SRT/JSON/text output.
+"""Audio to text with Whisper: any WAV (any audio or video file with PyAV), any
+length, language detection, translation, segment timestamps.
 
-    w = transcribe.load(model_dir)      # a CTranslate2 Whisper folder or a Hugging Face one
-    result = transcribe.transcribe(w, "talk.wav", timestamps=True)
+    w = whisper.load(model_dir)         # a CTranslate2 Whisper folder or a Hugging Face one
+    result = whisper.transcribe(w, "talk.mp3", timestamps=True)
     result.text, result.language, result.language_probability, result.segments
-    print(transcribe.srt(result.segments))
+    print(whisper.srt(result.segments))
 
 Audio longer than 30 s is decoded in 30 s windows. Without timestamps the
 windows are consecutive and independent, so the windows of every file are
@@ -16,8 +16,9 @@ a batch. Batches are padded to a fixed number of rows so that one compiled
 program serves every batch of a run.
 
 Decoding is greedy with Whisper's prompts and logits processors
-(`generate_ids`); not included are openai-whisper's temperature
-fallback, conditioning on the previous window's text, and word timestamps.
+(`generate_ids`), with openai-whisper's temperature fallback (`fallback`); not
+included are conditioning on the previous window's text, beam search and word
+timestamps.
 """
 
 
@@ -28,8 +29,11 @@ from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
+from jaxformer.errors import FileFormatError
 from jaxformer.models.whisper import audio as audio_lib
+from jaxformer.models.whisper import media
 from jaxformer.models.whisper.checkpoint import Whisper
+from jaxformer.models.whisper.fallback import TEMPERATURES, Safeguards
 from jaxformer.models.whisper.features import HOP
 from jaxformer.models.whisper.decoding import detect_language
 from jaxformer.models.whisper.output import Segment, Transcript
@@ -37,7 +41,8 @@ from jaxformer.models.whisper.tokens import TASKS, Tokens, decode_text, prompt_i
 from jaxformer.models.whisper.windows import (FRAMES_PER_SECOND, Windows, consecutive_windows,
                                               padded_rows, seek_windows, window_features)
 
-AudioInput = Union[str, os.PathLike, np.ndarray, audio_lib.WavFile, audio_lib.Samples]
+AudioInput = Union[str, os.PathLike, np.ndarray, audio_lib.WavFile, audio_lib.Samples,
+                   media.MediaFile]
 
 
 def check_options(w: Whisper, language: str, task: str) -> Tokens:
@@ -54,27 +59,31 @@ def check_options(w: Whisper, language: str, task: str) -> Tokens:
 
 
 def check_thresholds(no_speech_threshold, logprob_threshold) -> None:
-    """ValueError unless each is None or a finite number (no_speech_threshold in [0, 1])."""
-    for name, value in (("no_speech_threshold", no_speech_threshold),
-                        ("logprob_threshold", logprob_threshold)):
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) or (
-                not np.isfinite(value)):
-            raise ValueError(f"{name} must be a finite number or None, got {value!r}")
-    if no_speech_threshold is not None and not 0 <= no_speech_threshold <= 1:
-        raise ValueError(f"no_speech_threshold is a probability in [0, 1], got "
-                         f"{no_speech_threshold!r}")
+    """ValueError unless each is None or a finite number (no_speech_threshold in [0, 1],
+    logprob_threshold <= 0): `fallback.Safeguards.check`."""
+    Safeguards(no_speech_threshold=no_speech_threshold, logprob_threshold=logprob_threshold)
 
 
 def read_audio(item: AudioInput):
-    """A source of 16 kHz mono samples read window by window: a WAV path (any rate
-    and channels; the header is checked now, the samples are read as they are
-    needed: `audio.open_wav`), a `WavFile`, or (N,) samples (`audio.Samples`)."""
-    if isinstance(item, (audio_lib.WavFile, audio_lib.Samples)):
+    """A source of 16 kHz mono samples read window by window, checked now: a WAV path
+    (a RIFF/WAVE header or a .wav name; any rate and channels; the samples are read
+    as they are needed: `audio.open_wav`), any other audio or video file through
+    PyAV (the `media` extra:
+    `media.open_media`, decoded as a stream), a `WavFile` or `MediaFile`, or (N,)
+    samples (`audio.Samples`)."""
+    if isinstance(item, (audio_lib.WavFile, audio_lib.Samples, media.MediaFile)):
         return item
     if isinstance(item, (str, os.PathLike)):
-        return audio_lib.open_wav(os.fspath(item))
+        path = os.fspath(item)
+        if os.path.isfile(path) and not media.is_wav(path) and not path.lower().endswith(
+                (".wav", ".wave")):
+            try:
+                return media.open_media(path)
+            except ImportError:
+                raise FileFormatError(path, "is not a WAV file, and other audio or video "
+                                            "formats are read with PyAV, which is not installed",
+                                      "pip install 'jaxformer[media]'") from None
+        return audio_lib.open_wav(path)
     return audio_lib.Samples(item)
 
 
@@ -83,6 +92,8 @@ def transcribe(w: Whisper, audio: Union[AudioInput, Sequence[AudioInput]], *,
                batch_size: int = 8, max_text_tokens: int = 224,
                no_speech_threshold: Optional[float] = 0.6,
                logprob_threshold: Optional[float] = -1.0,
+               temperature: Union[float, Sequence[float]] = TEMPERATURES,
+               compression_ratio_threshold: Optional[float] = 2.4, best_of: int = 5,
                progress: Optional[Callable[[float, float], None]] = None
                ) -> Union[Transcript, list[Transcript]]:
     """Transcribe (or translate to English) one audio input or a list of them.
@@ -99,9 +110,16 @@ def transcribe(w: Whisper, audio: Union[AudioInput, Sequence[AudioInput]], *,
       `logprob_threshold` is dropped (None turns a test off; both None keep
       every window).
 
+    Before that rule, a window whose text is a loop (gzip compression ratio
+    above `compression_ratio_threshold`) or improbable (average log-probability
+    below `logprob_threshold`) is decoded again at the next of `temperature`
+    (sampling, the most probable of `best_of`), as openai-whisper and
+    faster-whisper do (`fallback`); `temperature=0.0` decodes greedily once.
+
     Args:
       w: `load(model_dir)`.
-      audio: a WAV path, an `audio.WavFile`, or (N,) float 16 kHz samples, or a
+      audio: a path (WAV, or any audio or video file with the `media` extra:
+        `read_audio`), an `audio.WavFile`, or (N,) float 16 kHz samples, or a
         list of these (then a list of results, in order).
       language: "auto" (detected per file on its first 30 s, from the language
         tokens: `detect_language`) or a code such as "en"; English-only
@@ -113,27 +131,31 @@ def transcribe(w: Whisper, audio: Union[AudioInput, Sequence[AudioInput]], *,
       max_text_tokens: tokens generated per window at most (Whisper: 224).
       no_speech_threshold, logprob_threshold: the no-speech rule (0.6, -1.0 as
         openai-whisper).
+      temperature, compression_ratio_threshold, best_of: the temperature fallback
+        ((0.0, 0.2, ..., 1.0), 2.4, 5 as faster-whisper).
       progress: called as `progress(seconds done, seconds in total)` after each
         window skipped and each batch decoded.
     Raises:
       ValueError (an unknown language code, task, or an option the model cannot
-      do) and FileFormatError (a file that is not WAV audio) before any decoding.
+      do) and FileFormatError (a file that is not audio, has no audio stream or is
+      corrupt) before any decoding.
     """
-    single = isinstance(audio, (str, os.PathLike, audio_lib.WavFile, audio_lib.Samples)) or (
+    single = isinstance(audio, (str, os.PathLike, audio_lib.WavFile, audio_lib.Samples,
+                                   media.MediaFile)) or (
         isinstance(audio, np.ndarray) and audio.ndim == 1)
     items = [audio] if single else list(audio)
     t = check_options(w, language, task)
     if batch_size < 1 or max_text_tokens < 1:
         raise ValueError(f"batch_size and max_text_tokens must be >= 1, got {batch_size}, "
                          f"{max_text_tokens}")
-    check_thresholds(no_speech_threshold, logprob_threshold)
+    safeguards = Safeguards(temperature, compression_ratio_threshold, logprob_threshold,
+                            no_speech_threshold, best_of)
     sources = [read_audio(item) for item in items]  # every file is checked first
     frames = [s.num_samples // HOP for s in sources]
     languages, probabilities = detect(w, t, sources, language, batch_size)
     prompts = [prompt_ids(list(w.vocab), lang if w.multilingual else None, task,
                                   timestamps) for lang in languages]
-    windows = Windows(w, sources, prompts, max_text_tokens, no_speech_threshold,
-                      logprob_threshold)
+    windows = Windows(w, sources, prompts, max_text_tokens, safeguards)
     total = sum(frames) / FRAMES_PER_SECOND
     report = (lambda done: progress(done / FRAMES_PER_SECOND, total)) if progress else None
     if timestamps:

@@ -5,7 +5,7 @@ cutting timestamped windows into segments (openai-whisper's `transcribe` loop).
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -14,7 +14,9 @@ from jaxformer.models.whisper import features as features_lib
 from jaxformer.models.whisper.checkpoint import Whisper
 from jaxformer.models.whisper.config import N_FRAMES
 from jaxformer.models.whisper.decoding import Generated, generate
-from jaxformer.models.whisper.tokens import TIME_PRECISION
+from jaxformer.models.whisper.fallback import (Safeguards, final_choice, is_no_speech,
+                                                needs_fallback)
+from jaxformer.models.whisper.tokens import TIME_PRECISION, decode_text
 
 FRAMES_PER_SECOND = audio_lib.SAMPLE_RATE // features_lib.HOP  # 100
 FRAMES_PER_TOKEN = 2  # the encoder's second convolution has stride 2
@@ -31,9 +33,18 @@ def window_samples(source, seek: int) -> np.ndarray:
 
 
 def features_of(chunk_N: np.ndarray, n_mels: int = features_lib.N_MELS) -> np.ndarray:
-    """(3000, n_mels) log-mel features of up to 30 s of samples (zero-padded)."""
-    return np.asarray(features_lib.log_mel_spectrogram(
+    """(3000, n_mels) log-mel features of up to 30 s of samples.
+
+    A chunk shorter than 30 s (the end of a file) is padded as faster-whisper pads
+    it: the frames of the audio (and of one hop of zeros after it) are computed,
+    the frames after them are 0.0 (openai-whisper pads the audio with zeros
+    instead, which gives those frames the floor value of the window: the text of
+    a short clip can differ by a word)."""
+    out = np.array(features_lib.log_mel_spectrogram(
         features_lib.pad_or_trim(chunk_N)[None], n_mels))[0]
+    if len(chunk_N) < features_lib.CHUNK_SAMPLES:
+        out[len(chunk_N) // features_lib.HOP + 1:] = 0.0
+    return out
 
 
 def window_features(source, seek: int, n_mels: int = features_lib.N_MELS) -> np.ndarray:
@@ -89,19 +100,23 @@ class Windows:
     """Reads, checks and decodes the 30 s windows of a run's files.
 
     `features(f, seek)` reads one window of file f (None if digitally silent);
-    `decode([(f, features)], rows)` decodes windows as one batch of `rows` rows
-    and returns each one's ids, or None where the no-speech rule drops it.
+    `decode([(f, features)], rows)` decodes windows as one batch of `rows` rows,
+    with the temperature fallback (`fallback`), and returns each one's ids, or None
+    where the no-speech rule drops it. `log` records, per decoded window, (file,
+    temperatures tried, dropped). `generate` is `decoding.generate` (a test may
+    script it).
     """
 
     w: Whisper
     sources: list
     prompts: list
     max_text_tokens: int
-    no_speech_threshold: Optional[float]
-    logprob_threshold: Optional[float]
+    safeguards: Safeguards = dataclasses.field(default_factory=Safeguards)
+    generate: Callable[..., list[Generated]] = generate
 
     def __post_init__(self):
         self.n_mels = self.w.n_mels
+        self.log: list[tuple[int, tuple[float, ...], bool]] = []
 
     def features(self, f: int, seek: int) -> Optional[np.ndarray]:
         chunk = window_samples(self.sources[f], seek)
@@ -109,21 +124,39 @@ class Windows:
 
     def decode(self, batch: list[tuple[int, np.ndarray]], rows: int
                ) -> list[Optional[list[int]]]:
-        padded = batch + [batch[-1]] * (rows - len(batch))
-        out = generate(self.w.model, self.w.params, list(self.w.vocab),
-                               np.stack([x for _, x in padded]),
-                               [self.prompts[f] for f, _ in padded],
-                               suppress_ids=self.w.suppress_ids,
-                               suppress_ids_begin=self.w.suppress_ids_begin,
-                               max_text_tokens=self.max_text_tokens)
-        return [None if self.no_speech(g) else g.ids for g in out[:len(batch)]]
-
-    def no_speech(self, g: Generated) -> bool:
-        """openai-whisper's rule: likely no speech, unless the text is confident."""
-        if self.no_speech_threshold is None or g.no_speech_prob is None:
-            return False
-        return g.no_speech_prob > self.no_speech_threshold and not (
-            self.logprob_threshold is not None and g.avg_logprob > self.logprob_threshold)
+        s, vocab = self.safeguards, list(self.w.vocab)
+        chosen: list[Optional[Generated]] = [None] * len(batch)
+        tried: list[list[tuple[Generated, str]]] = [[] for _ in batch]
+        todo = list(range(len(batch)))
+        for k, temperature in enumerate(s.temperatures):
+            copies = 1 if temperature == 0 else s.best_of  # sampled: best of `copies`
+            rows_in = [batch[i] for i in todo for _ in range(copies)]
+            padded = rows_in + [rows_in[-1]] * (rows * copies - len(rows_in))
+            out = self.generate(self.w.model, self.w.params, vocab,
+                                np.stack([x for _, x in padded]),
+                                [self.prompts[f] for f, _ in padded],
+                                suppress_ids=self.w.suppress_ids,
+                                suppress_ids_begin=self.w.suppress_ids_begin,
+                                max_text_tokens=self.max_text_tokens,
+                                temperature=temperature, seed=k)
+            again = []
+            for n, i in enumerate(todo):
+                g = max(out[n * copies:(n + 1) * copies], key=lambda g: g.avg_logprob)
+                text = decode_text(vocab, g.ids).strip()
+                tried[i].append((g, text))
+                if needs_fallback(text, g.avg_logprob, g.no_speech_prob, s):
+                    again.append(i)
+                else:
+                    chosen[i] = g
+            todo = again
+            if not todo:
+                break
+        for i in todo:  # every temperature failed
+            chosen[i] = tried[i][final_choice([(t, g.avg_logprob) for g, t in tried[i]], s)][0]
+        dropped = [is_no_speech(g.avg_logprob, g.no_speech_prob, s) for g in chosen]
+        self.log.extend((f, s.temperatures[:len(t)], d)
+                        for (f, _), t, d in zip(batch, tried, dropped))
+        return [None if d else g.ids for g, d in zip(chosen, dropped)]
 
 
 def consecutive_windows(windows: Windows, frames: list[int], batch_size: int, report
