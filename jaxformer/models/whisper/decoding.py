@@ -92,9 +92,9 @@ class Generated:
 
 
 @decode_jit(static_argnames=("model", "max_new_tokens", "processors", "no_speech_id", "loop",
-                             "segments", "select"))
-def _generate_program(model, params, features_BTM, prefix_BP, rng, *, max_new_tokens,
-                      processors, no_speech_id, loop, segments, select):
+                             "segments", "sample"))
+def _generate_program(model, params, features_BTM, prefix_BP, rng, temperature, *,
+                      max_new_tokens, processors, no_speech_id, loop, segments, sample):
     """Greedy (or sampled) decode that also records the no-speech probability of step 0 and the
     summed log-probabilities: (tokens (B, N), lengths (B,), logprob (B,), no_speech (B,))."""
     c = model.config
@@ -108,6 +108,12 @@ def _generate_program(model, params, features_BTM, prefix_BP, rng, *, max_new_to
                        pad_id=c.pad_id, prefix_BP=prefix_BP, prefix_len_B=prefix_len_B,
                        scores=True, rng=rng)
     step_fn = cached_logits_fn(model, params)
+
+    def select(logits_BV, key):  # the temperature is traced: one program for all of them
+        if not sample:
+            return sampling.greedy(logits_BV)
+        return jax.random.categorical(key, logits_BV.astype(jnp.float32) / temperature,
+                                      axis=-1).astype(jnp.int32)
 
     def logits_fn(token_B, carry, step):
         logits_BV, cache = step_fn(token_B, carry[0], step)
@@ -132,7 +138,9 @@ def generate(model, params, vocab: list[str], features_BTM, prompts: list[list[i
     `max_text_tokens` are generated. `temperature` > 0 samples from
     softmax(logits / temperature) instead (the log-probabilities stay those of the
     unscaled logits, as openai-whisper scores a sampled window), seeded by `seed`."""
-    select = sampling.make_sampler(float(temperature))
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+            np.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
     width = {len(p) for p in prompts}
     if len(width) != 1 or len(prompts) != features_BTM.shape[0]:
         raise ValueError(f"prompts: one per row of the features ({features_BTM.shape[0]}), "
@@ -150,9 +158,9 @@ def generate(model, params, vocab: list[str], features_BTM, prompts: list[list[i
     no_speech = t.no_speech if t.no_speech is not None else t.eot
     tokens, lengths, logprob, no_speech_p = (np.asarray(x) for x in _generate_program(
         *decodable(model, params), jnp.asarray(features_BTM), prefix_BP,
-        jax.random.PRNGKey(int(seed)), max_new_tokens=max_new_tokens, processors=procs,
-        no_speech_id=no_speech, loop=loop, segments=segments_for(max_new_tokens),
-        select=select))
+        jax.random.PRNGKey(int(seed)), jnp.float32(max(float(temperature), 1e-6)),
+        max_new_tokens=max_new_tokens, processors=procs, no_speech_id=no_speech, loop=loop,
+        segments=segments_for(max_new_tokens), sample=float(temperature) > 0))
     eos = model.config.eos_id
     rows = []
     for row, length, total, p in zip(tokens, lengths, logprob, no_speech_p):
