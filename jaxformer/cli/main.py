@@ -9,6 +9,7 @@
     jaxformer transcribe --model DIR talk.wav        # speech to text (cli.transcribe)
     jaxformer export --run runs/lm --out my-lm-hf    # a Hugging Face directory (cli.export)
     jaxformer serve --model SmolLM2.gguf             # OpenAI-compatible HTTP API (cli.serve)
+    jaxformer lm-eval --model jaxformer --model_args path=SmolLM2.gguf --tasks arc_easy
 
 Each command is one module: `add_parser(commands, add_common_flags)` registers it,
 its function runs it. Every command has --compile-cache and --verbose; a bad flag or
@@ -30,6 +31,7 @@ from jaxformer.cli import args as args_lib
 from jaxformer.cli import evaluate as evaluate_command
 from jaxformer.cli import export as export_command
 from jaxformer.cli import generate as generate_commands
+from jaxformer.cli import lm_eval as lm_eval_command
 from jaxformer.cli import serve as serve_command
 from jaxformer.cli import train as train_command
 from jaxformer.cli import transcribe as transcribe_command
@@ -47,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     transcribe_command.add_parser(commands, _add_compile_cache_flag)
     export_command.add_parser(commands, _add_compile_cache_flag)
     serve_command.add_parser(commands, _add_compile_cache_flag)
+    lm_eval_command.add_parser(commands, _add_compile_cache_flag)
     return parser
 
 
@@ -76,6 +79,9 @@ def _compile_cache(directory: Optional[str], disabled: bool = False):
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of `jaxformer` and `python -m jaxformer`; returns the exit status."""
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["lm-eval"]:  # every later argument is lm_eval's, its flags too
+        argv = ["lm-eval", "--", *argv[1:]]
     try:  # a bad flag: one line (`args.Parser`), status 2; --help: status 0
         args = parser.parse_args(argv)
     except SystemExit as done:

@@ -17,10 +17,10 @@ splitting, empty contexts, rolling windows), the same code its `hf` model runs;
 the token work is `scoring.Scorer` (batched, padded to a few compiled shapes).
 
 Model arguments (`--model_args k=v,...`): `path` (a Hugging Face directory or a
-GGUF file, `jaxformer.models.load`), `batch_size` (rows per compiled call,
-default 8; lm-eval's `--batch_size`), `max_length` (the window, default the
+GGUF file, `jaxformer.models.load`), `max_length` (the window, default the
 model's), `max_gen_toks` (default 256), `dtype`, `quantize`, `chat_template`
-(a Jinja string to use instead of the checkpoint's).
+(a Jinja string to use instead of the checkpoint's). The batch (rows per
+compiled call, default 8) is lm-eval's `--batch_size`.
 """
 
 from __future__ import annotations
@@ -65,6 +65,10 @@ class JaxformerLM(TemplateLM):
         if (path is None) == (model is None):
             raise ValueError("pass either path= (a checkpoint) or model=, params= and "
                              "tokenizer= (already loaded)")
+        # numbers first: nothing is loaded for a bad one
+        self.max_gen_toks = _positive_int("max_gen_toks", max_gen_toks, 256)
+        window = None if max_length is None else _positive_int("max_length", max_length, 0)
+        rows = _positive_int("batch_size", batch_size, 8)
         if path is not None:
             from jaxformer.models import load  # noqa: PLC0415 - the readers load on use
 
@@ -79,10 +83,7 @@ class JaxformerLM(TemplateLM):
         self.tokenizer = tokenizer
         self._template = chat_template
         self._name = os.path.basename(os.path.normpath(path)) if path else "jaxformer"
-        self.max_gen_toks = _positive_int("max_gen_toks", max_gen_toks, 256)
-        window = None if max_length is None else _positive_int("max_length", max_length, 0)
-        self.scorer = Scorer(model, params, batch_size=_positive_int(
-            "batch_size", batch_size, 8), max_length=window)
+        self.scorer = Scorer(model, params, batch_size=rows, max_length=window)
         self.config = model.config
 
     # -- what TemplateLM asks for ---------------------------------------------------------

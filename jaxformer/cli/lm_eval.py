@@ -1,0 +1,57 @@
+"""`jaxformer lm-eval`: lm-evaluation-harness's command line with the "jaxformer" model.
+
+    jaxformer lm-eval --model jaxformer --model_args path=SmolLM2.gguf --tasks arc_easy
+    jaxformer lm-eval ls tasks
+
+Every argument goes to lm-eval's own command line (`lm_eval --help`) unchanged;
+the command only registers `jaxformer.harness.JaxformerLM` as "jaxformer" first,
+since lm-eval finds models in its own registry alone. Needs the `lm_eval` extra.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jaxformer.cli.usage import UsageError
+
+
+def add_parser(commands, add_common_flags) -> None:
+    """Register the subcommand on `commands` (argparse subparsers)."""
+    parser = commands.add_parser(
+        "lm-eval", help="lm-evaluation-harness with the jaxformer model (lm_eval's flags)",
+        description="Run EleutherAI's lm-evaluation-harness with jaxformer models: "
+                    "`--model jaxformer --model_args path=CHECKPOINT`; every argument is "
+                    "lm_eval's (see `jaxformer lm-eval --help` after the first argument, "
+                    "or `lm_eval --help`).", add_help=False)
+    parser.add_argument("lm_eval_args", nargs=argparse.REMAINDER, metavar="ARGS",
+                        help="lm_eval's arguments")
+    parser.set_defaults(func=run, compile_cache=None, verbose=False)
+
+
+def run(args) -> int:
+    try:
+        import lm_eval  # noqa: F401, PLC0415 - optional: the lm_eval extra
+    except ImportError as error:
+        raise UsageError("lm-eval needs lm-evaluation-harness: pip install "
+                         "'jaxformer[lm_eval]'") from error
+    import jaxformer.harness.lm_eval_model  # noqa: F401, PLC0415 - registers "jaxformer"
+    from lm_eval.__main__ import cli_evaluate  # noqa: PLC0415
+
+    forwarded = list(args.lm_eval_args)
+    if forwarded[:1] == ["--"]:  # (main puts it there so that argparse keeps the flags)
+        forwarded = forwarded[1:]
+    saved = sys.argv
+    sys.argv = ["jaxformer lm-eval", *forwarded]  # lm-eval's parser reads sys.argv
+    try:
+        cli_evaluate()
+    except (ValueError, KeyError, TypeError, OSError) as error:  # lm-eval's, the loader's
+        # refusals; TypeError: a model argument the model does not take
+        text = str(error.args[0] if isinstance(error, KeyError) and error.args else error)
+        raise UsageError(text.strip().splitlines()[0] if text.strip() else
+                         type(error).__name__) from error
+    except SystemExit as done:
+        return done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    finally:
+        sys.argv = saved
+    return 0
