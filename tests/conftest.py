@@ -27,7 +27,8 @@ FIRST_REAL_ID = 3  # ids 0, 1, 2 are pad, bos, eos in every config here
 # collection order, one more whenever it finishes one; a long file collected last runs
 # alone while the other worker idles. Longest first keeps both busy to the end (the
 # order inside a file is kept: module fixtures and "last in this file" tests need it).
-LONGEST_FIRST = ("harness/test_lm_eval.py", "cli/test_cli.py", "test_docs.py", "parallel/test_partitioning.py",
+LONGEST_FIRST = ("harness/test_lm_eval.py", "cli/test_cli.py", "test_docs.py",
+                 "parallel/test_partitioning.py",
                  "parallel/test_distributed.py", "train/test_finetune.py",
                  "parallel/test_scale_out.py", "models/test_smollm2.py", "nnx/test_bridge.py",
                  "serve/test_engine.py",
