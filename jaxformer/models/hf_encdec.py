@@ -23,19 +23,8 @@ mapped, and an unsupported value refused by name, before any tensor file is
 opened; then every missing, unexpected or wrong-shaped tensor is listed in one
 `CheckpointMismatch` from the files' headers.
 
-Tensor names (torch Linear (out, in) -> jaxformer), per layer i of either stack:
-
-    model.{encoder,decoder}.layers.i.self_attn.{q,k,v}_proj   .../self_attn/{query,key,value}
-    model.{encoder,decoder}.layers.i.self_attn.out_proj       .../self_attn/out
-    model.decoder.layers.i.encoder_attn.*                     decoder/layers_i/cross_attn/*
-    *.self_attn_layer_norm / encoder_attn_layer_norm          self_attn_norm / cross_attn_norm
-    *.fc1 / fc2 / final_layer_norm                            ffn/wi / ffn/wo / ffn_norm
-    model.encoder.conv{1,2} (D, C, 3)       (Whisper)         stem/conv_{0,1}/kernel (3, C, D)
-    model.{encoder,decoder}.embed_positions (Whisper)         {encoder,decoder}/positions
-    model.decoder.embed_tokens (Whisper)                      tgt_embed/embedding
-    model.{encoder,decoder}.layer_norm (Whisper)              {encoder,decoder}/final_norm
-    model.shared (Marian)                                     src_embed/embedding (shared)
-    final_logits_bias (1, V) (Marian)                         decoder/logits_bias (V,)
+The tensor names, shapes and layouts are the tables of
+`jaxformer.models.encdec_tensors`; checking and reading loop over them.
 """
 
 from __future__ import annotations
@@ -52,12 +41,12 @@ from jaxformer.config import TransformerConfig
 from jaxformer.interop.flat import load_flat
 from jaxformer.models.whisper.config import whisper_config
 from jaxformer.models.hf import ACTIVATIONS, read_config
-from jaxformer.models.tensor_table import check_shapes
+from jaxformer.models import encdec_tensors, tensor_table
+from jaxformer.models.encdec_tensors import MARIAN, WHISPER
 from jaxformer.text.pretrained import tokenizer_from_dir
 from jaxformer.nn.model import Transformer
 from jaxformer.nn.stems import ConvStem
 
-WHISPER, MARIAN = "WhisperForConditionalGeneration", "MarianMTModel"
 ARCHITECTURES = (WHISPER, MARIAN)
 # Keys whose non-default value changes the function in a way jaxformer does not implement.
 _REFUSED = {
@@ -144,111 +133,40 @@ def marian_positions(length: int, d_model: int) -> np.ndarray:
                           axis=1).astype(np.float32)
 
 
+def tensor_entries(config: TransformerConfig, arch: str, mel_bins: int = 0
+                   ) -> list[tensor_table.Entry]:
+    """Every tensor of `config`'s `arch` checkpoint, both stacks (`encdec_tensors.tables`)."""
+    return [entry for table in encdec_tensors.tables(arch, mel_bins)
+            for entry in tensor_table.entries(table, config)]
+
+
 def expected_tensors(config: TransformerConfig, arch: str, mel_bins: int = 0
                      ) -> dict[str, tuple[int, ...]]:
     """Hugging Face tensor name -> shape that `config` implies for `arch`."""
-    D, F, V = config.d_model, config.d_ff, config.tgt_vocab_size
-    shapes: dict[str, tuple[int, ...]] = {}
-
-    def attention(prefix, key_bias):
-        for part in ("q", "k", "v", "out"):
-            name = f"{prefix}.{part}_proj" if part != "out" else f"{prefix}.out_proj"
-            shapes[name + ".weight"] = (D, D)
-            if part != "k" or key_bias:
-                shapes[name + ".bias"] = (D,)
-
-    def norm(name):
-        shapes.update({name + ".weight": (D,), name + ".bias": (D,)})
-
-    key_bias = config.has_attention_bias("k")
-    for stack, count in (("encoder", config.num_encoder_layers),
-                         ("decoder", config.num_decoder_layers)):
-        for i in range(count):
-            p = f"model.{stack}.layers.{i}."
-            attention(p + "self_attn", key_bias)
-            norm(p + "self_attn_layer_norm")
-            if stack == "decoder":
-                attention(p + "encoder_attn", key_bias)
-                norm(p + "encoder_attn_layer_norm")
-            shapes.update({p + "fc1.weight": (F, D), p + "fc1.bias": (F,),
-                           p + "fc2.weight": (D, F), p + "fc2.bias": (D,)})
-            norm(p + "final_layer_norm")
-    if arch == WHISPER:
-        shapes.update({"model.encoder.conv1.weight": (D, mel_bins, 3),
-                       "model.encoder.conv1.bias": (D,),
-                       "model.encoder.conv2.weight": (D, D, 3), "model.encoder.conv2.bias": (D,),
-                       "model.encoder.embed_positions.weight": (config.encoder_len, D),
-                       "model.decoder.embed_positions.weight": (config.decoder_len, D),
-                       "model.decoder.embed_tokens.weight": (V, D)})
-        norm("model.encoder.layer_norm")
-        norm("model.decoder.layer_norm")
-    else:
-        shapes.update({"model.shared.weight": (V, D), "final_logits_bias": (1, V)})
-    return shapes
+    return {e.hf: e.shape for e in tensor_entries(config, arch, mel_bins)}
 
 
 def _ignored(name: str, arch: str) -> bool:
-    """Tensors a checkpoint may carry that change nothing: the tied output head, and
-    Marian's copies of the shared table and its computed sinusoid tables."""
-    if name in ("proj_out.weight", "lm_head.weight"):
-        return True
-    return arch == MARIAN and name in (
-        "model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight",
-        "model.encoder.embed_positions.weight", "model.decoder.embed_positions.weight")
+    """Tensors a checkpoint may carry that change nothing (`encdec_tensors.IGNORED`)."""
+    return name in encdec_tensors.IGNORED[arch]
 
 
 def check_tensors(checkpoint, config: TransformerConfig, arch: str, mel_bins: int = 0) -> None:
     """CheckpointMismatch listing every missing, unexpected and wrong-shaped tensor,
     from the files' headers (no tensor is read)."""
-    check_shapes(expected_tensors(config, arch, mel_bins),
-                 {n: s for n, s in checkpoint.shapes.items() if not _ignored(n, arch)})
+    tensor_table.check_shapes(expected_tensors(config, arch, mel_bins),
+                              {n: s for n, s in checkpoint.shapes.items() if not _ignored(n, arch)})
 
 
 def flat_from_hf(checkpoint, config: TransformerConfig, arch: str) -> dict[str, np.ndarray]:
     """The checkpoint's tensors in jaxformer's flat names and layouts (float32)."""
-    D, H, K = config.d_model, config.num_heads, config.head_dim
+    dims = encdec_tensors.tables(arch)[0].dims(config)
     flat: dict[str, np.ndarray] = {}
-
-    def get(name):
-        return checkpoint.array(name).astype(np.float32)
-
-    def attention(ours, theirs):
-        for part, letter in (("query", "q"), ("key", "k"), ("value", "v")):
-            flat[f"{ours}/{part}/kernel"] = get(f"{theirs}.{letter}_proj.weight").T.reshape(D, H, K)
-            if config.has_attention_bias(letter):
-                flat[f"{ours}/{part}/bias"] = get(f"{theirs}.{letter}_proj.bias").reshape(H, K)
-        flat[f"{ours}/out/kernel"] = get(f"{theirs}.out_proj.weight").T.reshape(H, K, D)
-        flat[f"{ours}/out/bias"] = get(f"{theirs}.out_proj.bias")
-
-    def norm(ours, theirs):
-        flat[f"{ours}/scale"], flat[f"{ours}/bias"] = get(theirs + ".weight"), get(theirs + ".bias")
-
-    for stack, count in (("encoder", config.num_encoder_layers),
-                         ("decoder", config.num_decoder_layers)):
-        for i in range(count):
-            ours, theirs = f"{stack}/layers_{i}/", f"model.{stack}.layers.{i}."
-            attention(ours + "self_attn", theirs + "self_attn")
-            norm(ours + "self_attn_norm", theirs + "self_attn_layer_norm")
-            if stack == "decoder":
-                attention(ours + "cross_attn", theirs + "encoder_attn")
-                norm(ours + "cross_attn_norm", theirs + "encoder_attn_layer_norm")
-            for ffn, fc in (("wi", "fc1"), ("wo", "fc2")):
-                flat[ours + f"ffn/{ffn}/kernel"] = get(theirs + f"{fc}.weight").T
-                flat[ours + f"ffn/{ffn}/bias"] = get(theirs + f"{fc}.bias")
-            norm(ours + "ffn_norm", theirs + "final_layer_norm")
-    if arch == WHISPER:
-        for i in range(2):
-            conv = f"model.encoder.conv{i + 1}"
-            flat[f"stem/conv_{i}/kernel"] = get(conv + ".weight").transpose(2, 1, 0)
-            flat[f"stem/conv_{i}/bias"] = get(conv + ".bias")
-        for stack in ("encoder", "decoder"):
-            flat[f"{stack}/positions/embedding"] = get(f"model.{stack}.embed_positions.weight")
-            norm(f"{stack}/final_norm", f"model.{stack}.layer_norm")
-        flat["tgt_embed/embedding"] = get("model.decoder.embed_tokens.weight")
-    else:
-        flat["src_embed/embedding"] = get("model.shared.weight")
-        flat["decoder/logits_bias"] = get("final_logits_bias").reshape(-1)
-        table = marian_positions(config.max_len, D)
+    for entry in tensor_entries(config, arch):
+        value = checkpoint.array(entry.hf).astype(np.float32)
+        flat[entry.ours] = np.ascontiguousarray(tensor_table.to_params(entry.row, value, dims))
+    if arch == MARIAN:
+        table = marian_positions(config.max_len, config.d_model)
         flat["encoder/positions/embedding"] = flat["decoder/positions/embedding"] = table
     return flat
 

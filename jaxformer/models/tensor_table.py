@@ -1,7 +1,8 @@
 """Tensor tables: one row per tensor of a model family, stating its jaxformer parameter
 path, its Hugging Face name, its GGUF name, its shape in the files and how it moves
 between the two layouts. Readers and writers loop over a table (`entries`); adding a
-family is adding a table (`jaxformer.models.llama_tensors.LLAMA` is the first).
+family is adding a table (`jaxformer.models.llama_tensors.LLAMA`; the encoder-decoder
+families, two tables each: `jaxformer.models.encdec_tensors`).
 
 A row's `kind` is the transform, both ways (file layout: torch `Linear` (out, in),
 which GGUF's numpy order shares; `n` heads of `K` features, `order` a per-head
@@ -16,6 +17,10 @@ feature permutation for RoPE's layout, or None):
     HEADS_IN    (n*K, D)      (D, n, K)          w.reshape(n, K, D)[:, order] -> (D, n, K)
     HEADS_OUT   (D, n*K)      (n, K, D)          w.T.reshape(n, K, D)
     HEAD_BIAS   (n*K,)        (n, K)             b.reshape(n, K)[:, order]
+    CONV        (out, in, W)  (W, in, out)       w.transpose(2, 1, 0) (torch Conv1d)
+    ROW         (1, X)        (X,)               b.reshape(-1) (a bias stored as a row)
+
+A shape part is a product of dimension letters or one literal count ("D,C,3", "1,V").
 
 `to_params` and `to_file` are these transforms and their inverses; `check_shapes`
 compares what a file holds with what the table says (one `CheckpointMismatch`).
@@ -33,6 +38,7 @@ from jaxformer.interop.flat import CheckpointMismatch
 
 VECTOR, NORM, HEAD_NORM, EMBEDDING = "vector", "norm", "head_norm", "embedding"
 LINEAR, HEADS_IN, HEADS_OUT, HEAD_BIAS = "linear", "heads_in", "heads_out", "head_bias"
+CONV, ROW = "conv", "row"
 KERNELS = (EMBEDDING, LINEAR, HEADS_IN, HEADS_OUT)  # matrices: quantizable, LoRA-able
 NORMS = (NORM, HEAD_NORM)
 FORMATS = ("hf", "gguf")
@@ -97,7 +103,8 @@ class Entry:
 
 
 def _shape(spec: str, dims: dict) -> tuple[int, ...]:
-    return tuple(math.prod(dims[letter] for letter in part) for part in spec.split(","))
+    return tuple(int(part) if part.isdigit() else math.prod(dims[letter] for letter in part)
+                 for part in spec.split(","))
 
 
 def entries(table: Table, config) -> list[Entry]:
@@ -147,6 +154,10 @@ def to_params(row: Tensor, value: np.ndarray, dims: dict, order=None, *,
         return value if order is None else value[order]
     if kind == LINEAR:
         return value.T
+    if kind == CONV:
+        return value.transpose(2, 1, 0)
+    if kind == ROW:
+        return value.reshape(-1)
     if kind == HEADS_IN:  # (n*K, X) -> (X, n, K)
         heads = value.reshape(n, K, -1)
         return (heads if order is None else heads[:, order]).transpose(2, 0, 1)
@@ -169,6 +180,10 @@ def to_file(row: Tensor, value: np.ndarray, dims: dict, order=None) -> np.ndarra
         return value if order is None else value[order]
     if kind == LINEAR:
         return value.T
+    if kind == CONV:
+        return value.transpose(2, 1, 0)
+    if kind == ROW:
+        return value.reshape(1, -1)
     if kind == HEADS_IN:  # (D, n, K) -> (n*K, D)
         heads = value if order is None else value[:, :, order]
         return heads.reshape(value.shape[0], -1).T
