@@ -445,7 +445,9 @@ class Engine:
             while self.recent and self.recent[0][0] < time.monotonic() - RATE_WINDOW_S:
                 self.recent.popleft()
         if token == self.config.eos_id or token in params.stop_ids:
-            self.finish(slot, FinishReason.STOP, text=slot.new_text(decode, final=True))
+            stopped_by = (token, float(logprob), self.top(slot, top_ids, top_logprobs))
+            self.finish(slot, FinishReason.STOP, text=slot.new_text(decode, final=True),
+                        stopped_by=stopped_by)
             return
         slot.tokens.append(token)
         constraint = slot.request.constraint
@@ -468,8 +470,9 @@ class Engine:
         else:
             slot.pending = token
 
-    def finish(self, slot: Slot, reason: FinishReason, text: str = "") -> None:
-        slot.handle.push(token_event(slot, None, finish=reason, text=text))
+    def finish(self, slot: Slot, reason: FinishReason, text: str = "",
+               stopped_by: Optional[tuple] = None) -> None:
+        slot.handle.push(token_event(slot, None, finish=reason, text=text, stopped_by=stopped_by))
         self.release(slot)
 
     def release(self, slot: Slot) -> None:

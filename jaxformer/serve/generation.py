@@ -15,7 +15,10 @@ The text is the engine's (`TokenEvent.text`: stop strings already cut, held
 back while it could start one). Each new token's own share of the text, for
 logprobs' `tokens` and `text_offset`, comes from `detokenize.Detokenizer`.
 Echo: the prompt's events (`TokenEvent.prompt`) arrive first, here as the
-steps' `prompt_entries`.
+steps' `prompt_entries`; a pick of EOS (or a stop id) that ends an echo request
+is its last entry (text ""), as OpenAI lists it: harnesses scoring a prompt
+(lm-eval's local-completions: max_tokens 1, token_logprobs[ctxlen:-1]) drop
+the last entry as the generated one.
 """
 
 from __future__ import annotations
@@ -75,6 +78,9 @@ async def stream(handle, tokenizer, request: Request, *, keep_new_tokens: bool =
             elif event.token is not None and keep_new_tokens:
                 step.entries.append((event.token, event.logprob, tuple(event.top_logprobs)))
                 step.texts.append(pieces.push(event.token))
+            elif event.stopped_by is not None and keep_new_tokens and request.params.echo:
+                step.entries.append(event.stopped_by)   # scored: the last entry is the pick
+                step.texts.append("")
             if keep_new_tokens and not event.prompt:
                 step.text = event.text
             reason = event.finish_reason

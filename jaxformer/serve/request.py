@@ -71,7 +71,9 @@ class TokenEvent:
     text: the text this event adds to the output (with the engine's tokenizer;
       held back while it could start a stop string, never containing one);
     prompt: True for the prompt's own tokens, streamed first when `echo` is set
-      (the first one has no logprob).
+      (the first one has no logprob);
+    stopped_by: on a final event ended by EOS or a stop id, that token's
+      (id, logprob, top_logprobs): picked but not part of the output.
     """
     token: Optional[int]
     logprob: Optional[float] = None
@@ -79,6 +81,7 @@ class TokenEvent:
     finish_reason: Optional[FinishReason] = None
     text: str = ""
     prompt: bool = False
+    stopped_by: Optional[tuple] = None
 
 
 class QueueFull(RuntimeError):

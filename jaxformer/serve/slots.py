@@ -81,6 +81,7 @@ def held_back(text: str, stops) -> int:
 
 def token_event(slot: Slot, token: Optional[int], logprob=None, top=(), *,
                 finish: Optional[FinishReason] = None, text: str = "",
-                prompt: bool = False) -> TokenEvent:
+                prompt: bool = False, stopped_by: Optional[tuple] = None) -> TokenEvent:
     return TokenEvent(token=token, logprob=None if logprob is None else float(logprob),
-                      top_logprobs=tuple(top), finish_reason=finish, text=text, prompt=prompt)
+                      top_logprobs=tuple(top), finish_reason=finish, text=text, prompt=prompt,
+                      stopped_by=stopped_by)

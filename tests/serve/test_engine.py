@@ -187,6 +187,28 @@ def test_echo_gives_prompt_logprobs(lm):
         alone(*lm, prompt, 3)
 
 
+def test_a_stop_pick_is_reported_with_its_logprob(lm):
+    """An EOS / stop-id pick ends the request without output, but its final event carries
+    (id, logprob, top) of that pick: echo scoring (lm-eval's max_tokens 1) needs the
+    generated entry even when it is EOS (issue 43: the last prompt token's logprob was
+    dropped instead)."""
+    model, params = lm
+    prompt = prompts(7, (19,))[0]
+    first = alone(model, params, prompt, 1)[0]
+    eng = engine(lm)
+    h = eng.submit(Request(prompt, SamplingParams(max_tokens=1, echo=True, logprobs=2,
+                                                  stop_ids=(first,))))
+    eng.run_until_idle()
+    last = h.result(0)[-1]
+    assert last.token is None and last.finish_reason == FinishReason.STOP
+    logits = model.apply({"params": params}, jnp.asarray([prompt]))
+    ref = jax.nn.log_softmax(logits[0, -1], axis=-1)
+    token, logprob, top = last.stopped_by
+    assert token == first == int(jnp.argmax(ref))
+    assert logprob == pytest.approx(float(ref[first]), abs=1e-4)
+    assert [t for t, _ in top] == [int(t) for t in jnp.argsort(-ref)[:2]]
+
+
 def test_full_context_ends_with_length(lm):
     eng = engine(lm, max_len=24)
     h = eng.submit(Request(prompts(8, (20,))[0], SamplingParams(max_tokens=50)))

@@ -99,19 +99,26 @@ def test_streamed_text_equals_the_whole_answer(client):
     assert chunks[-1].choices[0].finish_reason in ("length", "stop")
 
 
-def test_echo_logprobs_equal_the_models_log_softmax(setup, client):
+@pytest.mark.parametrize("text,ends", [
+    ("Paris is the capital of France.", False),
+    # the greedy pick after it is EOS: still listed last (issue 43: it was left out, so
+    # lm-eval's token_logprobs[ctxlen:-1] dropped the last prompt token's logprob)
+    ("Question: Which season comes after winter?\nAnswer: Spring", True)])
+def test_echo_logprobs_equal_the_models_log_softmax(setup, client, text, ends):
     """lm-eval's loglikelihood request (max_tokens 1, echo, logprobs 1) against the
     model's own forward pass over the same ids."""
     model, params, tokenizer, _, _ = setup
-    ids = tokenizer.encode_prompt("Paris is the capital of France.").tolist()
+    ids = tokenizer.encode_prompt(text).tolist()
     out = client.completions.create(model="smollm2", prompt=[ids], max_tokens=1,
                                     temperature=0, logprobs=1, echo=True)
     lp = out.choices[0].logprobs
     assert len(lp.token_logprobs) == len(ids) + 1 and lp.token_logprobs[0] is None
     logits = model.apply({"params": params}, np.asarray([ids], np.int32))
     logsm = np.asarray(jax.nn.log_softmax(logits[0].astype(np.float32), axis=-1))
+    assert (int(logsm[-1].argmax()) == model.config.eos_id) == ends
     want = [logsm[i - 1, ids[i]] for i in range(1, len(ids))] + [logsm[-1].max()]
     np.testing.assert_allclose(lp.token_logprobs[1:], want, atol=2e-3)
+    assert out.choices[0].finish_reason == ("stop" if ends else "length")
     # is_greedy as lm-eval decides it: the token's logprob is the top one's
     for i in range(1, len(ids)):
         assert max(lp.top_logprobs[i].values()) == pytest.approx(logsm[i - 1].max(), abs=2e-3)
