@@ -93,6 +93,31 @@ def test_prefix_cache_on_off_identical_and_reused(lm):
     assert outs[True] == outs[False] == [alone(*lm, p, 8) for p in ps]
 
 
+def test_echo_logprobs_with_the_prefix_cached(lm):
+    """lm-eval's pattern: one context, four endings, echo (issue 43). The context's full
+    pages are cached by an earlier request and by each other (concurrent, then one after
+    another); every prompt logprob is still the model's own log-softmax."""
+    model, params = lm
+    shared = prompts(11, (13,))[0]
+    ps = [shared + tail for tail in prompts(12, (1, 3, 6, 9))]
+    for together in (True, False):
+        eng = engine(lm, slots=4)
+        eng.submit(Request(shared, SamplingParams(max_tokens=1)))
+        eng.run_until_idle()
+        handles = []
+        for p in ps:
+            handles.append(eng.submit(Request(p, SamplingParams(max_tokens=1, echo=True,
+                                                                logprobs=1))))
+            if not together:
+                eng.run_until_idle()
+        eng.run_until_idle()
+        for p, h in zip(ps, handles):
+            got = [e.logprob for e in h.result(0) if e.prompt][1:]
+            ref = jax.nn.log_softmax(model.apply({"params": params}, jnp.asarray([p]))[0], -1)
+            np.testing.assert_allclose(got, [ref[i - 1, p[i]] for i in range(1, len(p))],
+                                       atol=1e-4)
+
+
 def test_cancel_frees_pages_at_once(lm):
     eng = engine(lm, slots=2)
     long = eng.submit(Request(prompts(3, (20,))[0], SamplingParams(max_tokens=40)))
