@@ -26,7 +26,7 @@ def add_parser(commands, add_common_flags) -> None:
                     "or `lm_eval --help`).", add_help=False)
     parser.add_argument("lm_eval_args", nargs=argparse.REMAINDER, metavar="ARGS",
                         help="lm_eval's arguments")
-    parser.set_defaults(func=run, compile_cache=None, verbose=False)
+    parser.set_defaults(func=run, compile_cache=None, no_compile_cache=False, verbose=False)
 
 
 def run(args) -> int:
