@@ -278,6 +278,15 @@ def cached_forward(model, params, cache: DecodeCache,
       ValueError naming `cache` or `tokens_BT` when their shapes disagree with
       each other or the model (`check_tokens_for`; at trace time, free under jit).
     """
+    logits_BTV, self_kv = apply_decoder(model, params, cache, tokens_BT)
+    return logits_BTV, cache.replace(self_kv=self_kv, index=cache.index + tokens_BT.shape[1])
+
+
+def apply_decoder(model, params, cache: DecodeCache, tokens_BT: jnp.ndarray, **apply_kwargs):
+    """`model.apply` of the decoder on T tokens at the cache's slots, with the cache's
+    masks and positions: the call `cached_forward` makes. Returns what `apply` returns
+    ((logits (B, T, V), new self keys/values), and the mutable state when
+    `apply_kwargs` asks for it, e.g. `capture_intermediates=..., mutable=...`)."""
     check_tokens_for(cache, model.config, tokens_BT)
     num_queries = tokens_BT.shape[1]
     rings = [kv for kv, ring in zip(cache.self_kv, cache.local_flags) if ring]
@@ -285,14 +294,13 @@ def cached_forward(model, params, cache: DecodeCache,
     if rings:
         local_mask = ring_mask(cache, num_queries, rings[0].key.shape[cache.length_axis],
                                model.config.sliding_window)
-    logits_BTV, self_kv = model.apply(
+    return model.apply(
         {"params": params}, tokens_BT, self_attention_mask(cache, num_queries),
         cache.cross_kv, cache.cross_mask,
         positions_BT=positions(cache, num_queries), caches=cache.self_kv,
         cache_index=cache.index - cache.past_len, past_kvs=cache.past_kv,
         ring_mask=local_mask, ring_index=cache.index if rings else None,
-        deterministic=True, method=_call_decoder)
-    return logits_BTV, cache.replace(self_kv=self_kv, index=cache.index + num_queries)
+        deterministic=True, method=_call_decoder, **apply_kwargs)
 
 
 def prefill(model, params, cache: DecodeCache, tokens_BP: jnp.ndarray,
