@@ -19,12 +19,6 @@ def open_run(run_dir: str, context: str = ""):
         raise UsageError(f"{context}{error}") from error
 
 
-def read_run_config(run_dir: str, context: str = ""):
-    """(model config, train config, the saved dict) from `run_dir`/config.json."""
-    run = open_run(run_dir, context)
-    return run.model_config, run.train_config, run.saved
-
-
 def load_run(run_dir: str, *, language_model: bool):
     """(model config, train config, params of the latest checkpoint) of a run directory.
 
@@ -44,12 +38,12 @@ def load_run(run_dir: str, *, language_model: bool):
         raise UsageError(str(error)) from error
 
 
-def run_tokenizer(run_dir: str, model_config, train_config, saved: dict):
-    """The tokenizer an LM run trains with (`Run.tokenizer`), as one line if it fails."""
-    from jaxformer.train.run import Run, RunError  # noqa: PLC0415
+def run_tokenizer(run):
+    """`run.tokenizer()` (the tokenizer an LM run trains with), as one line if it fails."""
+    from jaxformer.train.run import RunError  # noqa: PLC0415
 
     try:
-        return Run(run_dir, model_config, train_config, saved).tokenizer()
+        return run.tokenizer()
     except RunError as error:
         raise UsageError(str(error)) from error
 
@@ -104,7 +98,6 @@ def language_model(run_dir=None, model_path=None, quantize=None):
             raise UsageError("--quantize keep keeps a GGUF file's blocks (--model); a run's "
                              "weights are float: --quantize int8 or int4")
         model_config, train_config, params = load_run(run_dir, language_model=True)
-        saved = open_run(run_dir).saved
         if quantize is not None:
             from jaxformer.nn.quant_params import quantize_params  # noqa: PLC0415
 
@@ -112,8 +105,7 @@ def language_model(run_dir=None, model_path=None, quantize=None):
                 model_config, params = quantize_params(model_config, params, quantize)
             except ValueError as error:
                 raise UsageError(f"--quantize {quantize}: {error}") from error
-        return (DecoderOnlyLM(model_config), params,
-                run_tokenizer(run_dir, model_config, train_config, saved))
+        return DecoderOnlyLM(model_config), params, run_tokenizer(open_run(run_dir))
     model, params, tokenizer = load_pretrained(model_path, quantize=quantize)
     c = model.config
     return model, params, JSONTokenizer.wrap(tokenizer, pad_id=c.pad_id, bos_id=c.bos_id,

@@ -277,7 +277,7 @@ def _train(args, held: contextlib.ExitStack) -> int:
         setup.check_mesh_fits(model, mesh)
         data = None
         if task.device_batch is None:  # host-fed: the text of --data
-            data = setup.text_data(train_config, setup.run_tokenizer(
+            data = setup.text_data(train_config, setup.lm_run_tokenizer(
                 out, model_config, train_config, saved_run.saved if args.resume else {},
                 pretrained_tokenizer))
             task = training_task(model_config, train_config, data)

@@ -303,19 +303,20 @@ def resume_mesh_spec(args, saved_spec: Optional[str]) -> Optional[str]:
     return saved_spec
 
 
-def run_tokenizer(out, model_config, train_config, saved: dict, pretrained=None):
-    """The tokenizer of an LM run: --init's (wrapped with the model's ids), else the
-    run's (`Run.tokenizer`: a resumed fine-tuning run's copy in `out`, or the train
+def lm_run_tokenizer(out, model_config, train_config, saved: dict, pretrained=None):
+    """The tokenizer an LM run trains with: --init's (wrapped with the model's ids), else
+    the run's (`Run.tokenizer`: a resumed fine-tuning run's copy in `out`, or the train
     config's)."""
-    from jaxformer.cli.runs import run_tokenizer as saved_run_tokenizer  # noqa: PLC0415
+    from jaxformer.cli.runs import run_tokenizer  # noqa: PLC0415
     from jaxformer.text import JSONTokenizer  # noqa: PLC0415
+    from jaxformer.train.run import Run  # noqa: PLC0415
 
     if pretrained is not None:
         c = model_config
         return JSONTokenizer.wrap(pretrained, pad_id=c.pad_id, bos_id=c.bos_id,
                                   eos_id=c.eos_id, vocab_size=c.tgt_vocab_size,
                                   name="the --init tokenizer")
-    return saved_run_tokenizer(out, model_config, train_config, saved)
+    return run_tokenizer(Run(out, model_config, train_config, saved))
 
 
 def text_data(train_config, tokenizer=None):

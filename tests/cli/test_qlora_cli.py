@@ -14,7 +14,7 @@ import pytest
 
 import jaxformer as jf
 from jaxformer.cli.main import main
-from jaxformer.cli.runs import read_run_config
+from jaxformer.train.run import Run
 from jaxformer.nn import lora
 from jaxformer.train import train_functions
 from jaxformer.train.checkpoint import Checkpoints
@@ -41,7 +41,8 @@ def train_args(path, corpus, out, *extra):
 def qlora_run(smollm2, corpus, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("qlora") / "run")
     assert main(train_args(smollm2[3], corpus, out, "--lora", "8", "--quantize", "keep")) == 0
-    config, train, _ = read_run_config(out)
+    run = Run.open(out)
+    config, train = run.model_config, run.train_config
     with Checkpoints(os.path.join(out, "checkpoints")) as checkpoints:
         state = checkpoints.restore(train_functions(config, train).abstract_state())
     return out, config, state

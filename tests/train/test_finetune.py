@@ -23,7 +23,7 @@ from jaxformer.text import JSONTokenizer
 from jaxformer.train.data import TextData
 from jaxformer.train import evaluate_lm, fit, train_functions, TrainConfig
 
-from jaxformer.cli.runs import read_run_config
+from jaxformer.train.run import Run
 from jaxformer.train.checkpoint import Checkpoints
 
 DOCS = os.path.join(os.path.dirname(__file__), "..", "..", "docs")
@@ -56,7 +56,8 @@ def data(smollm2, corpus):
 
 def saved_state(out):
     """(model config, the latest TrainState) of a run, restored without an init."""
-    config, train, _ = read_run_config(out)
+    run = Run.open(out)
+    config, train = run.model_config, run.train_config
     with Checkpoints(os.path.join(out, "checkpoints")) as checkpoints:
         return config, checkpoints.restore(train_functions(config, train).abstract_state())
 
