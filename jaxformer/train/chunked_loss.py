@@ -8,6 +8,12 @@ back through the projection, giving the chunk's hidden-state gradient and adding
 the projection's parameter gradient. Only (B, Tc, V) logits are alive at a time; the
 backward pass scales the stored gradients by the loss's cotangent, with no recompute.
 
+Transformations: reverse mode, and forward mode over it (`jax.jvp` of a gradient, e.g.
+Hessian-vector products through a train step), equal the plain loss's (tested). Forward
+mode of the loss value itself is not defined for a custom_vjp; the train step only takes
+gradients, and the public loss (`loss.loss_and_metrics`, or `loss_chunk_tokens=0`) is
+plain autodiff.
+
 Shapes: hidden_BTD (B, T, D) are the final normed hidden states
 (`DecoderOnlyLM(..., hidden=True)`), the chunks are cut along T (the batch axis stays
 whole, so a batch split over devices stays split), T padded with weight-0 positions to

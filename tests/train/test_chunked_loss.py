@@ -171,3 +171,28 @@ def test_a_chunked_train_step_equals_the_plain_one(overrides):
     before = init().params
     moved = jax.tree_util.tree_map(lambda a, b: bool(np.any(a != b)), plain.params, before)
     assert sum(jax.tree_util.tree_leaves(moved)) >= (2 if overrides.get("lora_rank") else 10)
+
+
+def test_forward_over_reverse_through_the_chunked_loss_equals_the_plain_loss():
+    """The chunked loss is a custom_vjp (reverse mode only), yet what a user differentiates
+    forward through a train step, its gradient, stays forward-differentiable: the
+    Hessian-vector product (jvp of grad) equals the plain loss's. The loss itself under
+    jvp is the plain loss's job (`loss_and_metrics`, or `loss_chunk_tokens=0`)."""
+    model = jf.DecoderOnlyLM(lm_config(**TIED))
+    batch = lm_batch()
+    params = model.init(jax.random.key(1), jnp.asarray(batch.inputs))["params"]
+    leaves, tree = jax.tree_util.tree_flatten(params)
+    keys = jax.random.split(jax.random.key(2), len(leaves))
+    tangent = tree.unflatten([jax.random.normal(k, p.shape, p.dtype)
+                              for k, p in zip(keys, leaves)])
+
+    def hvp(loss):
+        grad = jax.grad(lambda p: loss(p)[0])
+        return jax.jvp(grad, (params,), (tangent,))[1]
+
+    want = hvp(lambda p: plain_loss(model, p, batch, 0.0))
+    got = hvp(lambda p: chunked_lm_loss(model, p, batch, 5))
+    scale = max(float(jnp.abs(w).max()) for w in jax.tree_util.tree_leaves(want))
+    assert scale > 0.1  # a curvature worth comparing
+    for w, g in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got)):
+        np.testing.assert_allclose(g, w, atol=2e-5 * scale)
