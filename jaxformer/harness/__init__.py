@@ -1,6 +1,7 @@
 """Evaluation harnesses: jaxformer models behind lm-evaluation-harness.
 
-Modules: `scoring` (`Scorer`: batched log-likelihoods and generations on token ids,
+Modules: `packing` (the endings of one context in one row: the layout the scorer
+runs), `scoring` (`Scorer`: batched log-likelihoods and generations on token ids,
 padded to a few compiled shapes), `lm_eval_model` (`JaxformerLM`, registered as
 lm-eval's "jaxformer" model; imports `lm_eval`, the `lm_eval` extra, so it is loaded
 on first use of the name). Guide: docs/evaluation.md.

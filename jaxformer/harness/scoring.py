@@ -5,13 +5,17 @@
     scorer.generate([prompt_ids, ...], max_new_tokens=32)          # [new ids, EOS cut]
 
 What an evaluation harness asks of a model, on token ids (the text side is
-`lm_eval_model`'s). Requests are sorted by length (longest first, as
-lm-evaluation-harness's `hf` model does), cut into batches of `batch_size` rows
-(a short last batch is filled with dummy rows) and right-padded to a length
-bucket (powers of two from `min_length`, and `max_length` itself), so a whole
-task compiles one program per bucket, never one per request.
+`lm_eval_model`'s). Log-likelihood requests with the same context share a row
+(`packing`: the context once, then each continuation as a segment that sees the
+context and itself), and only the scored positions go through the output
+projection and the log-softmax. Rows (and generation prompts) are sorted by
+length, longest first, as lm-evaluation-harness's `hf` model sorts them, cut into
+batches of `batch_size` rows (a short last batch is filled with dummy rows) and
+right-padded to a length bucket (`bucket`: 16, 24, 32, 48, 64, ... up to
+`max_length`), so a whole task compiles one program per bucket, never one per
+request (`traces` counts them).
 
-A row scores its continuation exactly as the `hf` model does: the input is
+A request scores its continuation exactly as the `hf` model does: the input is
 `(context + continuation)[-(max_length + 1):][:-1]` (left-truncated to the
 window), the log-probabilities (log-softmax in float32) of the continuation's
 tokens at its last positions are summed, and `is_greedy` says whether every
@@ -20,7 +24,7 @@ continuation token is the argmax there.
 
 from __future__ import annotations
 
-import functools
+import math
 from typing import Iterable, Optional, Sequence
 
 import jax
@@ -28,25 +32,34 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer.decode.api import generate as lm_generate
-from jaxformer.nn.masks import causal_mask
+from jaxformer.harness.packing import Row, layout, pack, segment_mask
 from jaxformer.nn.model import DecoderOnlyLM
 
 
 def bucket(length: int, max_length: int, min_length: int = 16) -> int:
-    """The smallest power of two >= `length` (at least `min_length`), capped at `max_length`."""
+    """The smallest of min_length * (1, 1.5, 2, 3, 4, 6, ...) >= `length`, capped at
+    `max_length`: at most a third of a row is padding, and a window of W tokens has
+    about 2 log2(W / min_length) buckets."""
     size = min_length
     while size < length:
+        if size + size // 2 >= length:
+            size += size // 2
+            break
         size *= 2
     return min(size, max_length)
 
 
-def _score(model: DecoderOnlyLM, params, tokens_BT, targets_BT, weights_BT):
-    """(sum of weighted target log-probabilities (B,), all weighted targets greedy (B,))."""
-    logits_BTV = model.apply({"params": params}, tokens_BT, causal_mask(tokens_BT.shape[1]))
-    logp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
-    picked_BT = jnp.take_along_axis(logp_BTV, targets_BT[..., None], axis=-1)[..., 0]
-    greedy_BT = (logits_BTV.argmax(-1) == targets_BT) | (weights_BT == 0)
-    return (picked_BT * weights_BT).sum(-1), greedy_BT.all(-1)
+def _score(model: DecoderOnlyLM, params, tokens_BT, positions_BT, segments_BT, gather_BK,
+           targets_BK):
+    """Log-probabilities (B, K) of the targets at the gathered positions, and whether
+    each target is the argmax there (B, K)."""
+    hidden_BTD = model.apply({"params": params}, tokens_BT, segment_mask(segments_BT),
+                             positions_BT=positions_BT, hidden=True)
+    hidden_BKD = jnp.take_along_axis(hidden_BTD, gather_BK[..., None], axis=1)
+    logits_BKV = model.apply({"params": params}, hidden_BKD, method=DecoderOnlyLM.output_logits)
+    logp_BKV = jax.nn.log_softmax(logits_BKV.astype(jnp.float32), axis=-1)
+    picked_BK = jnp.take_along_axis(logp_BKV, targets_BK[..., None], axis=-1)[..., 0]
+    return picked_BK, logits_BKV.argmax(-1) == targets_BK
 
 
 class Scorer:
@@ -72,15 +85,15 @@ class Scorer:
                              f"decoder_len), got {max_length!r}")
         self.model, self.params = model, params
         self.batch_size, self.max_length, self.min_length = batch_size, max_length, min_length
-        self._score = jax.jit(functools.partial(_score, model))
-        self.shapes: set = set()  # the (batch, length) shapes compiled so far
+        self._score = jax.jit(self._traced_score)
+        self.shapes: set = set()  # the shapes run so far: ("score", B, T, K), ("generate", ...)
+        self.traces = 0  # times the scoring program was traced (= compiled)
 
     def loglikelihoods(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]
                        ) -> list[tuple[float, bool]]:
         """(sum of log p(continuation | context), is_greedy) per (context, continuation)
         pair of token-id lists (the context non-empty, the continuation at most
         `max_length` tokens)."""
-        rows = []
         for i, (context, continuation) in enumerate(pairs):
             if not context or not continuation:
                 raise ValueError(f"request {i}: the context and the continuation must both "
@@ -88,25 +101,31 @@ class Scorer:
             if len(continuation) > self.max_length:
                 raise ValueError(f"request {i}: a continuation of {len(continuation)} tokens "
                                  f"does not fit the window of {self.max_length}")
-            whole = (list(context) + list(continuation))[-(self.max_length + 1):]
-            rows.append((whole[:-1], whole[1:], len(continuation)))
-        out: list = [None] * len(rows)
-        for batch in self._batches(range(len(rows)), key=lambda i: len(rows[i][0])):
-            length = bucket(max(len(rows[i][0]) for i in batch), self.max_length,
-                            self.min_length)
-            tokens = np.full((self.batch_size, length), self.model.config.pad_id, np.int32)
-            targets = np.zeros_like(tokens)
-            weights = np.zeros(tokens.shape, np.float32)
-            for r, i in enumerate(batch):
-                inputs, labels, count = rows[i]
-                tokens[r, :len(inputs)] = inputs
-                targets[r, :len(labels)] = labels
-                weights[r, len(labels) - count:len(labels)] = 1.0
-            self.shapes.add(("score",) + tokens.shape)
-            total, greedy = jax.device_get(self._score(self.params, tokens, targets, weights))
-            for r, i in enumerate(batch):
-                out[i] = (float(total[r]), bool(greedy[r]))
+        rows = pack(pairs, self.max_length)
+        out: list = [None] * len(pairs)
+        for batch in self._batches(range(len(rows)), key=lambda i: rows[i].length):
+            self._score_rows([rows[i] for i in batch], out)
         return out
+
+    def _score_rows(self, rows: Sequence[Row], out: list) -> None:
+        """Score one batch of rows; each request's (sum, is_greedy) into out[request]."""
+        length = bucket(max(row.length for row in rows), self.max_length, self.min_length)
+        predictions = bucket(max(row.predictions for row in rows), 1 << 30, 8)
+        arrays = layout(rows, self.batch_size, length, predictions, self.model.config.pad_id)
+        self.shapes.add(("score", self.batch_size, length, predictions))
+        picked, greedy = jax.device_get(self._score(
+            self.params, arrays.tokens, arrays.positions, arrays.segments, arrays.gather,
+            arrays.targets))
+        for r, row in enumerate(rows):
+            k = 0
+            for i, continuation in zip(row.requests, row.continuations):
+                n = len(continuation)
+                out[i] = (math.fsum(picked[r, k:k + n].tolist()), bool(greedy[r, k:k + n].all()))
+                k += n
+
+    def _traced_score(self, *args):
+        self.traces += 1  # runs once per trace, not per call
+        return _score(self.model, *args)
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                  temperature: float = 0.0, top_k: Optional[int] = None,
