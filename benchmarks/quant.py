@@ -9,7 +9,7 @@ same run.
               is compiled / loaded first, then --repeats interleaved rounds time each
               side once; tokens/s from the median time, ratios the median of the
               per-round ratios. jaxformer: `jaxformer.generate` (one jitted scan), JAX's
-              defaults (no `--tuning`). llama.cpp: its C API through llama-cpp-python's
+              defaults (then tuned: see tuning). llama.cpp: its C API through llama-cpp-python's
               ctypes bindings, B sequences in one llama_batch per step, greedy argmax on
               the host, --threads threads (default 2: this machine's cores).
   bandwidth   a STREAM-like triad a = b + s c over three float32 arrays of 64 MB each
@@ -34,6 +34,15 @@ Prints a table, then one JSON line with param_bytes_ratio_vs_f32 (Q4_1 kept / fl
 decode_ratio_vs_llamacpp_b1 / _b8 (jaxformer Q4_1 / llama.cpp Q4_1),
 decode_ratio_vs_f32_b1 (jaxformer Q4_1 / jaxformer float32), bandwidth_fraction_b1,
 max_rel_logit_err_vs_llamacpp, kv_cache_bytes_ratio_int8, and every measurement.
+
+  tuning      --tuning both (the default) runs everything twice: as above with JAX's
+              defaults, then again in a child process that calls
+              `jaxformer.backends.cpu.tune_process()` first, as a user does (the
+              quantized layers then call the C++ kernel of `backends.qmatmul`, built
+              on first use); its table follows, and its keys join the JSON line with
+              the suffix "_tuned" (decode_ratio_vs_llamacpp_b1_tuned, ...: tuned
+              jaxformer against llama.cpp timed in the same child). --tuning off / on:
+              one of the two only.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ import ctypes
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -173,7 +183,31 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tuning", choices=("both", "off", "on"), default="both",
+                        help="JAX's defaults, cpu.tune_process() (a child process), or both")
     args = parser.parse_args()
+    if args.tuning == "on":
+        from jaxformer.backends import cpu  # noqa: PLC0415
+
+        cpu.tune_process()  # before JAX's backend starts, as a user's program does
+    results = measure(args)
+    if args.tuning == "both":
+        child = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--tuning", "on", "--work", args.work,
+             "--threads", str(args.threads), "--new-tokens", str(args.new_tokens),
+             "--repeats", str(args.repeats)], capture_output=True, text=True)
+        if child.returncode != 0:
+            sys.exit(f"the tuned run failed:\n{child.stderr[-3000:]}")
+        lines = child.stdout.strip().splitlines()
+        print("tuned (jaxformer.backends.cpu.tune_process()):")
+        print("\n".join(lines[:-1]))
+        results.update({f"{key}_tuned": value for key, value in json.loads(lines[-1]).items()
+                        if key not in ("threads", "new_tokens")})
+    print(json.dumps(results))
+
+
+def measure(args) -> dict:
+    """Every measurement of this process (tuned or not); prints the table."""
 
     from jaxformer.decode import cache_bytes, init_cache  # noqa: PLC0415
     from jaxformer.models import load  # noqa: PLC0415
@@ -246,7 +280,7 @@ def main() -> None:
         f"{name} {results[f'param_MB_{name}']:.0f} MB" for name in models))
     for name, batch, speed in rows:
         print(f"  {name:<20} batch {batch}: {speed:7.1f} tokens/s")
-    print(json.dumps(results))
+    return results
 
 
 if __name__ == "__main__":

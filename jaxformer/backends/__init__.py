@@ -3,6 +3,9 @@
 `cpu`: XLA:CPU speed-ups (allocator, dispatch, fusion-steering conditionals,
 a layout VJP, fused threefry, decode compiler options), gated so a GPU or TPU
 lowering never contains them.
+
+`qmatmul`: the quantized matmul of a tuned CPU process, a C++ kernel
+(`kernels/qmatmul.cc`) through `jax.ffi`, compiled on first use.
 """
 
-__all__ = ["cpu", "threefry"]
+__all__ = ["cpu", "qmatmul", "threefry"]

@@ -7,7 +7,8 @@ Two switches, both off by default:
   `--no-cpu-tuning` turns it off). Freed host memory is kept for reuse (glibc
   `mallopt`: no mmap, no trim), one-device CPU calls run on the calling thread,
   and decode loops on a CPU compile with `decode_compiler_options` and run in
-  `decode_segments`.
+  `decode_segments`; quantized float32 Dense layers call the C++ kernel of
+  `backends.qmatmul` (built on first use) instead of dequantize-then-dot.
 - `TransformerConfig(cpu_tuning=True)`: in-graph tricks, each behind
   `lax.platform_dependent`, so a GPU or TPU lowering never contains them:
   `dot_general` (Dense kernel gradients in the kernel's own layout, a custom

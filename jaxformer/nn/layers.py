@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxformer.backends import qmatmul
 from jaxformer.nn.attention import KV, MultiHeadAttention, dense_init, kv_length_axis
 from jaxformer.config import TransformerConfig
 from jaxformer.nn import checks, lora, tuning
@@ -106,12 +107,22 @@ class TokenEmbedding(nn.Module):
         """(B, T, D) -> (B, T, V) logits against the embedding matrix (tied output)."""
         if self.fmt is None:
             return jnp.einsum("btd,vd->btv", x_BTD, self.embedding.astype(x_BTD.dtype))
-        if self.fmt == "int8":  # x (q s)^T = (x q^T) s: scale the output channels
-            return jnp.einsum("btd,vd->btv", x_BTD, self.table["q"].astype(x_BTD.dtype)
-                              ) * self.table["scale"].astype(x_BTD.dtype)
-        table = quant.dequantize(self.table, self.fmt, self.config.quant_block, -1)
-        return jnp.einsum("btd,vd->btv", x_BTD,
-                          table.astype(self.config.params_dtype).astype(x_BTD.dtype))
+        c = self.config
+
+        def plain(x, parts):  # (..., D) -> (..., V)
+            if self.fmt == "int8":  # x (q s)^T = (x q^T) s: scale the output channels
+                return jnp.einsum("...d,vd->...v", x, parts["q"].astype(x.dtype)
+                                  ) * parts["scale"].astype(x.dtype)
+            table = quant.dequantize(parts, self.fmt, c.quant_block, -1)
+            return jnp.einsum("...d,vd->...v", x, table.astype(c.params_dtype).astype(x.dtype))
+
+        if x_BTD.dtype == jnp.float32 and jnp.dtype(c.params_dtype) == jnp.float32 and \
+                qmatmul.enabled():  # a tuned process: the CPU kernel (`plain` elsewhere)
+            rows = x_BTD.reshape(-1, x_BTD.shape[-1])
+            logits = qmatmul.dot(rows, self.table, self.fmt, c.quant_block, plain,
+                                 transposed=True)
+            return logits.reshape(x_BTD.shape[:-1] + (self.vocab_size,))
+        return plain(x_BTD, self.table)
 
 
 class PositionEmbedding(nn.Module):

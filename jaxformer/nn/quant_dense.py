@@ -14,6 +14,9 @@ integers in the compute dtype and scales the product's output channels
 (x (q s) = (x q) s); the block layouts dequantize the kernel (float32
 arithmetic, then the compute dtype) and multiply. On GPU and TPU XLA fuses the
 conversion into the matmul's operand; the parameters passed in stay integers.
+On the CPU of a process that called `backends.cpu.tune_process()`, float32 layers
+call `backends.qmatmul`'s kernel instead, which reads the integers as stored
+(XLA:CPU would write and read a float copy of the kernel each call).
 
 Logical axes: every leaf carries its kernel's names (the flattened input axes
 take the name of the outer one: the out projection's (heads, kv) -> heads), and
@@ -35,6 +38,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax import lax
 
+from jaxformer.backends import qmatmul
 from jaxformer.config import TransformerConfig
 from jaxformer.nn import quant, tuning
 from jaxformer.nn.axes import logical
@@ -101,13 +105,23 @@ class QuantDense(nn.Module):
         parts = quantized_param(self, "kernel", self.fmt, (n,) + features, 0, self.block,
                                 names, init)
         x = x.reshape(x.shape[:x.ndim - self.n_in] + (n,)).astype(self.dtype)
-        contract = (((x.ndim - 1,), (0,)), ((), ()))
-        if self.fmt == "int8":  # x (q s) = (x q) s: scale the output channels
-            y = lax.dot_general(x, parts["q"].astype(self.dtype), contract)
-            y = y * parts["scale"].astype(self.dtype)
-        else:
+
+        def plain(x, parts):
+            contract = (((x.ndim - 1,), (0,)), ((), ()))
+            if self.fmt == "int8":  # x (q s) = (x q) s: scale the output channels
+                y = lax.dot_general(x, parts["q"].astype(self.dtype), contract)
+                return y * parts["scale"].astype(self.dtype)
             w = quant.dequantize(parts, self.fmt, self.block, 0)
-            y = lax.dot_general(x, w.astype(self.param_dtype).astype(self.dtype), contract)
+            return lax.dot_general(x, w.astype(self.param_dtype).astype(self.dtype), contract)
+
+        if jnp.dtype(self.dtype) == jnp.dtype(self.param_dtype) == jnp.float32 and \
+                qmatmul.enabled():  # a tuned process: the CPU kernel (`plain` elsewhere)
+            rows = x.reshape(-1, n)
+            flat = lambda x, parts: plain(x, parts).reshape(x.shape[0], -1)  # noqa: E731
+            y = qmatmul.dot(rows, parts, self.fmt, self.block, flat)
+            y = y.reshape(x.shape[:-1] + features)
+        else:
+            y = plain(x, parts)
         if self.use_bias:
             bias = self.param("bias", logical(nn.initializers.zeros, self.bias_names),
                               features, self.param_dtype)

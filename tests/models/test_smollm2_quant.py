@@ -46,6 +46,24 @@ def test_kept_model_computes_the_float_models_logits(kept, smollm2):
     np.testing.assert_allclose(got, want, atol=1e-4 * float(jnp.abs(want).max()), rtol=0)
 
 
+def test_the_tuned_cpu_kernel_computes_the_kept_models_logits(kept, smollm2, monkeypatch):
+    """A tuned process (`cpu.tune_process()`; here its flag patched, JAX having started)
+    calls `backends.qmatmul`'s C++ kernel for the Q4_1 layers and the tied Q8_0 table:
+    the logits are the plain path's within float rounding."""
+    from jaxformer.backends import cpu, qmatmul  # noqa: PLC0415
+
+    model, params = kept
+    ids = jnp.asarray([smollm2[2].encode("The capital of France is").ids])
+    want = jax.jit(lambda p, t: model.apply({"params": p}, t))(params, ids)
+    monkeypatch.setattr(cpu, "process_tuned", lambda: True)
+    assert qmatmul.enabled()
+    tuned = jax.jit(lambda p, t: model.apply({"params": p}, t))
+    text = tuned.trace(params, ids).lower().as_text()
+    assert "@jaxformer_qmatmul_int4(" in text and "@jaxformer_qmatmul_int8_block(" in text
+    got = tuned(params, ids)
+    np.testing.assert_allclose(got, want, atol=1e-5 * float(jnp.abs(want).max()), rtol=0)
+
+
 def test_cli_generate_quantize_keep(kept, smollm2, monkeypatch, capsys):
     """`jaxformer generate --model FILE --quantize keep`: the flag reaches `models.load`
     (patched to return the module's kept load) and the kept model's cached greedy decode

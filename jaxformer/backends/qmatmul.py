@@ -1,0 +1,189 @@
+"""The quantized CPU matmul: y (B, N) = x (B, K) W (K, N) for `jaxformer.nn.quant`'s
+layouts, a C++ kernel (`kernels/qmatmul.cc`) called through `jax.ffi`.
+
+Opt-in, part of the CPU tuning: `dot` calls it only in a process that called
+`cpu.tune_process()`, and only on the CPU (`lax.platform_dependent`: a GPU or TPU
+lowering holds the plain dequantize-then-dot, never a custom call). XLA:CPU turns the
+plain path into a float32 copy of every kernel written and read each step; the kernel
+reads each weight byte once, in the layout the parameters already have (N last: a tile
+of 64 output columns reads 64 contiguous bytes of each row), and shares the tiles out
+to XLA's intra-op threads.
+
+The build is lazy: the source ships in the package and is compiled on first use with
+the system's C++ compiler (`$CXX`, else g++ or c++; -O3 -march=native) against
+`jax.ffi.include_dir()`, into ``$XDG_CACHE_HOME/jaxformer/kernels`` (default
+``~/.cache``) under a name hashed from the source, the flags, the compiler, jaxlib's
+version and the CPU (as torch.utils.cpp_extension and Triton do), then loaded with
+ctypes and registered. So `pip install jaxformer` stays pure Python for GPU and TPU
+users and needs no wheel pipeline. No compiler, or a failed build: one warning
+naming why, and the plain path.
+
+Pieces::
+
+    FORMATS                       the layouts the kernel reads
+    enabled() -> bool             tuned process and the kernel built (builds it once)
+    library() -> path | None      the built shared library (building it if needed)
+    matmul(x, parts, fmt, block, transposed=False)   the kernel: x (B, K) -> (B, N) float32
+    dot(x, parts, fmt, block, plain, transposed=False)  matmul on a tuned CPU, else plain
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxformer.backends import cpu
+
+FORMATS = ("int8", "int8_block", "int4", "int4_sym")
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels", "qmatmul.cc")
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
+TARGETS = {"int8": ("jaxformer_qmatmul_int8", "JaxformerQmatmulInt8"),
+           "int8_block": ("jaxformer_qmatmul_int8_block", "JaxformerQmatmulInt8Block"),
+           "int4": ("jaxformer_qmatmul_int4", "JaxformerQmatmulInt4"),
+           "int4_sym": ("jaxformer_qmatmul_int4_sym", "JaxformerQmatmulInt4Sym")}
+_STATE = {"tried": False, "path": None}
+_LOCK = threading.Lock()
+
+
+def _compiler() -> Optional[str]:
+    for name in filter(None, (os.environ.get("CXX"), "g++", "c++")):
+        found = shutil.which(name)
+        if found or name == os.environ.get("CXX"):
+            return found or name
+    return None
+
+
+def _cpu_id() -> str:
+    """The CPU's model and feature flags (-march=native code runs only on such a CPU)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [l for l in f if l.startswith(("model name", "flags", "Features"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() + platform.machine()
+
+
+def _cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jaxformer", "kernels")
+
+
+def _build() -> str:
+    """The path of the built library; raises RuntimeError naming why it cannot be built."""
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
+                                 timeout=60).stdout.splitlines()[:1]
+    except (OSError, subprocess.SubprocessError) as e:
+        raise RuntimeError(f"the C++ compiler {cxx!r} does not run ({e})") from None
+    with open(SOURCE, "rb") as f:
+        source = f.read()
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), repr(version).encode(),
+                                     jax.lib.__version__.encode(), _cpu_id().encode()]))
+    folder = _cache_dir()
+    path = os.path.join(folder, f"qmatmul-{key.hexdigest()[:20]}.so")
+    if os.path.exists(path):
+        return path
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+    os.close(fd)
+    try:
+        out = subprocess.run([cxx, *FLAGS, "-I", jax.ffi.include_dir(), SOURCE, "-o", tmp],
+                             capture_output=True, text=True, timeout=600)
+        if out.returncode != 0:
+            last = (out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1]
+            raise RuntimeError(f"{cxx} failed: {last}")
+        os.replace(tmp, path)  # atomic: a concurrent build finds a whole file or none
+    except (OSError, subprocess.SubprocessError) as e:
+        raise RuntimeError(f"{cxx} failed: {e}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return path
+
+
+def library() -> Optional[str]:
+    """The kernel's shared library, built, loaded and registered on the first call;
+    None (after one warning naming why) when it cannot be."""
+    with _LOCK:
+        if not _STATE["tried"]:
+            _STATE["tried"] = True
+            try:
+                path = _build()
+                lib = ctypes.cdll.LoadLibrary(path)
+                for name, symbol in TARGETS.values():
+                    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)),
+                                                platform="cpu")
+                _STATE["path"] = path
+            except (RuntimeError, OSError, AttributeError) as e:
+                warnings.warn(f"jaxformer: the quantized CPU kernel is not available ({e}); "
+                              "quantized layers use the plain dequantize-then-dot path",
+                              RuntimeWarning, stacklevel=2)
+        return _STATE["path"]
+
+
+def enabled() -> bool:
+    """Whether `dot` calls the kernel: a tuned process (`cpu.tune_process()`) whose
+    kernel is built (the build is tried on the first call only)."""
+    return cpu.process_tuned() and library() is not None
+
+
+def matmul(x: jnp.ndarray, parts: dict, fmt: str, block: int,
+           transposed: bool = False) -> jnp.ndarray:
+    """x (B, K) float32 times the (K, N) kernel of `parts` (`jaxformer.nn.quant`'s
+    {"q", "scale"[, "offset"]} quantized along axis 0, the output axes flattened):
+    (B, N) float32. `transposed`: `parts` hold W^T, (N, K) quantized along its last
+    axis (a tied embedding table). CPU only; `library()` must have been built."""
+    q = parts["q"]
+    if transposed:
+        n = q.shape[0]
+        rest = (n, -1)
+    else:
+        n = int(np.prod(q.shape[1:], dtype=np.int64))
+        rest = (-1, n)
+    args = [x, q.reshape((n, -1) if transposed else (q.shape[0], n))]
+    if fmt == "int8":
+        args.append(parts["scale"].astype(jnp.float32).reshape(n))
+    else:
+        args += [parts[part].reshape(rest) for part in ("scale", "offset") if part in parts]
+    call = jax.ffi.ffi_call(TARGETS[fmt][0], jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32),
+                            vmap_method="sequential")
+    return call(*args, block=np.int64(block), transposed=bool(transposed))
+
+
+def dot(x: jnp.ndarray, parts: dict, fmt: str, block: int,
+        plain: Callable[[jnp.ndarray, dict], jnp.ndarray], transposed: bool = False
+        ) -> jnp.ndarray:
+    """`plain(x, parts)` (x (B, K) float32 -> (B, N) float32), computed by `matmul`
+    on the CPU of a tuned process whose kernel is built; elsewhere, and in any
+    lowering for another platform, `plain` itself. Gradients are `plain`'s."""
+    if fmt not in FORMATS or x.dtype != jnp.float32 or not enabled():
+        return plain(x, parts)
+
+    @jax.custom_vjp
+    def kernel(x, parts):
+        return matmul(x, parts, fmt, block, transposed)
+
+    def forward(x, parts):
+        return kernel(x, parts), (x, parts)
+
+    def backward(residuals, g):
+        return jax.vjp(plain, *residuals)[1](g)
+
+    kernel.defvjp(forward, backward)
+    return lax.platform_dependent(x, parts, cpu=kernel, default=plain)

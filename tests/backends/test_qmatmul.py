@@ -1,0 +1,191 @@
+"""jaxformer.backends.qmatmul: the quantized CPU kernel computes what the plain
+dequantize-then-dot path computes, only a tuned process calls it and only on the CPU,
+and a failed build falls back to the plain path with one warning."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxformer as jf
+from jaxformer.backends import cpu, qmatmul
+from jaxformer.nn import quant
+from jaxformer.nn.quant_dense import QuantDense
+from jaxformer.nn.quant_params import quantize_params
+
+from conftest import REPO
+
+# (K, N): N ragged against the kernel's 64-column tiles, one column, K of one block
+SHAPES = [(32, 1), (96, 70), (64, 130), (576, 200)]
+BATCHES = [1, 3, 8]
+
+
+@pytest.fixture(scope="module")
+def built():
+    path = qmatmul.library()
+    assert path is not None, "the kernel did not build (g++ is on CI)"
+    return path
+
+
+def _case(fmt, batch, k, n, transposed=False, seed=0):
+    """x (batch, k) and the parts of a (k, n) kernel, or of its (n, k) transpose
+    quantized along k (a tied embedding table)."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k) if transposed else (k, n)).astype(np.float32)
+    parts = quant.quantize(w, fmt, 32, -1 if transposed else 0)
+    x = rng.standard_normal((batch, k)).astype(np.float32)
+    return jnp.asarray(x), parts
+
+
+def _reference(x, parts, fmt, transposed=False):
+    """x times the dequantized kernel, in float64 (numpy): independent of both paths."""
+    w = np.asarray(quant.dequantize(parts, fmt, 32, -1 if transposed else 0), np.float64)
+    return np.asarray(x, np.float64) @ (w.T if transposed else w)
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["kn", "nk"])
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("fmt", qmatmul.FORMATS)
+def test_kernel_equals_dequantize_then_dot(built, fmt, batch, transposed):
+    shapes = SHAPES + ([(37, 70)] if fmt == "int8" else [])  # per-channel: any K
+    for k, n in shapes:
+        x, parts = _case(fmt, batch, k, n, transposed)
+        got = jax.jit(lambda x, p: qmatmul.matmul(x, p, fmt, 32, transposed))(x, parts)
+        want = _reference(x, parts, fmt, transposed)
+        assert got.shape == want.shape and got.dtype == jnp.float32
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max(),
+                                   err_msg=f"{fmt} B={batch} K={k} N={n}")
+
+
+def test_kernel_reads_multi_axis_outputs_and_other_blocks(built):
+    """A (K, heads, head_dim) kernel flattens to (K, N); blocks of 64, and of 16 (whose
+    4-bit half-blocks are shorter than the transposed kernel's 16 lanes)."""
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((128, 3, 24)).astype(np.float32)
+    x = jnp.asarray(rng.standard_normal((2, 128)), jnp.float32)
+    for fmt in qmatmul.FORMATS:
+        for block in (16, 64):
+            parts = quant.quantize(w, fmt, block, 0)
+            want = np.asarray(x, np.float64) @ np.asarray(
+                quant.dequantize(parts, fmt, block, 0), np.float64).reshape(128, -1)
+            got = qmatmul.matmul(x, parts, fmt, block)
+            np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+            table = w.reshape(128, -1).T  # (72, 128) quantized along 128
+            parts = quant.quantize(table, fmt, block, -1)
+            want = np.asarray(x, np.float64) @ np.asarray(
+                quant.dequantize(parts, fmt, block, -1), np.float64).T
+            got = qmatmul.matmul(x, parts, fmt, block, transposed=True)
+            np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+
+
+# -- a tuned process: the model's layers call it on the CPU only ---------------------------
+
+# GQA, RoPE, a tied output embedding: the layers' kernels and the table's transpose.
+CONFIG = jf.llama(d_model=64, num_heads=4, num_kv_heads=2, d_ff=128, tgt_vocab_size=48,
+                  src_vocab_size=48, tie_output_embedding=True, max_len=32)
+
+
+@pytest.fixture(scope="module")
+def lm(make_lm):
+    _, params = make_lm(CONFIG, seed=1)
+    tokens = jnp.asarray(np.random.default_rng(2).integers(3, 48, (2, 12)), jnp.int32)
+    return {fmt: quantize_params(CONFIG, params, fmt) for fmt in qmatmul.FORMATS}, tokens
+
+
+def _forward(config):  # a new function each time: traced again, under the current gate
+    return jax.jit(lambda p, t: jf.DecoderOnlyLM(config).apply({"params": p}, t))
+
+
+@pytest.mark.parametrize("fmt", qmatmul.FORMATS)
+def test_tuned_model_equals_the_untuned_one(built, lm, fmt, monkeypatch):
+    models, tokens = lm
+    config, params = models[fmt]
+    want = _forward(config)(params, tokens)
+    monkeypatch.setattr(cpu, "process_tuned", lambda: True)
+    tuned = _forward(config)
+    text = tuned.trace(params, tokens).lower().as_text()
+    # 7 kernels a layer (q, k, v, o, gate, up, down) x 2 layers, and the tied output
+    assert text.count(f"@{qmatmul.TARGETS[fmt][0]}(") == 7 * config.num_decoder_layers + 1
+    assert text.count("transposed = true") == 1
+    got = tuned(params, tokens)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * float(jnp.abs(want).max()))
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_tuned_accelerator_lowerings_hold_no_custom_call(built, lm, platform, monkeypatch):
+    models, tokens = lm
+    monkeypatch.setattr(cpu, "process_tuned", lambda: True)
+    for fmt in ("int8", "int4"):
+        config, params = models[fmt]
+        text = _forward(config).trace(params, tokens).lower(
+            lowering_platforms=(platform,)).as_text()
+        assert "custom_call" not in text
+        on_cpu = _forward(config).trace(params, tokens).lower(
+            lowering_platforms=("cpu",)).as_text()
+        assert "jaxformer_qmatmul" in on_cpu  # ... which the CPU program does call
+
+
+def test_gradients_through_the_kernel_are_the_plain_paths(built, monkeypatch):
+    """QLoRA differentiates through the frozen quantized layers: d/dx is plain's."""
+    layer = QuantDense((3, 16), 1, "int4", 32, ("embed", "heads", "kv"), ("heads", "kv"))
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 5, 64))
+    params = layer.init(jax.random.PRNGKey(1), x)
+
+    def grad():
+        return jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(layer.apply(params, x)))))(x)
+
+    want = grad()
+    monkeypatch.setattr(cpu, "process_tuned", lambda: True)
+    got = grad()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
+    assert float(jnp.abs(want).max()) > 0
+
+
+# -- the build, as a user's process meets it -----------------------------------------------
+
+USER = """
+import json, warnings
+from jaxformer.backends import cpu, qmatmul
+cpu.tune_process()
+import jax, jax.numpy as jnp
+from jaxformer.nn.quant_dense import QuantDense
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as caught:
+    layer = QuantDense((8,), 1, "int4", 32, ("embed", "mlp"), ("mlp",))
+    x = jnp.ones((2, 64))
+    params = layer.init(jax.random.PRNGKey(0), x)
+    text = jax.jit(layer.apply).lower(params, x).as_text()
+    y = layer.apply(params, x)
+print(json.dumps({"warnings": [str(w.message) for w in caught], "enabled": qmatmul.enabled(),
+                  "kernel": "jaxformer_qmatmul" in text, "finite": bool(jnp.isfinite(y).all())}))
+"""
+
+
+def _user(env):
+    out = subprocess.run([sys.executable, "-c", USER], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": REPO, **env}, cwd=REPO, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_tuned_process_builds_and_calls_the_kernel(built):
+    """tune_process() first, as a user does: the layers call the kernel (the library
+    cached by the fixture's build: same source, flags, compiler and CPU)."""
+    got = _user({})
+    assert got == {"warnings": [], "enabled": True, "kernel": True, "finite": True}
+
+
+@pytest.mark.parametrize("cxx, why", [("false", "false failed"),
+                                      ("/nonexistent/c++", "does not run")])
+def test_a_failed_build_warns_once_and_keeps_the_plain_path(tmp_path, cxx, why):
+    got = _user({"CXX": cxx, "XDG_CACHE_HOME": str(tmp_path)})
+    assert len(got["warnings"]) == 1 and why in got["warnings"][0], got["warnings"]
+    assert "plain dequantize-then-dot" in got["warnings"][0]
+    assert not got["enabled"] and not got["kernel"] and got["finite"]
+    if cxx == "false":  # the failed build leaves no partial library behind
+        assert os.listdir(tmp_path / "jaxformer" / "kernels") == []
