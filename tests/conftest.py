@@ -42,7 +42,8 @@ LONGEST_FIRST = ("harness/test_lm_eval.py", "cli/test_cli.py", "test_docs.py",
                  "models/test_smollm2_quant.py", "train/test_qlora.py", "cli/test_qlora_cli.py",
                  "models/test_llamacpp_logits.py",
                  "cli/test_damaged_checkpoint.py", "serve/test_serve_model.py",
-                 "serve/test_serve_cli.py", "train/test_bf16.py", "train/test_chunked_loss.py")
+                 "serve/test_serve_cli.py", "train/test_bf16.py", "train/test_chunked_loss.py",
+                 "backends/test_qmatmul.py")
 
 
 def pytest_collection_modifyitems(items):

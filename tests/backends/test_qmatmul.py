@@ -149,9 +149,10 @@ def test_gradients_through_the_kernel_are_the_plain_paths(built, monkeypatch):
 # -- the build, as a user's process meets it -----------------------------------------------
 
 USER = """
-import json, warnings
+import json, os, warnings
 from jaxformer.backends import cpu, qmatmul
-cpu.tune_process()
+if os.environ["TUNE"] == "1":
+    cpu.tune_process()
 import jax, jax.numpy as jnp
 from jaxformer.nn.quant_dense import QuantDense
 warnings.simplefilter("always")
@@ -166,9 +167,10 @@ print(json.dumps({"warnings": [str(w.message) for w in caught], "enabled": qmatm
 """
 
 
-def _user(env):
+def _user(env, tune=True):
+    env = {**os.environ, "PYTHONPATH": REPO, "TUNE": "1" if tune else "0", **env}
     out = subprocess.run([sys.executable, "-c", USER], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": REPO, **env}, cwd=REPO, timeout=600)
+                         env=env, cwd=REPO, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -189,3 +191,10 @@ def test_a_failed_build_warns_once_and_keeps_the_plain_path(tmp_path, cxx, why):
     assert not got["enabled"] and not got["kernel"] and got["finite"]
     if cxx == "false":  # the failed build leaves no partial library behind
         assert os.listdir(tmp_path / "jaxformer" / "kernels") == []
+
+
+def test_an_untuned_process_never_builds_it(tmp_path):
+    """No tune_process(): no compiler is run (CXX=false would warn), no custom call."""
+    got = _user({"CXX": "false", "XDG_CACHE_HOME": str(tmp_path)}, tune=False)
+    assert got == {"warnings": [], "enabled": False, "kernel": False, "finite": True}
+    assert not (tmp_path / "jaxformer").exists()
