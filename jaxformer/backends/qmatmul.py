@@ -59,18 +59,18 @@ _LOCK = threading.Lock()
 
 
 def _compiler() -> Optional[str]:
-    for name in filter(None, (os.environ.get("CXX"), "g++", "c++")):
-        found = shutil.which(name)
-        if found or name == os.environ.get("CXX"):
-            return found or name
-    return None
+    """$CXX as given, else the first of g++ and c++ on the PATH; None if neither."""
+    if os.environ.get("CXX"):
+        return shutil.which(os.environ["CXX"]) or os.environ["CXX"]
+    return shutil.which("g++") or shutil.which("c++")
 
 
 def _cpu_id() -> str:
     """The CPU's model and feature flags (-march=native code runs only on such a CPU)."""
     try:
         with open("/proc/cpuinfo") as f:
-            lines = [l for l in f if l.startswith(("model name", "flags", "Features"))]
+            lines = [line for line in f
+                     if line.startswith(("model name", "flags", "Features"))]
         return "".join(sorted(set(lines)))
     except OSError:
         return platform.processor() + platform.machine()
@@ -150,17 +150,13 @@ def matmul(x: jnp.ndarray, parts: dict, fmt: str, block: int,
     (B, N) float32. `transposed`: `parts` hold W^T, (N, K) quantized along its last
     axis (a tied embedding table). CPU only; `library()` must have been built."""
     q = parts["q"]
-    if transposed:
-        n = q.shape[0]
-        rest = (n, -1)
-    else:
-        n = int(np.prod(q.shape[1:], dtype=np.int64))
-        rest = (-1, n)
-    args = [x, q.reshape((n, -1) if transposed else (q.shape[0], n))]
+    n = q.shape[0] if transposed else int(np.prod(q.shape[1:], dtype=np.int64))
+    matrix = (n, -1) if transposed else (-1, n)  # q and the block scales as 2-D arrays
+    args = [x, q.reshape(matrix)]
     if fmt == "int8":
         args.append(parts["scale"].astype(jnp.float32).reshape(n))
     else:
-        args += [parts[part].reshape(rest) for part in ("scale", "offset") if part in parts]
+        args += [parts[part].reshape(matrix) for part in ("scale", "offset") if part in parts]
     call = jax.ffi.ffi_call(TARGETS[fmt][0], jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32),
                             vmap_method="sequential")
     return call(*args, block=np.int64(block), transposed=bool(transposed))
