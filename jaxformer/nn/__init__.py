@@ -3,7 +3,7 @@
 Modules: `axes` (logical axis names), `checks` (input checks), `masks` and
 `mask_structure` (`MaskSpec`, masks never materialised), `rope`, `norms`,
 `attention`, `attention_select` (which kernel runs), `quant` (int8/int4 layouts), `quant_dense`
-(`QuantDense`), `quant_params` (`quantize_params`), `kv_quant` (the int8 KV cache), `blockwise` (flash-style
+(`QuantDense`), `quant_params` (`quantize_params`), `kv_quant` (the int8 KV cache), `paged_kv` (paged KV reads and writes), `blockwise` (flash-style
 attention), `splash` (the TPU kernel), `layers`, `lora`, `stems`, `stack`
 (unrolled or scanned stacks, remat), `stacking` (parameter layout converters),
 `model` (`Transformer`, `DecoderOnlyLM`), `inspection` (renderings, captured

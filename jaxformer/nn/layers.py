@@ -32,6 +32,8 @@ from jaxformer.nn.axes import ACTIVATION_BTD, constrain, logical
 from jaxformer.nn.norms import layer_norm
 from jaxformer.nn import kv_quant, quant, quant_dense
 from jaxformer.nn.kv_quant import QuantKV
+from jaxformer.nn import paged_kv
+from jaxformer.nn.paged_kv import PagedKV
 from jaxformer.nn.quant_dense import dense
 
 __all__ = ["DecoderLayer", "EncoderLayer", "FeedForward", "PositionEmbedding", "TokenEmbedding",
@@ -353,6 +355,9 @@ class DecoderLayer(nn.Module):
             0..T-1); cached keys were rotated by theirs when written.
           inv_freq: RoPE frequencies (K/2,) (default: this layer kind's; a scanned
             stack of mixed kinds passes each layer's).
+            A `paged_kv.PagedKV` cache is a page pool instead: the queries attend
+            over [the rows' pages, the new keys] (`self_mask` spans M * Z + T) and
+            only the new keys/values are written to their pages.
           ring_index: with `cache`, the cache is a sliding-window ring (a local
             layer; `decode.cache`) and this is the absolute slot of the first new
             token: the queries attend over [ring, new keys] (`self_mask` spans
@@ -369,12 +374,22 @@ class DecoderLayer(nn.Module):
             axis = kv_length_axis(self.config)
             # An int8 cache (`kv_quant.QuantKV`) stores the new keys quantized and its
             # earlier slots are read dequantized; a float cache is a `KV` of the compute dtype.
-            quantized = isinstance(cache, QuantKV)
+            quantized = isinstance(cache.pool if isinstance(cache, PagedKV) else cache, QuantKV)
             stored = kv_quant.quantize_kv(kv) if quantized else kv
 
             def readable(c):
                 return kv_quant.dequantize_kv(c, kv.key.dtype) if quantized else c
 
+            if isinstance(cache, PagedKV):  # a serving step: write new slots, read pages
+                # Written first, read after (the new slots are masked in the pages: they
+                # are read exact from `kv`): the read depends on the write, so XLA updates
+                # the donated pool in place instead of copying it to keep the read's input.
+                updated = cache.with_pool(paged_kv.write(cache, stored))
+                pages = readable(paged_kv.read(updated))
+                seen = KV((pages.key, kv.key), (pages.value, kv.value))
+                out = self.self_attn(h_BTD, seen, self_mask, positions_BT=positions_BT,
+                                     deterministic=deterministic, inv_freq=inv_freq)
+                return out, updated
             if cache is not None and ring_index is not None:
                 ring = readable(cache)
                 seen = KV((ring.key, kv.key), (ring.value, kv.value))

@@ -10,28 +10,26 @@ an int8 cache (`config.kv_cache_quant`, `nn.kv_quant.QuantKV`) pages its
 scales alongside. Position p of a row lives at pool slot
 `table[p // Z] * Z + p % Z`.
 
-A call feeding C tokens to S rows of lengths L_s does not need a second model:
-it gathers a `DecodeCache` view of Tv slots in which row s's L_s cached tokens
-sit right-aligned at slots Tv - C - L_s .. Tv - C - 1 (its `start_B`), so every
-row's new tokens go to the same slots Tv - C .. Tv - 1 (the cache's one scalar
-`index`) while keeping their own positions (slot - start = L_s ..), exactly as
-`decode.generate` left-aligns ragged prompts. `decode.cache.cached_forward`
-runs on the view; the C new keys/values are then scattered to their pages.
-Reads cost one gather of Tv slots per row and layer (the attention reads them
-all anyway); rows or tokens marked invalid write to the null page.
+A call feeding C tokens to S rows of lengths L_s hands each decoder layer its
+pool as an `nn.paged_kv.PagedKV`: the layer reads the rows' first ceil(Tv / Z)
+pages through the page table (one gather of whole pages, consumed by that
+layer's attention), attends over [those pages, the C new keys] with the mask
+"page slot i < L_s, new key j <= query i", and writes only the C new
+keys/values into their pages. Rows or tokens marked invalid write to the null
+page. No per-step copy of every layer's context is assembled or scattered back.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 
 from jaxformer.config import TransformerConfig
-from jaxformer.decode.cache import DecodeCache, cached_forward, kv_shape
+from jaxformer.decode.cache import kv_shape
 from jaxformer.nn import kv_quant
 from jaxformer.nn.attention import kv_length_axis
+from jaxformer.nn.paged_kv import PagedKV
 
 Pools = tuple  # per decoder layer, a KV or QuantKV of one row of (N + 1) * Z slots
 
@@ -60,43 +58,17 @@ def pool_slots(table_SM: jnp.ndarray, positions_ST: jnp.ndarray, valid_ST: jnp.n
     return jnp.where(valid_ST, page_ST * page_size + positions_ST % page_size, 0)
 
 
-def gather_view(config: TransformerConfig, pools: Pools, table_SM: jnp.ndarray,
-                lengths_S: jnp.ndarray, *, page_size: int, view_len: int,
-                new: int) -> DecodeCache:
-    """A `DecodeCache` of `view_len` slots, row s's cached tokens right-aligned before
-    the `new` slots its next tokens will fill (module docstring)."""
-    axis = kv_length_axis(config)
-    start_S = (view_len - new - lengths_S).astype(jnp.int32)
-    pos_ST = jnp.arange(view_len)[None, :] - start_S[:, None]
-    slots_ST = pool_slots(table_SM, pos_ST, (pos_ST >= 0) & (pos_ST < lengths_S[:, None]),
-                          page_size)
-
-    def gather(x):  # (1, .., N*Z @ axis, ..) -> (S, .., Tv @ axis, ..)
-        return jnp.moveaxis(jnp.take(x[0], slots_ST, axis=axis - 1), axis - 1, 0)
-
-    view = tuple(type(kv)(*(gather(x) for x in kv)) for kv in pools)
-    return DecodeCache(self_kv=view, index=jnp.asarray(view_len - new, jnp.int32),
-                       start_B=start_S, length_axis=axis,
-                       local=(False,) * config.num_decoder_layers)
+def call_decoder(module, *args, **kwargs):
+    return module.decoder(*args, **kwargs)
 
 
-def scatter_new(config: TransformerConfig, pools: Pools, view: DecodeCache,
-                table_SM: jnp.ndarray, lengths_S: jnp.ndarray, valid_SC: jnp.ndarray, *,
-                page_size: int) -> Pools:
-    """`pools` with the view's last C slots (the keys/values just written) stored at
-    positions L_s .. L_s + C - 1 of each row's pages; invalid ones to the null page."""
-    axis = kv_length_axis(config)
-    new = valid_SC.shape[1]
-    pos_SC = lengths_S[:, None] + jnp.arange(new)[None, :]
-    slots_SC = pool_slots(table_SM, pos_SC, valid_SC, page_size)
-    index = (slice(None),) * (axis - 1) + (slots_SC,)
-
-    def scatter(pool, x):  # x (S, .., Tv @ axis, ..) -> its last C slots into the pool
-        fresh = jax.lax.slice_in_dim(x, x.shape[axis] - new, x.shape[axis], axis=axis)
-        return pool[0].at[index].set(jnp.moveaxis(fresh, 0, axis - 1))[None]
-
-    return tuple(type(kv)(*(scatter(p, x) for p, x in zip(kv, written)))
-                 for kv, written in zip(pools, view.self_kv))
+def paged_mask(lengths_S: jnp.ndarray, read_slots: int, new: int) -> jnp.ndarray:
+    """(S, 1, C, read_slots + C): query i of row s sees page slots < L_s and new keys <= i."""
+    past_SK = jnp.arange(read_slots)[None, :] < lengths_S[:, None]
+    causal_CC = jnp.arange(new)[None, :] <= jnp.arange(new)[:, None]
+    past_SCK = jnp.broadcast_to(past_SK[:, None, :], (lengths_S.shape[0], new, read_slots))
+    causal_SCC = jnp.broadcast_to(causal_CC[None], (lengths_S.shape[0], new, new))
+    return jnp.concatenate([past_SCK, causal_SCC], axis=-1)[:, None]
 
 
 def paged_forward(model, params, pools: Pools, table_SM: jnp.ndarray, lengths_S: jnp.ndarray,
@@ -112,13 +84,20 @@ def paged_forward(model, params, pools: Pools, table_SM: jnp.ndarray, lengths_S:
       lengths_S: (S,) int32 tokens already cached per row.
       tokens_SC: (S, C) int32 ids to feed; valid_SC: (S, C) bool, False = padding or
         an idle row (its keys/values go to the null page).
-      view_len: Tv >= max(L_s) + C, slots of the gathered view (static).
+      view_len: Tv >= max(L_s) + C (static): each row reads its first ceil(Tv / Z)
+        pages (at most M).
     Returns:
       (logits (S, C, V) float32, the updated pools).
     """
     new = tokens_SC.shape[1]
-    view = gather_view(model.config, pools, table_SM, lengths_S, page_size=page_size,
-                       view_len=view_len, new=new)
-    logits_SCV, view = cached_forward(model, params, view, tokens_SC)
-    return logits_SCV, scatter_new(model.config, pools, view, table_SM, lengths_S, valid_SC,
-                                   page_size=page_size)
+    axis = kv_length_axis(model.config)
+    pages = min(table_SM.shape[1], -(-view_len // page_size))
+    table_SP = jnp.asarray(table_SM)[:, :pages]
+    positions_SC = lengths_S[:, None] + jnp.arange(new)[None, :]
+    slots_SC = pool_slots(table_SM, positions_SC, valid_SC, page_size)
+    caches = tuple(PagedKV(kv, table_SP, slots_SC, page_size, axis) for kv in pools)
+    logits_SCV, caches = model.apply(
+        {"params": params}, tokens_SC, paged_mask(lengths_S, pages * page_size, new),
+        None, None, positions_BT=positions_SC, caches=caches, deterministic=True,
+        method=call_decoder)
+    return logits_SCV, tuple(c.pool for c in caches)

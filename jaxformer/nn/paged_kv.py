@@ -1,0 +1,79 @@
+"""A paged KV cache as a decoder layer reads it: one pool of pages, a page table per row.
+
+Dimension key: B rows, N + 1 pool pages of Z slots (page 0 is the null page),
+M pages read per row, C new tokens per row.
+
+A layer's pool is a `KV` (or an int8 `kv_quant.QuantKV`) of one cache row of
+(N + 1) * Z slots in the cache layout (`attention.kv_length_axis`): (1, G, P, K)
+or (1, P, G, K), P = (N + 1) * Z; the scales (1, G, P) or (1, P, G). Position p
+of row b lives at pool slot `table_BM[b, p // Z] * Z + p % Z`.
+
+A call feeding C tokens per row reads the rows' first M pages straight from
+the pool (`read`: one gather of whole pages per layer, left-aligned: position p
+of row b at index p, entries past the row's length masked by the caller) and
+attends over [those pages, its C new keys] as two parts
+(`attention.dot_product_attention` reads parts in place); then only the new
+keys/values are written into their pages (`write`, a scatter of C slots per row;
+the pool is updated in place when the caller donates it). No contiguous copy of
+the whole context is built before the call and none is scattered back after it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Union
+
+import jax.numpy as jnp
+
+from jaxformer.nn.attention import KV
+from jaxformer.nn.kv_quant import QuantKV
+
+
+class PagedKV(NamedTuple):
+    """One decoder layer's cache in a serving step (a layer's `cache` argument).
+
+    Attributes:
+      pool: the layer's pool, a `KV` or `QuantKV` of (N + 1) * Z slots (module docstring).
+      table_BM: (B, M) int32 pages each row reads, in position order (0 = null page).
+      slots_BC: (B, C) int32 pool slots the C new keys/values go to (0 = the null page's
+        first slot, for padding or idle rows).
+      page_size: Z (static in shape: the pool's slots are a multiple of it).
+      axis: the slot axis of the pool (`attention.kv_length_axis`).
+    """
+
+    pool: Union[KV, QuantKV]
+    table_BM: jnp.ndarray
+    slots_BC: jnp.ndarray
+    page_size: int
+    axis: int
+
+    def with_pool(self, pool: Union[KV, QuantKV]) -> "PagedKV":
+        return self._replace(pool=pool)
+
+
+def read(cache: PagedKV) -> Union[KV, QuantKV]:
+    """The rows' pages as a cache of M * Z slots each, (B, G, M*Z, K) or (B, M*Z, G, K)
+    (scales without K): slot i of row b holds position i."""
+    table_BM, size, axis = cache.table_BM, cache.page_size, cache.axis
+    batch, pages = table_BM.shape
+
+    def gather(x):  # (1, .., P @ axis, ..) -> (B, .., M*Z @ axis, ..)
+        inner = x[0]
+        paged = inner.reshape(inner.shape[:axis - 1] + (-1, size) + inner.shape[axis:])
+        taken = jnp.take(paged, table_BM, axis=axis - 1)   # (.., B, M, Z, ..)
+        taken = jnp.moveaxis(taken, axis - 1, 0)            # (B, .., M, Z, ..)
+        return taken.reshape(taken.shape[:axis] + (pages * size,) + taken.shape[axis + 2:])
+
+    return type(cache.pool)(*(gather(x) for x in cache.pool))
+
+
+def write(cache: PagedKV, new: Union[KV, QuantKV]) -> Union[KV, QuantKV]:
+    """The pool with `new` (B, G, C, K) or (B, C, G, K) (scales without K; the
+    pool's type and dtypes) stored at `cache.slots_BC`."""
+    axis = cache.axis
+    index = (slice(None),) * (axis - 1) + (cache.slots_BC,)
+
+    def scatter(pool, x):
+        fresh = jnp.moveaxis(x.astype(pool.dtype), 0, axis - 1)
+        return jnp.asarray(pool)[0].at[index].set(fresh)[None]
+
+    return type(cache.pool)(*(scatter(p, x) for p, x in zip(cache.pool, new)))

@@ -1,0 +1,70 @@
+"""nn.paged_kv: pages read and new slots written through a page table, against numpy
+(position p of a row at pool slot table[p // Z] * Z + p % Z), both cache layouts and
+the int8 cache."""
+
+import numpy as np
+import pytest
+
+from jaxformer.nn import KV
+from jaxformer.nn.kv_quant import QuantKV
+from jaxformer.nn.paged_kv import PagedKV, read, write
+
+G, K, Z, N = 2, 4, 4, 6  # kv heads, head dim, page size, pool pages (+ the null page)
+P = (N + 1) * Z
+
+
+def layout(x_GPK, axis):
+    """(G, P, K) -> the pool's (1, G, P, K) (axis 2) or (1, P, G, K) (axis 1)."""
+    return (x_GPK if axis == 2 else np.swapaxes(x_GPK, 0, 1))[None]
+
+
+@pytest.mark.parametrize("axis", [2, 1], ids=["heads_major", "jax_layout"])
+def test_write_then_read_match_numpy(axis):
+    rng = np.random.default_rng(0)
+    keys, values = (rng.normal(size=(G, P, K)).astype(np.float32) for _ in range(2))
+    table = np.asarray([[3, 1, 0], [5, 2, 6]], np.int32)  # row 1 reads three pages
+    slots = np.asarray([[1 * Z + 2, 0], [6 * Z + 0, 6 * Z + 1]], np.int32)  # row 0: one new
+    new_BGCK = rng.normal(size=(2, G, 2, K)).astype(np.float32)
+    new = (new_BGCK, new_BGCK + 1)
+    if axis == 1:
+        new = tuple(np.swapaxes(x, 1, 2) for x in new)
+    cache = PagedKV(KV(layout(keys, axis), layout(values, axis)), table, slots, Z, axis)
+    pool = write(cache, KV(*new))
+
+    want = [keys.copy(), values.copy()]
+    for w, x in zip(want, (new_BGCK, new_BGCK + 1)):
+        for b in range(2):
+            for c in range(2):
+                if slots[b, c]:  # slot 0 (the null page) takes padding; not compared
+                    w[:, slots[b, c]] = x[b, :, c]
+    got = [np.asarray(x)[0] if axis == 2 else np.swapaxes(np.asarray(x)[0], 0, 1) for x in pool]
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g[:, Z:], w[:, Z:])
+
+    pages = read(cache.with_pool(pool))
+    for g, w in zip(pages, want):
+        g = np.asarray(g) if axis == 2 else np.swapaxes(np.asarray(g), 1, 2)
+        assert g.shape == (2, G, 3 * Z, K)
+        for b in range(2):
+            for p in range(3 * Z):  # position p of row b (null-page reads not compared)
+                if table[b, p // Z] == 0:
+                    continue
+                np.testing.assert_array_equal(g[b, :, p], w[:, table[b, p // Z] * Z + p % Z])
+
+
+def test_int8_pool_pages_its_scales():
+    rng = np.random.default_rng(1)
+    arrays = [rng.integers(-127, 128, (1, G, P, K)).astype(np.int8) for _ in range(2)]
+    scales = [rng.random((1, G, P)).astype(np.float32) for _ in range(2)]
+    table = np.asarray([[2, 4]], np.int32)
+    slots = np.asarray([[4 * Z + 3]], np.int32)
+    cache = PagedKV(QuantKV(*arrays, *scales), table, slots, Z, 2)
+    new = QuantKV(np.full((1, G, 1, K), 7, np.int8), np.full((1, G, 1, K), -7, np.int8),
+                  np.full((1, G, 1), 0.5, np.float32), np.full((1, G, 1), 0.25, np.float32))
+    pages = read(cache.with_pool(write(cache, new)))
+    assert isinstance(pages, QuantKV)
+    np.testing.assert_array_equal(pages.key[0, :, :Z], arrays[0][0, :, 2 * Z:3 * Z])
+    np.testing.assert_array_equal(pages.key_scale[0, :, :Z], scales[0][0, :, 2 * Z:3 * Z])
+    np.testing.assert_array_equal(pages.key[0, :, Z + 3], 7)      # position 7 = the new slot
+    np.testing.assert_array_equal(pages.value_scale[0, :, Z + 3], 0.25)
+    np.testing.assert_array_equal(pages.value[0, :, Z:Z + 3], arrays[1][0, :, 4 * Z:4 * Z + 3])

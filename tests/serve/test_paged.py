@@ -1,0 +1,28 @@
+"""serve.paged: the engine's step reads keys/values through the page table
+(`nn.paged_kv`) and updates the donated pool in place."""
+
+import functools
+
+import jax
+import numpy as np
+
+import jaxformer as jf
+from jaxformer.serve import paged
+
+
+def test_serving_step_updates_the_pool_in_place(make_lm):
+    """The step donates the pool; each layer writes its new slots before it reads its
+    pages, so XLA needs no copy of the pool (with the read first, it copies every
+    layer's pool to keep the read's input: a temporary of the pools' size)."""
+    config = jf.llama(tgt_vocab_size=32, src_vocab_size=32, max_len=64, num_kv_heads=2)
+    model, params = make_lm(config)
+    pages, size, rows = 256, 8, 2
+    pools = paged.init_pools(config, pages, size)
+    table = np.arange(rows * 8, dtype=np.int32).reshape(rows, 8) + 1
+    step = jax.jit(functools.partial(paged.paged_forward, model, page_size=size, view_len=32),
+                   donate_argnums=(1,))
+    compiled = step.lower(params, pools, table, np.asarray([5, 9], np.int32),
+                          np.ones((rows, 1), np.int32), np.ones((rows, 1), bool)).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    one_layer = sum(x.size * x.dtype.itemsize for x in pools[0])
+    assert temp < one_layer / 2, (temp, one_layer)
