@@ -19,6 +19,11 @@ steps' `prompt_entries`; a pick of EOS (or a stop id) that ends an echo request
 is its last entry (text ""), as OpenAI lists it: harnesses scoring a prompt
 (lm-eval's local-completions: max_tokens 1, token_logprobs[ctxlen:-1]) drop
 the last entry as the generated one.
+
+Usage (`Step.generated`): every token the engine picked counts, the EOS or stop
+id that ended the request included, as llama-server counts them (`n_decoded`:
++1 per sampled token, before its end-of-generation check) and vLLM (the EOS is
+in a finished output's `token_ids`); a stop string's tokens count too.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ class Step:
     texts: list = dataclasses.field(default_factory=list)     # each new token's own text
     prompt_entries: list = dataclasses.field(default_factory=list)  # echo: prompt tokens
     finish_reason: Optional[str] = None
+    generated: int = 0   # tokens picked: usage's completion_tokens (an ending EOS counts)
 
 
 def submit(engine, request: Request):
@@ -78,9 +84,12 @@ async def stream(handle, tokenizer, request: Request, *, keep_new_tokens: bool =
             elif event.token is not None and keep_new_tokens:
                 step.entries.append((event.token, event.logprob, tuple(event.top_logprobs)))
                 step.texts.append(pieces.push(event.token))
-            elif event.stopped_by is not None and keep_new_tokens and request.params.echo:
-                step.entries.append(event.stopped_by)   # scored: the last entry is the pick
-                step.texts.append("")
+                step.generated = 1
+            elif event.stopped_by is not None and keep_new_tokens:
+                step.generated = 1  # the EOS (or stop id) picked: llama-server counts it too
+                if request.params.echo:
+                    step.entries.append(event.stopped_by)   # scored: the last entry is the pick
+                    step.texts.append("")
             if keep_new_tokens and not event.prompt:
                 step.text = event.text
             reason = event.finish_reason
@@ -110,6 +119,7 @@ async def collect(handle, tokenizer, request: Request, *, keep_new_tokens: bool 
         out.texts += step.texts
         out.prompt_entries += step.prompt_entries
         out.finish_reason = step.finish_reason
+        out.generated += step.generated
     return out
 
 

@@ -231,7 +231,7 @@ class Api:
                         responses.completion_logprobs(self.served.tokenizer, entries, texts))
             reason = "length" if only_prompt else result.finish_reason
             choices.append(responses.completion_choice(index, text, logprobs, reason))
-            generated += len(result.entries)
+            generated += result.generated
         prompt_tokens = sum(len(r.prompt_ids) for r in requests)
         return JSONResponse(responses.completion(
             responses.new_id("cmpl"), model, choices, responses.usage(prompt_tokens, generated)))
@@ -252,7 +252,7 @@ class Api:
         request_id, generated = responses.new_id("cmpl"), 0
         try:
             async for step in generation.stream(handle, self.served.tokenizer, request):
-                generated += len(step.entries)
+                generated += step.generated
                 logprobs = (None if sampling.logprobs is None else
                             responses.completion_logprobs(self.served.tokenizer, step.entries,
                                                           step.texts))
@@ -319,7 +319,7 @@ class Api:
                     responses.chat_logprobs(self.served.tokenizer, result.entries))
         return JSONResponse(responses.chat_completion(
             responses.new_id("chatcmpl"), model, result.text, logprobs, result.finish_reason,
-            responses.usage(len(prompt), len(result.entries))))
+            responses.usage(len(prompt), result.generated)))
 
     async def chat_events(self, handle, request: Request, model: str, sampling):
         request_id, generated = responses.new_id("chatcmpl"), 0
@@ -327,7 +327,7 @@ class Api:
             yield responses.sse(responses.chat_chunk(request_id, model,
                                                      {"role": "assistant", "content": ""}))
             async for step in generation.stream(handle, self.served.tokenizer, request):
-                generated += len(step.entries)
+                generated += step.generated
                 logprobs = (None if sampling.logprobs is None else
                             responses.chat_logprobs(self.served.tokenizer, step.entries))
                 delta = {"content": step.text} if step.text or not step.finish_reason else {}

@@ -1,7 +1,8 @@
 """A scripted stand-in for the serving engine (its submit/cancel/metrics interface), so
 the HTTP layer's tests run without a model: each request streams `reply` as byte
 tokens (ByteTokenizer ids, each event's text its character) then a final event
-with STOP (EOS, as the engine sends it: no token), every token with logprob -0.5
+with STOP (EOS, as the engine sends it: no token, the EOS pick in `stopped_by`), every
+token with logprob -0.5
 and, when asked, the top list ((token, -0.5), (token + 1, -1.5), ...). Stop
 strings are the real engine's job (tests/serve/test_serve_model.py)."""
 
@@ -46,7 +47,8 @@ class FakeHandle:
             yield TokenEvent(token, -0.5, top, reason, text=BYTES.decode([token]))
             if reason:
                 return
-        yield TokenEvent(None, finish_reason=FinishReason.STOP)
+        yield TokenEvent(None, finish_reason=FinishReason.STOP,
+                         stopped_by=(BYTES.eos_id, -0.5, ((BYTES.eos_id, -0.5),) if n else ()))
 
     async def __aiter__(self):
         for i, event in enumerate(self.events()):

@@ -68,6 +68,7 @@ def test_completion_text_usage_and_finish(server, client):
     assert engine.requests[-1].prompt_ids == [1, ord("H") + 3, ord("i") + 3]
     full = client.completions.create(model="fake", prompt="Hi", max_tokens=40, temperature=0)
     assert full.choices[0].text == REPLY and full.choices[0].finish_reason == "stop"
+    assert full.usage.completion_tokens == len(REPLY) + 1  # the EOS counts (llama-server's)
 
 
 def test_prompt_shapes_one_choice_each(server, client):
@@ -131,7 +132,8 @@ def test_chat_stream_and_logprobs(client):
     assert text == REPLY
     finished = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finished[-1] == "stop" and set(finished[:-1]) == {None}
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(REPLY)
+    # the EOS that ended it counts, as llama-server counts it (n_decoded)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(REPLY) + 1
     content = [t for c in chunks if c.choices and c.choices[0].logprobs
                for t in c.choices[0].logprobs.content]
     assert content[0].token == "H" and content[0].top_logprobs[0].logprob == -0.5
