@@ -58,7 +58,6 @@ import os
 import warnings
 from typing import Optional
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -314,20 +313,26 @@ def params_from_gguf(file: GGUFFile, config: TransformerConfig, *,
         return {leaf_names(leaf, fmt)[part]: tensor_table.to_params(
             entry.row, value, dims, order, blocks=True) for part, value in parts.items()}
 
+    def device(x):
+        return jnp.asarray(np.ascontiguousarray(x), config.params_dtype
+                           if np.issubdtype(x.dtype, np.float32) else x.dtype)
+
+    # Each tensor becomes a JAX array as soon as it is read, so its host copy is freed
+    # before the next one is dequantized (into the same heap space): the process never
+    # holds every tensor twice, and the C heap is not left with the whole model's worth
+    # of freed, never returned memory (an idle server's RSS: ~440 MB less on SmolLM2).
     flat = {}
     for entry in tensor_table.entries(LLAMA, config):
         if entry.row.kind in tensor_table.KERNELS:  # kept blocks or float, by role
             module = entry.ours.rsplit("/", 1)[0]
             for leaf, value in weight(entry, "embed" if entry.layer is None
                                       else "layers").items():
-                flat[f"{module}/{leaf}"] = value
+                flat[f"{module}/{leaf}"] = device(value)
         else:
-            flat[entry.ours] = tensor_table.to_params(entry.row, get(entry), dims, order)
+            flat[entry.ours] = device(tensor_table.to_params(entry.row, get(entry), dims,
+                                                             order))
     bar.close()
-    return jax.tree_util.tree_map(
-        lambda x: jnp.asarray(np.ascontiguousarray(x), config.params_dtype
-                              if np.issubdtype(x.dtype, np.float32) else x.dtype),
-        unflatten(flat))
+    return unflatten(flat)
 
 
 def load_gguf(path, *, rope: str = "half", dtype: str = "float32", max_len: int | None = None,

@@ -291,3 +291,24 @@ def test_a_float_file_quantizes_at_load(tmp_path, qlm):
     config, want = quantize_params(float_model.config, floats, "int8")
     assert model.config == config
     jax.tree_util.tree_map(np.testing.assert_array_equal, params, want)
+
+
+def test_tensors_leave_host_memory_one_at_a_time(tmp_path, make_lm):
+    """Each tensor becomes a JAX array as it is read: the host never holds every tensor
+    (numpy's allocations, traced by tracemalloc) at once, so the C heap is not left
+    holding a freed copy of the whole model (an idle server's RSS)."""
+    import tracemalloc
+
+    config = CONFIG.replace(d_model=64, d_ff=128, num_decoder_layers=8)
+    model, params = make_lm(config, seed=1)
+    path = write_gguf(tmp_path / "eight.gguf", gguf_tensors(params, config), config=config)
+    file = read_gguf(path)
+    cfg = llama.config_from_gguf(file)
+    tracemalloc.start()
+    try:
+        loaded = llama.params_from_gguf(file, cfg, progress=False)
+        held, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    total = jf.nn.param_bytes(loaded)  # (a CPU array may keep its numpy buffer: `held`)
+    assert peak - held < total / 10, (peak, held, total)  # before: all at once, 0.26
