@@ -27,7 +27,7 @@ import time
 import argparse
 import math
 
-from jaxformer.cli.args import positive_int
+from jaxformer.cli.args import positive_float, positive_int
 from jaxformer.cli.usage import UsageError, require_positive
 
 FORMATS = ("text", "json", "srt")
@@ -76,6 +76,16 @@ def add_parser(commands, add_common_flags) -> None:
     safeguards.add_argument("--no-speech-threshold", type=optional_number, default=0.6,
                             metavar="P", help="drop a window whose no-speech probability is "
                                               "above, unless confident (default 0.6)")
+    beam = parser.add_argument_group(
+        "beam search", "at temperature 0, as faster-whisper (CTranslate2) runs it")
+    beam.add_argument("--beam-size", type=positive_int, default=5,
+                      help="beams per window (default 5; 1: greedy)")
+    beam.add_argument("--patience", type=positive_float, default=1.0,
+                      help="finished hypotheses collected: round(beam size * patience) "
+                           "(default 1.0)")
+    beam.add_argument("--length-penalty", type=float, default=1.0,
+                      help="the kept hypothesis maximises log-probability / length ** this "
+                           "(default 1.0; 0: no normalisation)")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar on a terminal; as when stderr is not a "
                              f"terminal, a long run prints one status line every "
@@ -127,6 +137,17 @@ def safeguards_of(args):
         raise UsageError(f"{flag}: {error}" if flag else str(error)) from error
 
 
+def beam_of(args) -> None:
+    """UsageError naming the beam flag out of range."""
+    from jaxformer.models import whisper  # noqa: PLC0415
+
+    try:
+        whisper.check_beam(args.beam_size, args.patience, args.length_penalty)
+    except ValueError as error:
+        flag = str(error).split(" ")[0].replace("_", "-")
+        raise UsageError(f"--{flag}: {error}") from error
+
+
 def run(args) -> int:
     from jaxformer.models import whisper  # noqa: PLC0415
 
@@ -134,6 +155,7 @@ def run(args) -> int:
 
     require_positive("--batch", args.batch)
     safeguards = safeguards_of(args)
+    beam_of(args)
     try:  # before the model is read
         check_language_code(args.language)
     except ValueError as error:
@@ -156,6 +178,8 @@ def run(args) -> int:
                                             safeguards.compression_ratio_threshold),
                                         logprob_threshold=safeguards.logprob_threshold,
                                         no_speech_threshold=safeguards.no_speech_threshold,
+                                        beam_size=args.beam_size, patience=args.patience,
+                                        length_penalty=args.length_penalty,
                                         progress=_progress_bar(args))
     except ValueError as error:  # FileFormatError included
         raise UsageError(str(error)) from error

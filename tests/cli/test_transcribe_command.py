@@ -19,7 +19,8 @@ FOX_44K = os.path.join(REPO, "tests", "data", "fox_espeak_44k_stereo.wav")
 
 @pytest.fixture(scope="module")
 def ct2_text():
-    """ctranslate2's greedy text of the 16 kHz mono clip (English-only prompt)."""
+    """ctranslate2's text of the 16 kHz mono clip (English-only prompt), beam size 5 as
+    `transcribe` decodes by default (faster-whisper's default)."""
     import ctranslate2  # noqa: PLC0415 (whisper_ct2_runtime skips without it)
 
     model_dir = whisper_model_dir()
@@ -28,7 +29,7 @@ def ct2_text():
     features = whisper.features_of(whisper.read_wav(FOX))[None]
     storage = ctranslate2.StorageView.from_array(np.ascontiguousarray(
         features.transpose(0, 2, 1)))
-    ids = runtime.generate(storage, [whisper.prompt_ids(vocab, None)], beam_size=1)
+    ids = runtime.generate(storage, [whisper.prompt_ids(vocab, None)], beam_size=5)
     return whisper.decode_text(vocab, ids[0].sequences_ids[0]).strip()
 
 
@@ -58,9 +59,13 @@ def test_json_lines_of_a_44k_stereo_file(ct2_text, capsys):
     (["--temperature", "hot"], "--temperature: must be numbers separated by commas"),
     (["--logprob-threshold", "nan"], "--logprob-threshold: must be a finite number"),
     (["--best-of", "0"], "--best-of: must be a positive integer"),
+    (["--beam-size", "0"], "--beam-size: must be a positive integer"),
+    (["--patience", "0"], "--patience: must be a positive finite number"),
+    (["--length-penalty", "nan"], "--length-penalty: length_penalty must be a finite number"),
 ], ids=["language", "translate-english-only", "srt-without-timestamps", "batch",
         "translate-named-english", "no-speech", "logprob", "ratio", "negative-temperature",
-        "decreasing-temperatures", "temperature-word", "nan", "best-of"])
+        "decreasing-temperatures", "temperature-word", "nan", "best-of", "beam-size",
+        "patience", "length-penalty"])
 def test_bad_options_are_one_line_and_exit_2(flags, message, capsys):
     assert main(["transcribe", "--model", whisper_model_dir(), FOX, *flags]) == 2
     err = capsys.readouterr().err

@@ -12,8 +12,9 @@ formats).
     print(whisper.srt(result.segments))
 
 Modules, bottom up: `config` (`TransformerConfig`, CTranslate2 mapping), `tokens`
-(special ids, prompts, text), `rules` (logits processors), `decoding` (encoder,
-language detection, greedy decoding), `audio` (WAV reading), `media` (any other
+(special ids, prompts, text), `rules` (logits processors), `beam` (CTranslate2's
+beam search), `decoding` (encoder, language detection, greedy and beam
+decoding), `audio` (WAV reading), `media` (any other
 audio or video file through PyAV, streamed), `features` (log-mel
 spectrogram), `checkpoint` (`Whisper`, `load`), `output` (`Transcript`, SRT),
 `fallback` (temperature fallback, no-speech rule), `windows` (30 s windows and
@@ -22,6 +23,8 @@ segments), `pipeline` (`transcribe`).
 
 from jaxformer.models.whisper.audio import (SAMPLE_RATE, SILENCE_PEAK, Samples, WavFile,
                                             is_silent, open_wav, read_wav, resample)
+from jaxformer.models.whisper.beam import (beam_program, beam_replacements, check_beam,
+                                           max_candidates)
 from jaxformer.models.whisper.checkpoint import Whisper, load, load_hf
 from jaxformer.models.whisper.config import (MEL_BINS, N_FRAMES, N_MELS, config_from_ct2, load_ct2,
                                              map_ct2, mel_bins, read_vocabulary, special_ids,
@@ -60,6 +63,7 @@ __all__ = [
     "byte_decoder", "check_language_code", "decode_text", "prompt_ids", "tokens_of",
     "TimestampRules", "whisper_processors", "Generated", "detect_language", "encode",
     "generate", "generate_ids", "language_probabilities", "transcribe_ids",
+    "beam_program", "beam_replacements", "check_beam", "max_candidates",
     # transcription
     "TEMPERATURES", "Safeguards", "compression_ratio", "final_choice", "is_no_speech",
     "needs_fallback", "Windows", "AudioInput", "check_options", "check_thresholds", "read_audio", "transcribe",

@@ -19,6 +19,7 @@ from jaxformer.decode.cache import memory_cache
 from jaxformer.decode.inputs import check_encdec, decodable
 from jaxformer.decode.loop import (cached_logits_fn, decode_jit, decode_loop, init_state,
                                    segment_lengths, segments_for)
+from jaxformer.models.whisper.beam import beam_program, check_beam, max_candidates
 from jaxformer.models.whisper.config import special_ids
 from jaxformer.models.whisper.rules import whisper_processors
 from jaxformer.models.whisper.tokens import prompt_ids, tokens_of
@@ -130,14 +131,25 @@ def _generate_program(model, params, features_BTM, prefix_BP, rng, temperature, 
 
 def generate(model, params, vocab: list[str], features_BTM, prompts: list[list[int]], *,
              suppress_ids, suppress_ids_begin, max_text_tokens: int = 224,
-             loop: str = "while", temperature: float = 0.0, seed: int = 0) -> list[Generated]:
+             loop: str = "while", temperature: float = 0.0, seed: int = 0,
+             beam_size: int = 1, patience: float = 1.0,
+             length_penalty: float = 1.0) -> list[Generated]:
     """Greedy decoding of each row after its prompt (all prompts of one length, each
     starting with <|startoftranscript|>), with `whisper_processors`, in one compiled
     program: each row's `Generated` ids, no-speech probability and average
     log-probability (what Whisper's no-speech rule reads). At most
     `max_text_tokens` are generated. `temperature` > 0 samples from
     softmax(logits / temperature) instead (the log-probabilities stay those of the
-    unscaled logits, as openai-whisper scores a sampled window), seeded by `seed`."""
+    unscaled logits, as openai-whisper scores a sampled window), seeded by `seed`.
+
+    At temperature 0, `beam_size` > 1 decodes each row by beam search as
+    CTranslate2 does (`beam.beam_program`: `patience` sets how many finished
+    hypotheses are collected, round(beam_size * patience); the one kept has the
+    highest summed log-probability / length ** `length_penalty`); the rows'
+    beams are one batch of rows * beam_size. `avg_logprob` is that hypothesis's
+    (faster-whisper's). The temperature > 0 ignores the beam (faster-whisper
+    samples then)."""
+    check_beam(beam_size, patience, length_penalty)
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
             np.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
@@ -156,6 +168,9 @@ def generate(model, params, vocab: list[str], features_BTM, prompts: list[list[i
         processors=whisper_processors(vocab, prompts[0], suppress_ids, suppress_ids_begin),
         prefix=np.asarray([p[1:] for p in prompts], np.int32) if width > 1 else None)
     no_speech = t.no_speech if t.no_speech is not None else t.eot
+    if beam_size > 1 and float(temperature) == 0:
+        return beam_rows(model, params, features_BTM, prefix_BP, procs, no_speech, t, width,
+                         max_new_tokens, beam_size, patience, length_penalty)
     tokens, lengths, logprob, no_speech_p = (np.asarray(x) for x in _generate_program(
         *decodable(model, params), jnp.asarray(features_BTM), prefix_BP,
         jax.random.PRNGKey(int(seed)), jnp.float32(max(float(temperature), 1e-6)),
@@ -169,6 +184,18 @@ def generate(model, params, vocab: list[str], features_BTM, prompts: list[list[i
         rows.append(Generated(ids, None if t.no_speech is None else float(p),
                               float(total) / (len(ids) + 1)))
     return rows
+
+
+def beam_rows(model, params, features_BTM, prefix_BP, procs, no_speech, t, width,
+              max_new_tokens, beam_size, patience, length_penalty) -> list[Generated]:
+    tokens, lengths, total, no_speech_p = (np.asarray(x) for x in beam_program(
+        *decodable(model, params), jnp.asarray(features_BTM), prefix_BP,
+        max_new_tokens=max_new_tokens, processors=procs, no_speech_id=no_speech,
+        beam_size=int(beam_size), max_candidates=max_candidates(beam_size, patience),
+        length_penalty=float(length_penalty)))
+    return [Generated(row[width - 1:width - 1 + int(n)].tolist(),
+                      None if t.no_speech is None else float(p), float(s) / (int(n) + 1))
+            for row, n, s, p in zip(tokens, lengths, total, no_speech_p)]
 
 
 def generate_ids(model, params, vocab: list[str], features_BTM, prompts: list[list[int]], *,

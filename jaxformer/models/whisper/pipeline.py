@@ -15,10 +15,9 @@ file's windows are sequential, and the current windows of several files form
 a batch. Batches are padded to a fixed number of rows so that one compiled
 program serves every batch of a run.
 
-Decoding is greedy with Whisper's prompts and logits processors
-(`generate_ids`), with openai-whisper's temperature fallback (`fallback`); not
-included are conditioning on the previous window's text, beam search and word
-timestamps.
+Decoding is beam search at temperature 0 (`beam_size` 5 as faster-whisper; 1:
+greedy) with Whisper's prompts and logits processors (`generate`), with
+openai-whisper's temperature fallback (`fallback`).
 """
 
 
@@ -33,6 +32,7 @@ from jaxformer.errors import FileFormatError
 from jaxformer.models.whisper import audio as audio_lib
 from jaxformer.models.whisper import media
 from jaxformer.models.whisper.checkpoint import Whisper
+from jaxformer.models.whisper.beam import check_beam
 from jaxformer.models.whisper.fallback import TEMPERATURES, Safeguards
 from jaxformer.models.whisper.features import HOP
 from jaxformer.models.whisper.decoding import detect_language
@@ -94,6 +94,7 @@ def transcribe(w: Whisper, audio: Union[AudioInput, Sequence[AudioInput]], *,
                logprob_threshold: Optional[float] = -1.0,
                temperature: Union[float, Sequence[float]] = TEMPERATURES,
                compression_ratio_threshold: Optional[float] = 2.4, best_of: int = 5,
+               beam_size: int = 5, patience: float = 1.0, length_penalty: float = 1.0,
                progress: Optional[Callable[[float, float], None]] = None
                ) -> Union[Transcript, list[Transcript]]:
     """Transcribe (or translate to English) one audio input or a list of them.
@@ -133,6 +134,11 @@ def transcribe(w: Whisper, audio: Union[AudioInput, Sequence[AudioInput]], *,
         openai-whisper).
       temperature, compression_ratio_threshold, best_of: the temperature fallback
         ((0.0, 0.2, ..., 1.0), 2.4, 5 as faster-whisper).
+      beam_size, patience, length_penalty: beam search at temperature 0 as
+        faster-whisper (CTranslate2) runs it (5, 1.0, 1.0): `beam_size` beams per
+        window (1: greedy), round(beam_size * patience) finished hypotheses
+        collected, the kept one the most probable by summed log-probability /
+        length ** length_penalty (0: no normalisation).
       progress: called as `progress(seconds done, seconds in total)` after each
         window skipped and each batch decoded.
     Raises:
@@ -150,12 +156,14 @@ def transcribe(w: Whisper, audio: Union[AudioInput, Sequence[AudioInput]], *,
                          f"{max_text_tokens}")
     safeguards = Safeguards(temperature, compression_ratio_threshold, logprob_threshold,
                             no_speech_threshold, best_of)
+    check_beam(beam_size, patience, length_penalty)
     sources = [read_audio(item) for item in items]  # every file is checked first
     frames = [s.num_samples // HOP for s in sources]
     languages, probabilities = detect(w, t, sources, language, batch_size)
     prompts = [prompt_ids(list(w.vocab), lang if w.multilingual else None, task,
                                   timestamps) for lang in languages]
-    windows = Windows(w, sources, prompts, max_text_tokens, safeguards)
+    windows = Windows(w, sources, prompts, max_text_tokens, safeguards, beam_size=beam_size,
+                      patience=patience, length_penalty=length_penalty)
     total = sum(frames) / FRAMES_PER_SECOND
     report = (lambda done: progress(done / FRAMES_PER_SECOND, total)) if progress else None
     if timestamps:

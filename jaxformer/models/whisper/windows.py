@@ -101,8 +101,9 @@ class Windows:
 
     `features(f, seek)` reads one window of file f (None if digitally silent);
     `decode([(f, features)], rows)` decodes windows as one batch of `rows` rows,
-    with the temperature fallback (`fallback`), and returns each one's ids, or None
-    where the no-speech rule drops it. `log` records, per decoded window, (file,
+    with the temperature fallback (`fallback`; at temperature 0, beam search when
+    `beam_size` > 1, with `patience` and `length_penalty`: `decoding.generate`),
+    and returns each one's ids, or None where the no-speech rule drops it. `log` records, per decoded window, (file,
     temperatures tried, dropped). `generate` is `decoding.generate` (a test may
     script it).
     """
@@ -113,6 +114,9 @@ class Windows:
     max_text_tokens: int
     safeguards: Safeguards = dataclasses.field(default_factory=Safeguards)
     generate: Callable[..., list[Generated]] = generate
+    beam_size: int = 1
+    patience: float = 1.0
+    length_penalty: float = 1.0
 
     def __post_init__(self):
         self.n_mels = self.w.n_mels
@@ -138,7 +142,8 @@ class Windows:
                                 suppress_ids=self.w.suppress_ids,
                                 suppress_ids_begin=self.w.suppress_ids_begin,
                                 max_text_tokens=self.max_text_tokens,
-                                temperature=temperature, seed=k)
+                                temperature=temperature, seed=k, beam_size=self.beam_size,
+                                patience=self.patience, length_penalty=self.length_penalty)
             again = []
             for n, i in enumerate(todo):
                 g = max(out[n * copies:(n + 1) * copies], key=lambda g: g.avg_logprob)

@@ -1,0 +1,110 @@
+"""Beam search for Whisper (issue 45) against CTranslate2 and faster-whisper on the
+installed tiny model: token ids and average log-probabilities equal to
+`ctranslate2.models.Whisper.generate(beam_size=W)` with the timestamp rules, the text
+and segment timestamps of `faster_whisper.WhisperModel.transcribe(beam_size=5)`, and
+beam 5 choosing other tokens than greedy decoding. Two windows a batch throughout:
+the pipeline test reuses the generate test's compiled program."""
+
+import numpy as np
+import pytest
+
+from jaxformer.decode.loop import TRACE_COUNTS
+from jaxformer.models import whisper
+
+from conftest import REPO, whisper_ct2_runtime, whisper_model_dir
+
+FOX = f"{REPO}/tests/data/fox_espeak.wav"
+SR = whisper.SAMPLE_RATE
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model_dir = whisper_model_dir()
+    return whisper.load(model_dir), model_dir, whisper_ct2_runtime(model_dir)
+
+
+def _two_sentences():
+    x = whisper.read_wav(FOX)
+    return np.concatenate([x, np.zeros(SR, np.float32), 0.8 * x])
+
+
+def _clips():
+    """The two sentences, and the clip reversed then forward (where beams differ)."""
+    x = whisper.read_wav(FOX)
+    return [_two_sentences(), np.concatenate([x[::-1], x])]
+
+
+def _generate(w, features, prompt, beam_size, length_penalty=1.0):
+    return whisper.generate(w.model, w.params, list(w.vocab), features, [prompt] * 2,
+                            suppress_ids=w.suppress_ids, suppress_ids_begin=w.suppress_ids_begin,
+                            beam_size=beam_size, length_penalty=length_penalty)
+
+
+@pytest.mark.parametrize("beam_size", [5, 2])
+def test_beam_ids_and_logprobs_are_ctranslate2s(tiny, beam_size):
+    import ctranslate2  # noqa: PLC0415 (whisper_ct2_runtime skips without it)
+
+    w, _, runtime = tiny
+    vocab, t = list(w.vocab), whisper.tokens_of(list(w.vocab))
+    prompt = whisper.prompt_ids(vocab, None, timestamps=True)
+    features = np.stack([whisper.features_of(x) for x in _clips()])
+    traced = TRACE_COUNTS["whisper_beam"]
+    ours = _generate(w, features, prompt, beam_size)
+    theirs = runtime.generate(
+        ctranslate2.StorageView.from_array(np.ascontiguousarray(features.transpose(0, 2, 1))),
+        [prompt] * 2, beam_size=beam_size, max_length=224, return_scores=True,
+        return_no_speech_prob=True)
+    for g, ref in zip(ours, theirs):
+        n = len(ref.sequences_ids[0])
+        assert g.ids == ref.sequences_ids[0]
+        # ctranslate2's score: the summed log-probability / n ** length_penalty (1).
+        np.testing.assert_allclose(g.avg_logprob, ref.scores[0] * n / (n + 1), atol=1e-4)
+        np.testing.assert_allclose(g.no_speech_prob, ref.no_speech_prob, atol=1e-5)
+        assert any(i >= t.timestamp_begin for i in g.ids)
+    # Another call of the same shape reuses the compiled program.
+    assert _generate(w, features, prompt, beam_size) == ours
+    assert TRACE_COUNTS["whisper_beam"] - traced <= 1
+    if beam_size == 5:  # beam search is not greedy decoding here
+        greedy = _generate(w, features, prompt, 1)
+        assert [g.ids for g in greedy] != [g.ids for g in ours]
+        assert all(b.avg_logprob >= g.avg_logprob - 1e-6 for b, g in zip(ours, greedy))
+
+
+def test_transcribe_with_beam_5_is_faster_whispers(tiny):
+    faster_whisper = pytest.importorskip("faster_whisper", reason="needs the test extra")
+    w, model_dir, _ = tiny
+    reference = faster_whisper.WhisperModel(model_dir, device="cpu", compute_type="float32",
+                                            cpu_threads=1)
+    clips = [whisper.read_wav(FOX), _two_sentences()]  # no fallback: sampling differs
+    ours = whisper.transcribe(w, clips, timestamps=True)  # beam_size=5: the default
+    for clip, result in zip(clips, ours):
+        segments, _ = reference.transcribe(clip, beam_size=5, language="en",
+                                           condition_on_previous_text=False)
+        theirs = list(segments)
+        assert result.text == "".join(s.text for s in theirs).strip()
+        assert [(s.start, s.end, s.text) for s in result.segments] == [
+            (round(s.start, 3), round(s.end, 3), s.text.strip()) for s in theirs]
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"beam_size": 0}, "beam_size must be an int >= 1"),
+    ({"beam_size": 2.0}, "beam_size must be an int >= 1"),
+    ({"patience": 0.0}, "patience must be a finite number > 0"),
+    ({"length_penalty": float("inf")}, "length_penalty must be a finite number"),
+])
+def test_beam_options_out_of_range_are_named(tiny, options, message):
+    w, _, _ = tiny
+    with pytest.raises(ValueError, match=message):
+        whisper.transcribe(w, FOX, **options)
+
+
+def test_finished_slots_take_the_next_candidates_that_are_not_eos():
+    """CTranslate2's loop by hand: the m-th finished slot continues with the m-th
+    non-EOS candidate after the first W; none left, it keeps its own."""
+    eos = np.array([[True, False, True, False, False, True, False, False],
+                    [True, True, True, True, True, True, True, False]])
+    slots = whisper.beam_replacements(eos, eos[:, :4], 4)
+    assert np.asarray(slots).tolist() == [[4, 1, 6, 3], [7, 1, 2, 3]]
+    last = np.ones((1, 2), bool)  # the last step: every slot finishes
+    assert np.asarray(whisper.beam_replacements(np.zeros((1, 4), bool), last, 2)
+                      ).tolist() == [[2, 3]]
