@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxformer.backends import host_memory
 from jaxformer.decode.inputs import decodable
 from jaxformer.nn import stacking
 from jaxformer.nn.model import DecoderOnlyLM
@@ -51,8 +52,8 @@ from jaxformer.serve.request import FinishReason, QueueFull, Request, TokenEvent
 from jaxformer.serve.slots import Slot, token_event
 
 log = logging.getLogger(__name__)
-RATE_WINDOW_S = 10.0
-PREFILL_BUDGET = 4  # a prefill call feeds at most this many chunks' tokens (rows x width)  # tokens_per_s is measured over this many recent seconds
+RATE_WINDOW_S = 10.0  # tokens_per_s is measured over this many recent seconds
+PREFILL_BUDGET = 4  # a prefill call feeds at most this many chunks' tokens (rows x width)
 
 
 def bucket(value: int, sizes: tuple[int, ...]) -> int:
@@ -136,6 +137,7 @@ class Engine:
         self.decode_fn, self.prefill_fn = programs.compiled()
         self.speculative, self.ngram = speculative, ngram
         self.drafted, self.accepted_drafts = 0, 0
+        self.shapes, self.compiled_new = set(), False  # `note_shape`
 
     # -- the client's side (thread-safe) ------------------------------------
 
@@ -222,6 +224,14 @@ class Engine:
                 if self.stopping and not self.cancelled:
                     return
             self.step()
+            if self.compiled_new and self.idle():
+                self.compiled_new = False
+                host_memory.release_freed()  # the compiler's freed host memory, tens of MB
+
+    def note_shape(self, *key) -> None:
+        """A compiled call's static shape and flags: a new one compiled a program."""
+        self.compiled_new |= key not in self.shapes
+        self.shapes.add(key)
 
     def run_until_idle(self) -> None:
         """Step on the calling thread until nothing is queued or running (no `start`)."""
@@ -351,12 +361,13 @@ class Engine:
         padded = slots + [None] * (rows - len(slots))
         echo = any(s.request.params.echo for s in slots)
         allowed = self.allowed(padded)
+        view_len = bucket(int(starts.max()) + width, self.view_sizes)
+        self.note_shape("prefill", rows, width, view_len, echo, allowed is None)
         picks, extra, self.pools = self.prefill_fn(
             self.model, self.page_size, self.params[slots[0].request.adapter], self.pools,
             table, starts, tokens, valid, self.slot_params(padded), self.want_top(slots), lasts,
             targets, np.zeros((1, 1), bool) if allowed is None else allowed,
-            view_len=bucket(int(starts.max()) + width, self.view_sizes), echo=echo,
-            masked=allowed is not None)
+            view_len=view_len, echo=echo, masked=allowed is not None)
         picks = jax.device_get(picks)
         extra = None if extra is None else jax.device_get(extra)
         for i, (slot, count) in enumerate(zip(slots, counts)):
@@ -391,6 +402,7 @@ class Engine:
         results = []
         for adapter, members in groups.items():
             valid = np.asarray([s in members for s in self.running])
+            self.note_shape("decode", view_len, allowed is None)
             picks, self.pools = self.decode_fn(
                 self.model, self.page_size, self.params[adapter], self.pools, table, lengths,
                 tokens, valid, params, self.want_top(members),

@@ -165,6 +165,7 @@ def speculative_step(engine, decoding) -> None:
     for adapter, members in groups.items():
         member = np.asarray([s in members for s in running])
         valid = member[:, None] & (np.arange(k + 1)[None, :] <= counts[:, None])
+        engine.note_shape("verify", k, view_len, allowed is None)
         out, engine.pools = verify(
             engine.model, engine.page_size, engine.params[adapter], engine.pools, table,
             lengths, tokens, valid, counts, params, engine.want_top(members),

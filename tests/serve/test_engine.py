@@ -3,6 +3,7 @@ cancel, per-seed sampling, stops, logprobs, echo, bad input (a tiny llama-style 
 
 import asyncio
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -351,3 +352,24 @@ def test_constraint_masks_every_pick_and_ends_the_request(lm):
     assert constrained.finish_reason == FinishReason.STOP
     assert not set(tokens_of(free)) <= {10, 11, 40}        # the mask changed the output
     assert eng.metrics()["tokens_per_s"] > 0
+
+
+def test_idle_after_compiling_releases_host_memory_once(lm, monkeypatch):
+    """The step thread hands the compiler's freed host memory back when it goes idle
+    after a call of a new shape (`backends.host_memory`), not after every request."""
+    from jaxformer.serve import engine as engine_module
+
+    calls = []
+    monkeypatch.setattr(engine_module.host_memory, "release_freed", lambda: calls.append(1))
+    eng = engine(lm).start()
+    try:
+        prompt = prompts(12, (5,))[0]
+        for expected in (1, 1):  # the second request compiles nothing new
+            eng.submit(Request(prompt, SamplingParams(max_tokens=3))).result()
+            deadline = time.monotonic() + 10
+            while len(calls) < expected and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.05)
+            assert len(calls) == expected
+    finally:
+        eng.stop()
