@@ -116,6 +116,35 @@ def test_tuned_model_equals_the_untuned_one(built, lm, fmt, monkeypatch):
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * float(jnp.abs(want).max()))
 
 
+def test_tuned_scanned_stack_and_cached_decoding_are_the_untuned_ones(built, lm, monkeypatch):
+    """The kernel inside a scanned stack, and inside the decode loop (cached steps,
+    chunked prefill): the untuned logits and greedy tokens."""
+    from jaxformer.decode import api as decoding  # noqa: PLC0415
+    from jaxformer.nn import stacking  # noqa: PLC0415
+
+    models, tokens = lm
+    config, params = models["int4"]
+    scanned, stacked = config.replace(scan_layers=True), stacking.stack_layers(params)
+    model, prompt = jf.DecoderOnlyLM(config), tokens[:, :5]
+
+    def run():
+        logits = _forward(scanned)(stacked, tokens)
+        out = decoding.generate(model, params, prompt, max_new_tokens=6)
+        chunked = decoding.generate(model, params, prompt, max_new_tokens=6, prefill_chunk=2)
+        return logits, out.tokens, chunked.tokens
+
+    want = run()
+    jax.clear_caches()  # decode_jit's programs would reuse the untuned traces
+    monkeypatch.setattr(cpu, "process_tuned", lambda: True)
+    assert "@jaxformer_qmatmul_int4(" in _forward(scanned).trace(stacked, tokens).lower(
+        ).as_text()
+    got = run()
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_array_equal(got[2], want[1])
+    np.testing.assert_allclose(got[0], want[0], rtol=0,
+                               atol=2e-5 * float(jnp.abs(want[0]).max()))
+
+
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 def test_tuned_accelerator_lowerings_hold_no_custom_call(built, lm, platform, monkeypatch):
     models, tokens = lm
