@@ -41,6 +41,7 @@ def run(args) -> int:
     forwarded = list(args.lm_eval_args)
     if forwarded[:1] == ["--"]:  # (main puts it there so that argparse keeps the flags)
         forwarded = forwarded[1:]
+    check_jaxformer_args(forwarded)
     saved = sys.argv
     sys.argv = ["jaxformer lm-eval", *forwarded]  # lm-eval's parser reads sys.argv
     try:
@@ -55,3 +56,26 @@ def run(args) -> int:
     finally:
         sys.argv = saved
     return 0
+
+
+def check_jaxformer_args(forwarded: list[str]) -> None:
+    """`--model jaxformer --model_args k=v,...`: the model arguments checked
+    (`JaxformerLM.check_model_args`) before lm-eval spends seconds indexing its tasks."""
+    from jaxformer.harness.lm_eval_model import check_model_args  # noqa: PLC0415
+    from lm_eval.utils import simple_parse_args_string  # noqa: PLC0415
+
+    def value(flag):
+        for i, arg in enumerate(forwarded):
+            if arg == flag and i + 1 < len(forwarded):
+                return forwarded[i + 1]
+            if arg.startswith(flag + "="):
+                return arg[len(flag) + 1:]
+        return None
+
+    model_args = value("--model_args")
+    if value("--model") != "jaxformer" or not model_args or model_args.lstrip().startswith("{"):
+        return  # another model, or JSON arguments: lm-eval and the model check them
+    try:
+        check_model_args(simple_parse_args_string(model_args))
+    except ValueError as error:
+        raise UsageError(str(error)) from error

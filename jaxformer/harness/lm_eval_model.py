@@ -50,6 +50,18 @@ def _positive_int(name: str, value, default: int) -> int:
     return number
 
 
+def check_model_args(arguments: dict) -> None:
+    """ValueError naming the first bad `--model_args` value (numbers, then a `path`
+    that names nothing), before anything is loaded: `jaxformer lm-eval` calls it
+    before lm-eval indexes its tasks."""
+    for name in ("max_gen_toks", "max_length", "batch_size"):
+        if arguments.get(name) is not None:
+            _positive_int(name, arguments[name], 1)
+    path = arguments.get("path")
+    if path is not None and not os.path.exists(str(path)):
+        raise ValueError(f"{path}: no such checkpoint directory or GGUF file")
+
+
 @register_model("jaxformer")
 class JaxformerLM(TemplateLM):
     """A jaxformer `DecoderOnlyLM` behind lm-eval's `loglikelihood`,

@@ -171,16 +171,21 @@ def test_the_command_line_loads_the_exported_directory_and_gives_the_same_accura
     ("path=/no/such/model,max_length=x", "jf_multiple_choice", "max_length='x' is not an int"),
     ("path=/no/such/model", "jf_multiple_choice", "/no/such/model: no such checkpoint"),
 ])
-def test_bad_input_is_one_line_and_exit_2(runs, model_args, tasks, message, capsys,
+def test_bad_input_is_one_line_and_exit_2(model_args, tasks, message, capsys, tmp_path,
                                           monkeypatch):
+    """Checked before lm-eval runs (it would index its thousands of tasks first)."""
     import logging
+
+    import lm_eval.__main__
 
     from jaxformer.cli.main import main
 
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate",
+                        lambda: pytest.fail("lm-eval ran before the model arguments were checked"))
     # lm-eval's log handler still holds an earlier test's captured stderr: no page about it
     monkeypatch.setattr(logging, "raiseExceptions", False)
     assert main(["lm-eval", "--model", "jaxformer", "--model_args", model_args, "--tasks", tasks,
-                 "--include_path", runs["tasks_dir"]]) == 2
+                 "--include_path", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("jaxformer lm-eval: error: ") and message in err[-1], err
     assert not any("Traceback" in line for line in err)
