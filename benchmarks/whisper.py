@@ -23,26 +23,31 @@ synthetic signals, repeated to fill the batch):
               tokenizer's decode). Not committed: made in a temporary folder.
 
   faster      faster-whisper as the peer (`--parts faster`; the same CTranslate2
-              files, float32, the same threads, the same beam size: 1, greedy,
-              jaxformer having no beam search yet; both with the temperature
+              files, float32, the same threads, the same beam size (`--beam-size`,
+              default 5 as both default to; 1: greedy); both with the temperature
               fallback and no-speech rule at their defaults; no conditioning on
-              previous text, which jaxformer does not do yet), on a 60 s and a
-              10 min WAV file made from the committed clip and silence:
+              previous text), on a 60 s and a 10 min WAV file (`--files 60 600`,
+              seconds; a smoke run: `--files 12`) made from the committed clip
+              and silence:
               unbatched = segment timestamps, windows in sequence
               (`WhisperModel.transcribe` vs `whisper.transcribe(timestamps=True)`);
               batched = several 30 s windows of the file decoded together
               (`BatchedInferencePipeline`, batch 8, its VAD chunks, vs
               `whisper.transcribe(batch_size=8)`: consecutive windows).
               `text_identical`: unbatched texts and segment boundaries equal.
+              `jf_first_call`: XLA programs compiled, their compile seconds and
+              the wall time of jaxformer's first transcription (the warm-up),
+              unbatched and batched.
               `peak_rss_ratio_vs_faster_whisper`: jaxformer / faster-whisper peak
-              resident memory of a fresh process transcribing the 10 min file once.
+              resident memory of a fresh process transcribing the longest file once.
 
 Rounds alternate jaxformer and ctranslate2 (interleaved), after a warm-up
 that compiles. Ratios are ctranslate2 time / jaxformer time (> 1: jaxformer
 faster), batch 1. Prints a table, then one JSON line.
 
     python benchmarks/whisper.py [--rounds 5] [--loop while|scan] [--batches 1 8]
-                                 [--parts windows file faster]
+                                 [--parts windows file faster] [--beam-size 5]
+                                 [--files 60 600]
 """
 
 import argparse
@@ -90,7 +95,12 @@ def main():
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--parts", nargs="+", choices=("windows", "file", "faster"),
                         default=["windows", "file", "faster"])
-    parser.add_argument("--child", nargs=2, metavar=("WHO", "FILE"), help=argparse.SUPPRESS)
+    parser.add_argument("--beam-size", type=int, default=5,
+                        help="the faster part's beam size, both sides (default 5)")
+    parser.add_argument("--files", type=int, nargs="+", default=[60, 600],
+                        help="the faster part's file lengths, seconds (default 60 600)")
+    parser.add_argument("--child", nargs=3, metavar=("WHO", "FILE", "BEAM"),
+                        help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child(*args.child)
@@ -151,7 +161,8 @@ def main():
         summary.update(transcribe_file_ratio_vs_ctranslate2=round(theirs / ours, 3),
                        transcribe_file_text_identical=same_text)
     if "faster" in args.parts:
-        peer_rows, peer = faster_whisper_peer(model_dir, args.rounds)
+        peer_rows, peer = faster_whisper_peer(model_dir, args.rounds, args.beam_size,
+                                              args.files)
         rows += peer_rows
         summary.update(peer)
     print(f"| {'Whisper tiny, float32, CPU':40s} | jaxformer | ctranslate2 | ratio |")
@@ -181,7 +192,7 @@ def file_seconds(model_dir, runtime, rounds):
     texts = {}
 
     def ours():
-        texts["jf"] = whisper.transcribe(w, path).text
+        texts["jf"] = whisper.transcribe(w, path, beam_size=1).text  # greedy, as generate
 
     def theirs():
         x = whisper.read_wav(path)
@@ -213,7 +224,7 @@ def clip_file(folder, seconds):
     return path
 
 
-def peer_runs(model_dir):
+def peer_runs(model_dir, beam_size):
     """{(who, batched): fn(path) -> (text, [(start, end)])} for jaxformer and faster-whisper."""
     import faster_whisper  # noqa: PLC0415
 
@@ -223,11 +234,12 @@ def peer_runs(model_dir):
     batched = faster_whisper.BatchedInferencePipeline(fw)
 
     def jf(path, batch):
-        r = whisper.transcribe(w, path, timestamps=not batch, batch_size=8 if batch else 1)
+        r = whisper.transcribe(w, path, timestamps=not batch, batch_size=8 if batch else 1,
+                               beam_size=beam_size)
         return r.text, [(round(s.start, 2), round(s.end, 2)) for s in r.segments]
 
     def fw_run(path, batch):
-        options = dict(beam_size=1, condition_on_previous_text=False)
+        options = dict(beam_size=beam_size, condition_on_previous_text=False)
         segments, _ = (batched.transcribe(path, batch_size=8, **options) if batch
                        else fw.transcribe(path, **options))
         segments = list(segments)
@@ -238,62 +250,78 @@ def peer_runs(model_dir):
             for b in (False, True)}
 
 
-def faster_whisper_peer(model_dir, rounds):
+def faster_whisper_peer(model_dir, rounds, beam_size, seconds_list):
     """Table rows and JSON figures of jaxformer against faster-whisper."""
     import subprocess  # noqa: PLC0415
 
     folder = tempfile.mkdtemp()
-    files = {60: clip_file(folder, 60), 600: clip_file(folder, 600)}
-    runs = peer_runs(model_dir)
-    for key, fn in runs.items():
-        fn(files[60])  # warm-up: compile every program both files use
+    files = {seconds: clip_file(folder, seconds) for seconds in sorted(seconds_list)}
+    first, longest = min(files), max(files)
+    runs = peer_runs(model_dir, beam_size)
+    compiles = []  # XLA compile seconds, one entry a program
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, secs, **kw: name == "/jax/core/compile/backend_compile_duration"
+        and compiles.append(secs))
+    first_call = {}
+    for (who, batch), fn in runs.items():
+        before, start = len(compiles), time.perf_counter()
+        fn(files[first])  # warm-up: compile every program the files use
+        if who == "jf":  # what the first transcription costs: programs compiled, seconds
+            key = "batched" if batch else "unbatched"
+            first_call[key] = {"programs": len(compiles) - before,
+                               "compile_s": round(sum(compiles[before:]), 2),
+                               "wall_s": round(time.perf_counter() - start, 2)}
     rows, ratios, identical = [], {}, True
     for seconds, path in files.items():
         for batch in (False, True):
             times, out = {}, {}
-            for _ in range(rounds if seconds == 60 else 1):
+            for _ in range(rounds if seconds == first else 1):
                 for who in ("jf", "fw"):
                     start = time.perf_counter()
                     out[who] = runs[who, batch](path)
                     times.setdefault(who, []).append(time.perf_counter() - start)
             jf_s, fw_s = (float(np.median(times[k])) for k in ("jf", "fw"))
-            name = f"{seconds // 60} min WAV, {'batched' if batch else 'unbatched'}, s"
+            name = f"{seconds} s WAV, {'batched' if batch else 'unbatched'}, s"
             rows.append((name, jf_s, fw_s, fw_s / jf_s))
             ratios[seconds, batch] = fw_s / jf_s
             if not batch:
                 identical &= out["jf"] == out["fw"]
     rss = {}
     for who in ("jf", "fw"):
-        done = subprocess.run([sys.executable, __file__, "--child", who, files[600]],
+        done = subprocess.run([sys.executable, __file__, "--child", who, files[longest],
+                               str(beam_size)],
                               capture_output=True, text=True, check=True)
         rss[who] = json.loads(done.stdout.splitlines()[-1])["peak_rss_mb"]
-    rows.append(("peak RSS MB, 10 min file, fresh process", rss["jf"], rss["fw"],
+    rows.append((f"peak RSS MB, {longest} s file, fresh process", rss["jf"], rss["fw"],
                  rss["fw"] / rss["jf"]))
     return rows, {
-        "transcribe_file_ratio_vs_faster_whisper": round(ratios[60, False], 3),
-        "transcribe_file_ratio_vs_faster_whisper_batched": round(ratios[60, True], 3),
-        "transcribe_10min_ratio_vs_faster_whisper": round(ratios[600, False], 3),
-        "transcribe_10min_ratio_vs_faster_whisper_batched": round(ratios[600, True], 3),
+        "transcribe_file_ratio_vs_faster_whisper": round(ratios[first, False], 3),
+        "transcribe_file_ratio_vs_faster_whisper_batched": round(ratios[first, True], 3),
+        "transcribe_10min_ratio_vs_faster_whisper": round(ratios[longest, False], 3),
+        "transcribe_10min_ratio_vs_faster_whisper_batched": round(ratios[longest, True], 3),
+        "files_s": sorted(files), "jf_first_call": first_call,
         "text_identical": bool(identical),
         "word_timestamps_max_abs_diff_s": None,  # word timestamps: not implemented yet
         "peak_rss_ratio_vs_faster_whisper": round(rss["jf"] / rss["fw"], 3),
-        "beam_size": 1, "threads": os.cpu_count()}
+        "beam_size": beam_size, "threads": os.cpu_count()}
 
 
-def child(who, path):
+def child(who, path, beam_size):
     """Transcribe `path` once in this fresh process and print its peak RSS (MB)."""
     import resource  # noqa: PLC0415
     from conftest import whisper_model_dir  # noqa: PLC0415
 
     model_dir = whisper_model_dir()
     if who == "jf":
-        whisper.transcribe(whisper.load(model_dir), path, timestamps=True, batch_size=1)
+        whisper.transcribe(whisper.load(model_dir), path, timestamps=True, batch_size=1,
+                           beam_size=int(beam_size))
     else:
         import faster_whisper  # noqa: PLC0415
 
         model = faster_whisper.WhisperModel(model_dir, device="cpu", compute_type="float32",
                                             cpu_threads=os.cpu_count())
-        list(model.transcribe(path, beam_size=1, condition_on_previous_text=False)[0])
+        list(model.transcribe(path, beam_size=int(beam_size),
+                              condition_on_previous_text=False)[0])
     print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
 
