@@ -322,7 +322,21 @@ def child(who, path, beam_size):
                                             cpu_threads=os.cpu_count())
         list(model.transcribe(path, beam_size=int(beam_size),
                               condition_on_previous_text=False)[0])
-    print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    print(json.dumps({"peak_rss_mb": peak_rss_mb(resource)}))
+
+
+def peak_rss_mb(resource):
+    """This process's peak resident memory, MB: Linux's VmHWM (ru_maxrss is inherited
+    across fork and exec, so a child started by a 1.4 GB parent reported the parent's
+    peak, the same for both peers)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 if __name__ == "__main__":
