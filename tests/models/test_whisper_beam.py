@@ -5,6 +5,7 @@ and segment timestamps of `faster_whisper.WhisperModel.transcribe(beam_size=5)`,
 beam 5 choosing other tokens than greedy decoding. Two windows a batch throughout:
 the pipeline test reuses the generate test's compiled program."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -84,6 +85,19 @@ def test_transcribe_with_beam_5_is_faster_whispers(tiny):
         assert result.text == "".join(s.text for s in theirs).strip()
         assert [(s.start, s.end, s.text) for s in result.segments] == [
             (round(s.start, 3), round(s.end, 3), s.text.strip()) for s in theirs]
+    # Files of other lengths: nothing traced again (one program per batch shape; the
+    # log-mel features are one program too, whatever the length of a file's last window).
+    traced = []
+    recording = [True]
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, secs, **kw: recording[0] and traced.append(name))
+    try:
+        again = whisper.transcribe(w, [np.concatenate([np.zeros(SR // 2, np.float32), c])
+                                      for c in clips], timestamps=True)
+    finally:
+        recording[0] = False
+    assert all("lazy dog" in r.text for r in again)
+    assert "/jax/core/compile/jaxpr_trace_duration" not in traced, traced
 
 
 @pytest.mark.parametrize("options, message", [
@@ -108,3 +122,18 @@ def test_finished_slots_take_the_next_candidates_that_are_not_eos():
     last = np.ones((1, 2), bool)  # the last step: every slot finishes
     assert np.asarray(whisper.beam_replacements(np.zeros((1, 4), bool), last, 2)
                       ).tolist() == [[2, 3]]
+
+
+@pytest.mark.parametrize("length_penalty, best", [(1.0, 0), (0.0, 1)])
+def test_best_of_samples_is_chosen_by_ctranslate2s_score(length_penalty, best):
+    """faster-whisper keeps CTranslate2's first hypothesis: the highest summed
+    log-probability / length ** length_penalty, not the highest average over
+    length + 1 (which would pick the short sample here at length penalty 1)."""
+    params = {"stem": {"conv_0": {"kernel": np.zeros((3, 80, 4))}}}
+    windows = whisper.Windows(whisper.Whisper(None, params, (), (), (), False), [], [], 1,
+                              length_penalty=length_penalty)
+    long_sample = whisper.Generated(list(range(10)), 0.1, -0.5)  # sum -5.5: -0.55 a token
+    short = whisper.Generated([1, 2], 0.1, -0.45)  # sum -1.35: -0.675 a token
+    samples = [long_sample, short]
+    assert max(samples, key=windows.rank) is samples[best]
+    assert short.avg_logprob > long_sample.avg_logprob

@@ -132,8 +132,8 @@ def _generate_program(model, params, features_BTM, prefix_BP, rng, temperature, 
 def generate(model, params, vocab: list[str], features_BTM, prompts: list[list[int]], *,
              suppress_ids, suppress_ids_begin, max_text_tokens: int = 224,
              loop: str = "while", temperature: float = 0.0, seed: int = 0,
-             beam_size: int = 1, patience: float = 1.0,
-             length_penalty: float = 1.0) -> list[Generated]:
+             beam_size: int = 1, patience: float = 1.0, length_penalty: float = 1.0,
+             check_params: bool = True) -> list[Generated]:
     """Greedy decoding of each row after its prompt (all prompts of one length, each
     starting with <|startoftranscript|>), with `whisper_processors`, in one compiled
     program: each row's `Generated` ids, no-speech probability and average
@@ -148,8 +148,11 @@ def generate(model, params, vocab: list[str], features_BTM, prompts: list[list[i
     highest summed log-probability / length ** `length_penalty`); the rows'
     beams are one batch of rows * beam_size. `avg_logprob` is that hypothesis's
     (faster-whisper's). The temperature > 0 ignores the beam (faster-whisper
-    samples then)."""
+    samples then). `check_params=False` skips the pass over the parameters that
+    refuses NaN or inf (`decode.inputs.decodable`), for a caller that checked them
+    once (`windows.Windows`: not once per window)."""
     check_beam(beam_size, patience, length_penalty)
+    model, params = decodable(model, params) if check_params else (model, params)
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
             np.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
@@ -172,7 +175,7 @@ def generate(model, params, vocab: list[str], features_BTM, prompts: list[list[i
         return beam_rows(model, params, features_BTM, prefix_BP, procs, no_speech, t, width,
                          max_new_tokens, beam_size, patience, length_penalty)
     tokens, lengths, logprob, no_speech_p = (np.asarray(x) for x in _generate_program(
-        *decodable(model, params), jnp.asarray(features_BTM), prefix_BP,
+        model, params, jnp.asarray(features_BTM), prefix_BP,
         jax.random.PRNGKey(int(seed)), jnp.float32(max(float(temperature), 1e-6)),
         max_new_tokens=max_new_tokens, processors=procs, no_speech_id=no_speech, loop=loop,
         segments=segments_for(max_new_tokens), sample=float(temperature) > 0))
@@ -189,7 +192,7 @@ def generate(model, params, vocab: list[str], features_BTM, prompts: list[list[i
 def beam_rows(model, params, features_BTM, prefix_BP, procs, no_speech, t, width,
               max_new_tokens, beam_size, patience, length_penalty) -> list[Generated]:
     tokens, lengths, total, no_speech_p = (np.asarray(x) for x in beam_program(
-        *decodable(model, params), jnp.asarray(features_BTM), prefix_BP,
+        model, params, jnp.asarray(features_BTM), prefix_BP,
         max_new_tokens=max_new_tokens, processors=procs, no_speech_id=no_speech,
         beam_size=int(beam_size), max_candidates=max_candidates(beam_size, patience),
         length_penalty=float(length_penalty)))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -54,17 +55,24 @@ def mel_filters(n_mels: int = N_MELS, n_fft: int = N_FFT, sample_rate: int = SAM
 
 
 def pad_or_trim(audio_BN: jnp.ndarray, length: int = CHUNK_SAMPLES) -> jnp.ndarray:
-    """Zero-pad or cut the last axis to `length` samples."""
+    """Zero-pad or cut the last axis to `length` samples (a numpy array stays one, on
+    the host: no program compiled per length)."""
     n = audio_BN.shape[-1]
     if n >= length:
         return audio_BN[..., :length]
-    return jnp.pad(audio_BN, [(0, 0)] * (audio_BN.ndim - 1) + [(0, length - n)])
+    pad = np.pad if isinstance(audio_BN, np.ndarray) else jnp.pad
+    return pad(audio_BN, [(0, 0)] * (audio_BN.ndim - 1) + [(0, length - n)])
 
 
 def log_mel_spectrogram(audio_BN: jnp.ndarray, n_mels: int = N_MELS) -> jnp.ndarray:
     """(B, N) 16 kHz samples -> (B, 3000, n_mels) Whisper log-mel features (float32):
-    80 bins, or 128 for large-v3 and its family (`Whisper.n_mels`)."""
-    audio_BN = pad_or_trim(jnp.asarray(audio_BN, jnp.float32))
+    80 bins, or 128 for large-v3 and its family (`Whisper.n_mels`). One compiled
+    program per batch size (the samples are padded or cut to 30 s first), not one
+    per operation (issue 45: a transcription compiled some twenty small ones)."""
+    return _log_mel_jit(pad_or_trim(np.asarray(audio_BN, np.float32)), int(n_mels))
+
+
+def _log_mel(audio_BN, n_mels):
     padded_BN = jnp.pad(audio_BN, ((0, 0), (N_FFT // 2, N_FFT // 2)), mode="reflect")
     num_frames = 1 + (padded_BN.shape[1] - N_FFT) // HOP
     index_TW = np.arange(num_frames)[:, None] * HOP + np.arange(N_FFT)[None, :]
@@ -75,3 +83,6 @@ def log_mel_spectrogram(audio_BN: jnp.ndarray, n_mels: int = N_MELS) -> jnp.ndar
     log_BTM = jnp.log10(jnp.maximum(mel_BTM, 1e-10))
     log_BTM = jnp.maximum(log_BTM, log_BTM.max(axis=(1, 2), keepdims=True) - 8.0)
     return (log_BTM + 4.0) / 4.0
+
+
+_log_mel_jit = jax.jit(_log_mel, static_argnums=1)

@@ -17,6 +17,7 @@ from jaxformer.models.whisper.decoding import Generated, generate
 from jaxformer.models.whisper.fallback import (Safeguards, final_choice, is_no_speech,
                                                 needs_fallback)
 from jaxformer.models.whisper.tokens import TIME_PRECISION, decode_text
+from jaxformer.nn.checks import check_finite_params
 
 FRAMES_PER_SECOND = audio_lib.SAMPLE_RATE // features_lib.HOP  # 100
 FRAMES_PER_TOKEN = 2  # the encoder's second convolution has stride 2
@@ -120,7 +121,17 @@ class Windows:
 
     def __post_init__(self):
         self.n_mels = self.w.n_mels
+        check_finite_params(self.w.params)  # NaN/inf refused once, not once per window
         self.log: list[tuple[int, tuple[float, ...], bool]] = []
+
+    def rank(self, g: Generated) -> float:
+        """The score the best of several samples is chosen by (CTranslate2's, which
+        faster-whisper keeps): the summed log-probability / length ** length_penalty."""
+        n = len(g.ids)
+        total = g.avg_logprob * (n + 1)
+        if n == 0:
+            return total if self.length_penalty == 0 else float("-inf")
+        return total / n ** self.length_penalty
 
     def features(self, f: int, seek: int) -> Optional[np.ndarray]:
         chunk = window_samples(self.sources[f], seek)
@@ -143,10 +154,11 @@ class Windows:
                                 suppress_ids_begin=self.w.suppress_ids_begin,
                                 max_text_tokens=self.max_text_tokens,
                                 temperature=temperature, seed=k, beam_size=self.beam_size,
-                                patience=self.patience, length_penalty=self.length_penalty)
+                                patience=self.patience, length_penalty=self.length_penalty,
+                                check_params=False)
             again = []
             for n, i in enumerate(todo):
-                g = max(out[n * copies:(n + 1) * copies], key=lambda g: g.avg_logprob)
+                g = max(out[n * copies:(n + 1) * copies], key=self.rank)
                 text = decode_text(vocab, g.ids).strip()
                 tried[i].append((g, text))
                 if needs_fallback(text, g.avg_logprob, g.no_speech_prob, s):
