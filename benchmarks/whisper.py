@@ -26,9 +26,9 @@ synthetic signals, repeated to fill the batch):
               files, float32, the same threads, the same beam size (`--beam-size`,
               default 5 as both default to; 1: greedy); both with the temperature
               fallback and no-speech rule at their defaults; no conditioning on
-              previous text), on a 60 s and a 10 min WAV file (`--files 60 600`,
-              seconds; a smoke run: `--files 12`) made from the committed clip
-              and silence:
+              previous text, `condition_on_previous_text=False` on both), on a 60 s and a
+              10 min WAV file (`--files 60 600`, seconds; a smoke run: `--files 12`) made
+              from the committed clip and silence:
               unbatched = segment timestamps, windows in sequence
               (`WhisperModel.transcribe` vs `whisper.transcribe(timestamps=True)`);
               batched = several 30 s windows of the file decoded together
@@ -192,7 +192,9 @@ def file_seconds(model_dir, runtime, rounds):
     texts = {}
 
     def ours():
-        texts["jf"] = whisper.transcribe(w, path, beam_size=1).text  # greedy, as generate
+        # greedy, as generate; consecutive windows, as the ctranslate2 peer decodes them
+        texts["jf"] = whisper.transcribe(w, path, beam_size=1,
+                                         condition_on_previous_text=False).text
 
     def theirs():
         x = whisper.read_wav(path)
@@ -235,7 +237,8 @@ def peer_runs(model_dir, beam_size):
 
     def jf(path, batch):
         r = whisper.transcribe(w, path, timestamps=not batch, batch_size=8 if batch else 1,
-                               beam_size=beam_size)
+                               beam_size=beam_size,
+                               condition_on_previous_text=False)  # as the peer's options
         return r.text, [(round(s.start, 2), round(s.end, 2)) for s in r.segments]
 
     def fw_run(path, batch):
@@ -314,7 +317,7 @@ def child(who, path, beam_size):
     model_dir = whisper_model_dir()
     if who == "jf":
         whisper.transcribe(whisper.load(model_dir), path, timestamps=True, batch_size=1,
-                           beam_size=int(beam_size))
+                           beam_size=int(beam_size), condition_on_previous_text=False)
     else:
         import faster_whisper  # noqa: PLC0415
 

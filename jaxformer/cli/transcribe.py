@@ -3,6 +3,8 @@
     jaxformer transcribe --model DIR talk.wav            # the text
     jaxformer transcribe --model DIR a.wav b.wav --json  # one JSON line per file
     jaxformer transcribe --model DIR talk.wav --timestamps --format srt
+    jaxformer transcribe --model DIR talk.wav --initial-prompt "Glossary: JAX, Flax."
+    jaxformer transcribe --model DIR talk.wav --word-timestamps --json   # words in JSON
 
 DIR is a CTranslate2 Whisper folder (`model.bin`, `vocabulary.txt`,
 `config.json`) or a Hugging Face Whisper directory (`config.json`,
@@ -52,6 +54,10 @@ def add_parser(commands, add_common_flags) -> None:
     parser.add_argument("--task", choices=("transcribe", "translate"), default="transcribe")
     parser.add_argument("--timestamps", action="store_true",
                         help="segment timestamps (Whisper's timestamp tokens)")
+    parser.add_argument("--word-timestamps", action="store_true",
+                        help="each segment's words with start, end and probability (JSON; "
+                             "implies --timestamps): cross-attention alignment as "
+                             "faster-whisper")
     parser.add_argument("--format", choices=FORMATS, default="text",
                         help="text, json (one line per file) or srt (default text)")
     parser.add_argument("--json", action="store_const", const="json", dest="format",
@@ -86,6 +92,16 @@ def add_parser(commands, add_common_flags) -> None:
     beam.add_argument("--length-penalty", type=float, default=1.0,
                       help="the kept hypothesis maximises log-probability / length ** this "
                            "(default 1.0; 0: no normalisation)")
+    context = parser.add_argument_group(
+        "prompt", "text the decoder reads before each window (as faster-whisper)")
+    context.add_argument("--initial-prompt", metavar="TEXT", default=None,
+                         help="text before the first window: names, spellings, style "
+                              "(needs the model folder's tokenizer.json)")
+    context.add_argument("--condition-on-previous-text", action=argparse.BooleanOptionalAction,
+                         default=True,
+                         help="each window reads the text so far (reset after a window "
+                              "decoded above temperature 0.5); off lets a file's windows "
+                              "be decoded together (default on)")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar on a terminal; as when stderr is not a "
                              f"terminal, a long run prints one status line every "
@@ -160,7 +176,9 @@ def run(args) -> int:
         check_language_code(args.language)
     except ValueError as error:
         raise UsageError(f"--language: {error}") from error
-    if args.format == "srt" and not args.timestamps:
+    if args.initial_prompt is not None and not args.initial_prompt.strip():
+        raise UsageError("--initial-prompt: empty text (leave the flag out for no prompt)")
+    if args.format == "srt" and not (args.timestamps or args.word_timestamps):
         raise UsageError("--format srt needs --timestamps")
     if not os.path.isdir(args.model):
         raise UsageError(f"--model {args.model}: not a directory (a CTranslate2 Whisper "
@@ -180,6 +198,10 @@ def run(args) -> int:
                                         no_speech_threshold=safeguards.no_speech_threshold,
                                         beam_size=args.beam_size, patience=args.patience,
                                         length_penalty=args.length_penalty,
+                                        initial_prompt=args.initial_prompt,
+                                        word_timestamps=args.word_timestamps,
+                                        condition_on_previous_text=(
+                                            args.condition_on_previous_text),
                                         progress=_progress_bar(args))
     except ValueError as error:  # FileFormatError included
         raise UsageError(str(error)) from error
@@ -191,7 +213,8 @@ def run(args) -> int:
             print(whisper.srt(result.segments), end="", flush=True)
         else:
             prefix = f"{path}: " if len(args.audio) > 1 else ""
-            print(prefix + whisper.to_text(result, args.timestamps), flush=True)
+            print(prefix + whisper.to_text(result, args.timestamps or args.word_timestamps),
+                  flush=True)
     return 0
 
 

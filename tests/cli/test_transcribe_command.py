@@ -62,14 +62,32 @@ def test_json_lines_of_a_44k_stereo_file(ct2_text, capsys):
     (["--beam-size", "0"], "--beam-size: must be a positive integer"),
     (["--patience", "0"], "--patience: must be a positive finite number"),
     (["--length-penalty", "nan"], "--length-penalty: length_penalty must be a finite number"),
+    (["--initial-prompt", "  "], "--initial-prompt: empty text"),
 ], ids=["language", "translate-english-only", "srt-without-timestamps", "batch",
         "translate-named-english", "no-speech", "logprob", "ratio", "negative-temperature",
         "decreasing-temperatures", "temperature-word", "nan", "best-of", "beam-size",
-        "patience", "length-penalty"])
+        "patience", "length-penalty", "empty-prompt"])
 def test_bad_options_are_one_line_and_exit_2(flags, message, capsys):
     assert main(["transcribe", "--model", whisper_model_dir(), FOX, *flags]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_initial_prompt_is_the_librarys(capsys):
+    """The flags reach `whisper.transcribe`: the JSON text is the library's with the
+    same prompt, and differs from the text without it (the prompt is read)."""
+    from jaxformer.models import whisper  # noqa: PLC0415
+
+    prompt = "Jumping foxes and sleepy dogs."
+    assert main(["transcribe", "--model", whisper_model_dir(), FOX, "--json", "--no-progress",
+                 "--timestamps", "--initial-prompt", prompt, "--temperature", "0",
+                 "--no-condition-on-previous-text"]) == 0
+    line = json.loads(capsys.readouterr().out)
+    w = whisper.load(whisper_model_dir())
+    expected = whisper.transcribe(w, FOX, timestamps=True, temperature=0.0,
+                                  initial_prompt=prompt, condition_on_previous_text=False)
+    assert line["text"] == expected.text
+    assert line["text"] != whisper.transcribe(w, FOX, timestamps=True, temperature=0.0).text
 
 
 def test_an_unknown_language_is_refused_before_the_model_is_read(monkeypatch, capsys):

@@ -17,8 +17,9 @@ beam search), `decoding` (encoder, language detection, greedy and beam
 decoding), `audio` (WAV reading), `media` (any other
 audio or video file through PyAV, streamed), `features` (log-mel
 spectrogram), `checkpoint` (`Whisper`, `load`), `output` (`Transcript`, SRT),
-`fallback` (temperature fallback, no-speech rule), `windows` (30 s windows and
-segments), `pipeline` (`transcribe`).
+`fallback` (temperature fallback, no-speech rule), `prompt` (initial prompt,
+previous text), `words` (word timestamps: alignment heads, DTW), `windows` (30 s
+windows and segments), `pipeline` (`transcribe`).
 """
 
 from jaxformer.models.whisper.audio import (SAMPLE_RATE, SILENCE_PEAK, Samples, WavFile,
@@ -41,11 +42,18 @@ from jaxformer.models.whisper.output import (Segment, Transcript, srt, srt_time,
                                              to_text)
 from jaxformer.models.whisper.pipeline import (AudioInput, check_options, check_thresholds,
                                                read_audio, transcribe)
-from jaxformer.models.whisper.rules import TimestampRules, whisper_processors
+from jaxformer.models.whisper.prompt import (MAX_LENGTH, RESET_TEMPERATURE, Context,
+                                              PromptInput, conditioned, encode_text)
+from jaxformer.models.whisper.rules import (EndAfter, SuppressAtPromptEnd, TimestampRules,
+                                            prompt_end_B, whisper_processors)
 from jaxformer.models.whisper.tokens import (LANGUAGE_CODES, MULTILINGUAL_VOCAB, TASKS,
                                              TIME_PRECISION, Tokens, byte_decoder,
                                              check_language_code, decode_text, prompt_ids,
                                              tokens_of)
+from jaxformer.models.whisper.words import (APPEND_PUNCTUATIONS, PREPEND_PUNCTUATIONS, Word,
+                                             alignment_heads, dtw, find_alignment,
+                                             median_filter, merge_punctuations, split_words,
+                                             window_words)
 from jaxformer.models.whisper.windows import (FRAMES_PER_SECOND, FRAMES_PER_TOKEN, Windows,
                                               WINDOW_FRAMES, features_of, split_segments,
                                               window_features, window_samples)
@@ -61,7 +69,11 @@ __all__ = [
     # tokens and decoding
     "LANGUAGE_CODES", "MULTILINGUAL_VOCAB", "TASKS", "TIME_PRECISION", "Tokens",
     "byte_decoder", "check_language_code", "decode_text", "prompt_ids", "tokens_of",
-    "TimestampRules", "whisper_processors", "Generated", "detect_language", "encode",
+    "TimestampRules", "whisper_processors", "EndAfter", "SuppressAtPromptEnd", "prompt_end_B",
+    "APPEND_PUNCTUATIONS", "PREPEND_PUNCTUATIONS", "Word", "alignment_heads", "dtw",
+    "find_alignment", "median_filter", "merge_punctuations", "split_words", "window_words",
+    "MAX_LENGTH", "RESET_TEMPERATURE", "Context", "PromptInput", "conditioned", "encode_text",
+    "Generated", "detect_language", "encode",
     "generate", "generate_ids", "language_probabilities", "transcribe_ids",
     "beam_program", "beam_replacements", "check_beam", "max_candidates",
     # transcription

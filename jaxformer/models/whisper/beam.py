@@ -96,12 +96,13 @@ def beam_replacements(eos_BK, finished_BW, width: int):
                      jnp.arange(width)[None])
 
 
-@decode_jit(static_argnames=("model", "max_new_tokens", "processors", "no_speech_id",
+@decode_jit(static_argnames=("model", "max_new_tokens", "processors", "no_speech_id", "sot_step",
                              "beam_size", "max_candidates", "length_penalty"))
 def beam_program(model, params, features_BTM, prefix_BP, *, max_new_tokens, processors,
-                 no_speech_id, beam_size, max_candidates, length_penalty):
+                 no_speech_id, beam_size, max_candidates, length_penalty, sot_step=0):
     """(tokens (B, N), lengths (B,), summed log-probability (B,), no-speech
-    probability (B,)) of each window's chosen hypothesis (module docstring).
+    probability (B,), read at step `sot_step`: where <|startoftranscript|> is fed) of
+    each window's chosen hypothesis (module docstring).
     `tokens` hold the prompt after BOS, then the hypothesis (EOS excluded, PAD after);
     `lengths` count the hypothesis only."""
     TRACE_COUNTS["whisper_beam"] += 1
@@ -189,7 +190,7 @@ def beam_program(model, params, features_BTM, prefix_BP, *, max_new_tokens, proc
         logits_RV, cache = step_fn(s.token_R, s.cache, s.step)
         logits_RV32 = logits_RV.astype(jnp.float32)
         p_R = jnp.exp(logits_RV32[:, no_speech_id] - jax.nn.logsumexp(logits_RV32, axis=-1))
-        s = s.replace(no_speech_B=jnp.where(s.step == 0, p_R[::width], s.no_speech_B))
+        s = s.replace(no_speech_B=jnp.where(s.step == sot_step, p_R[::width], s.no_speech_B))
         if begin == 0:
             return free(s, logits_RV, cache)
         return jax.lax.cond(s.step < begin, forced, free, s, logits_RV, cache)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+from typing import Any, Optional
 
 from jaxformer.models.whisper import config as config_lib
 from jaxformer.models.whisper.tokens import tokens_of
@@ -26,6 +26,8 @@ class Whisper:
     suppress_ids: tuple[int, ...]
     suppress_ids_begin: tuple[int, ...]
     multilingual: bool  # False: an English-only (".en") model, which neither detects nor translates
+    tokenizer_file: Optional[str] = None  # the folder's tokenizer.json: text to ids (prompts)
+    model_dir: Optional[str] = None  # where it was read (alignment heads for word timestamps)
 
     @property
     def n_mels(self) -> int:
@@ -44,7 +46,8 @@ def load(model_dir: str, dtype: str = "float32") -> Whisper:
     model, params, vocab = config_lib.load_ct2(model_dir, dtype)
     special = config_lib.special_ids(model_dir)
     return Whisper(model, params, tuple(vocab), tuple(special.get("suppress_ids") or ()),
-                   tuple(special.get("suppress_ids_begin") or ()), tokens_of(vocab).multilingual)
+                   tuple(special.get("suppress_ids_begin") or ()), tokens_of(vocab).multilingual,
+                   tokenizer_json(model_dir), model_dir)
 
 
 def load_hf(model_dir: str, dtype: str = "float32") -> Whisper:
@@ -69,4 +72,10 @@ def load_hf(model_dir: str, dtype: str = "float32") -> Whisper:
     vocab = hf_encdec.vocabulary(tokenizer)
     suppress, begin = hf_encdec.suppress_ids(model_dir)
     return Whisper(model, params, tuple(vocab), suppress, begin,
-                   tokens_of(vocab).multilingual)
+                   tokens_of(vocab).multilingual, tokenizer_json(model_dir), model_dir)
+
+
+def tokenizer_json(model_dir: str) -> Optional[str]:
+    """The folder's tokenizer.json (CTranslate2 conversions usually ship it), or None."""
+    path = os.path.join(model_dir, "tokenizer.json")
+    return path if os.path.isfile(path) else None

@@ -35,6 +35,8 @@ def _encode(model, params, features_BTM):
     return model.apply({"params": params}, features_BTM, method=Transformer.encode)
 
 
+PROMPT_COLUMNS = 64  # previous-text prompts are padded to a multiple of this many tokens
+
 _encode_jit = decode_jit(static_argnames=("model",))(_encode)
 
 
@@ -94,17 +96,21 @@ class Generated:
 
 @decode_jit(static_argnames=("model", "max_new_tokens", "processors", "no_speech_id", "loop",
                              "segments", "sample"))
-def _generate_program(model, params, features_BTM, prefix_BP, rng, temperature, *,
-                      max_new_tokens, processors, no_speech_id, loop, segments, sample):
-    """Greedy (or sampled) decode that also records the no-speech probability of step 0 and the
-    summed log-probabilities: (tokens (B, N), lengths (B,), logprob (B,), no_speech (B,))."""
-    c = model.config
+def _generate_program(model, params, features_BTM, prefix_BP, rng, temperature, first_B,
+                      prefix_len_B, sot_step_B, *, max_new_tokens, processors, no_speech_id,
+                      loop, segments, sample):
+    """Greedy (or sampled) decode that also records the no-speech probability of the step fed
+    <|startoftranscript|> (`sot_step_B`, 0 unless a previous-text prompt comes first) and
+    the summed log-probabilities: (tokens (B, N), lengths (B,), logprob (B,), no_speech (B,)).
+    `first_B`: each row's first token; `prefix_len_B`: each row's forced prefix length
+    (None: all of `prefix_BP`)."""
     batch = features_BTM.shape[0]
     cache = memory_cache(model, params, features_BTM, None,
                          segment_lengths(max_new_tokens, segments)[0])
-    prefix_len_B = (None if prefix_BP is None
-                    else jnp.full((batch,), prefix_BP.shape[1], jnp.int32))
-    state = init_state(jnp.full((batch,), c.bos_id, jnp.int32),
+    if prefix_len_B is None and prefix_BP is not None:
+        prefix_len_B = jnp.full((batch,), prefix_BP.shape[1], jnp.int32)
+    c = model.config
+    state = init_state(first_B,
                        (cache, jnp.zeros((batch,), jnp.float32)), max_new_tokens,
                        pad_id=c.pad_id, prefix_BP=prefix_BP, prefix_len_B=prefix_len_B,
                        scores=True, rng=rng)
@@ -120,7 +126,7 @@ def _generate_program(model, params, features_BTM, prefix_BP, rng, temperature, 
         logits_BV, cache = step_fn(token_B, carry[0], step)
         logits_BV32 = logits_BV.astype(jnp.float32)
         p_B = jnp.exp(logits_BV32[:, no_speech_id] - jax.nn.logsumexp(logits_BV32, axis=-1))
-        return logits_BV, (cache, jnp.where(step == 0, p_B, carry[1]))
+        return logits_BV, (cache, jnp.where(step == sot_step_B, p_B, carry[1]))
 
     state = decode_loop(logits_fn, state, max_new_tokens, select=select,
                         eos_id=c.eos_id, pad_id=c.pad_id, loop=loop, processors=processors,
@@ -134,9 +140,13 @@ def generate(model, params, vocab: list[str], features_BTM, prompts: list[list[i
              loop: str = "while", temperature: float = 0.0, seed: int = 0,
              beam_size: int = 1, patience: float = 1.0, length_penalty: float = 1.0,
              check_params: bool = True) -> list[Generated]:
-    """Greedy decoding of each row after its prompt (all prompts of one length, each
-    starting with <|startoftranscript|>), with `whisper_processors`, in one compiled
-    program: each row's `Generated` ids, no-speech probability and average
+    """Greedy decoding of each row after its prompt, with `whisper_processors`, in one
+    compiled program. A prompt is <|startoftranscript|> and the same number of tokens
+    after it in every row (language, task, <|notimestamps|>), optionally after
+    <|startofprev|> and previous text (`prompt.conditioned`; then the rows' prompts
+    differ in length, padded to a multiple of `PROMPT_COLUMNS`, and the prompt and
+    the text together stay within the decoder's 448 positions). Returns
+     each row's `Generated` ids, no-speech probability and average
     log-probability (what Whisper's no-speech rule reads). At most
     `max_text_tokens` are generated. `temperature` > 0 samples from
     softmax(logits / temperature) instead (the log-probabilities stay those of the
@@ -156,46 +166,90 @@ def generate(model, params, vocab: list[str], features_BTM, prompts: list[list[i
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
             np.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    width = {len(p) for p in prompts}
-    if len(width) != 1 or len(prompts) != features_BTM.shape[0]:
+    if len(prompts) != features_BTM.shape[0]:
         raise ValueError(f"prompts: one per row of the features ({features_BTM.shape[0]}), "
-                         f"all of one length; got lengths {sorted(width)}")
-    width, t = width.pop(), tokens_of(vocab)
-    if len({p[-1] == t.no_timestamps for p in prompts}) > 1 or any(p[0] != t.sot
-                                                                    for p in prompts):
-        raise ValueError("prompts: each starts with <|startoftranscript|>, and all end with "
-                         "<|notimestamps|> or none does")
-    max_new_tokens = width - 1 + int(max_text_tokens)
+                         f"got {len(prompts)}")
+    t = tokens_of(vocab)
+    starts = [p.index(t.sot) if t.sot in p else -1 for p in prompts]
+    tails = {tuple(p[k + 1:]) for p, k in zip(prompts, starts)}
+    if -1 in starts or len({len(tail) for tail in tails}) > 1 or len(
+            {tail[-1:] == (t.no_timestamps,) for tail in tails}) > 1 or any(
+            k > 0 and p[0] != vocab.index("<|startofprev|>") for p, k in zip(prompts, starts)):
+        raise ValueError("prompts: each is <|startoftranscript|> (after <|startofprev|> and "
+                         "previous text, or first), then tokens of one count, all ending with "
+                         "<|notimestamps|> or none")
+    ragged = any(starts)
+    widths = [len(p) for p in prompts]
+    if ragged:  # padded to a multiple of 64 columns: few programs for any previous text
+        width = min(-(-(max(widths) - 1) // PROMPT_COLUMNS) * PROMPT_COLUMNS + 1,
+                    model.config.decoder_len - 1)
+    else:
+        width = widths[0]
+    # Ragged rows: one more step, for the EOS that ends a row at max_text_tokens.
+    max_new_tokens = min(width - 1 + int(max_text_tokens) + ragged, model.config.decoder_len)
+    prefix = None
+    if width > 1:
+        prefix = np.full((len(prompts), width - 1), t.eot, np.int32)
+        for row, p in zip(prefix, prompts):
+            row[:len(p) - 1] = p[1:]
     procs, prefix_BP, _ = check_encdec(
         model, features_BTM, None, max_new_tokens=max_new_tokens, loop=loop,
-        processors=whisper_processors(vocab, prompts[0], suppress_ids, suppress_ids_begin),
-        prefix=np.asarray([p[1:] for p in prompts], np.int32) if width > 1 else None)
+        processors=whisper_processors(vocab, prompts[0][starts[0]:], suppress_ids,
+                                      suppress_ids_begin, ragged=ragged,
+                                      max_text=int(max_text_tokens)),
+        prefix=prefix)
     no_speech = t.no_speech if t.no_speech is not None else t.eot
+    if beam_size > 1 and float(temperature) == 0 and ragged:
+        # Beam search after previous text: one row at a time, its whole prompt forced
+        # (BOS <|startofprev|>); a program per prompt length.
+        return [beam_one(model, params, vocab, features_BTM[i:i + 1], p, suppress_ids,
+                         suppress_ids_begin, max_text_tokens, loop, beam_size, patience,
+                         length_penalty) for i, p in enumerate(prompts)]
     if beam_size > 1 and float(temperature) == 0:
         return beam_rows(model, params, features_BTM, prefix_BP, procs, no_speech, t, width,
                          max_new_tokens, beam_size, patience, length_penalty)
     tokens, lengths, logprob, no_speech_p = (np.asarray(x) for x in _generate_program(
         model, params, jnp.asarray(features_BTM), prefix_BP,
         jax.random.PRNGKey(int(seed)), jnp.float32(max(float(temperature), 1e-6)),
+        jnp.asarray([p[0] for p in prompts], jnp.int32),
+        jnp.asarray([w - 1 for w in widths], jnp.int32) if ragged else None,
+        jnp.asarray(starts, jnp.int32),
         max_new_tokens=max_new_tokens, processors=procs, no_speech_id=no_speech, loop=loop,
         segments=segments_for(max_new_tokens), sample=float(temperature) > 0))
     eos = model.config.eos_id
     rows = []
-    for row, length, total, p in zip(tokens, lengths, logprob, no_speech_p):
-        text = row[width - 1:int(length)].tolist()
+    for row, length, total, p, w in zip(tokens, lengths, logprob, no_speech_p, widths):
+        text = row[w - 1:int(length)].tolist()
         ids = text[:-1] if text and text[-1] == eos else text
         rows.append(Generated(ids, None if t.no_speech is None else float(p),
                               float(total) / (len(ids) + 1)))
     return rows
 
 
+def beam_one(model, params, vocab, features_1TM, prompt, suppress_ids, suppress_ids_begin,
+             max_text_tokens, loop, beam_size, patience, length_penalty) -> Generated:
+    """Beam search of one row after a previous-text prompt (`generate`)."""
+    t = tokens_of(vocab)
+    model = model.clone(config=dataclasses.replace(model.config, bos_id=int(prompt[0])))
+    max_new_tokens = min(len(prompt) - 1 + int(max_text_tokens), model.config.decoder_len)
+    procs, prefix_BP, _ = check_encdec(
+        model, features_1TM, None, max_new_tokens=max_new_tokens, loop=loop,
+        processors=whisper_processors(vocab, prompt, suppress_ids, suppress_ids_begin),
+        prefix=np.asarray([prompt[1:]], np.int32))
+    no_speech = t.no_speech if t.no_speech is not None else t.eot
+    return beam_rows(model, params, features_1TM, prefix_BP, procs, no_speech, t, len(prompt),
+                     max_new_tokens, beam_size, patience, length_penalty,
+                     sot_step=prompt.index(t.sot))[0]
+
+
 def beam_rows(model, params, features_BTM, prefix_BP, procs, no_speech, t, width,
-              max_new_tokens, beam_size, patience, length_penalty) -> list[Generated]:
+              max_new_tokens, beam_size, patience, length_penalty,
+              sot_step: int = 0) -> list[Generated]:
     tokens, lengths, total, no_speech_p = (np.asarray(x) for x in beam_program(
         model, params, jnp.asarray(features_BTM), prefix_BP,
         max_new_tokens=max_new_tokens, processors=procs, no_speech_id=no_speech,
         beam_size=int(beam_size), max_candidates=max_candidates(beam_size, patience),
-        length_penalty=float(length_penalty)))
+        length_penalty=float(length_penalty), sot_step=int(sot_step)))
     return [Generated(row[width - 1:width - 1 + int(n)].tolist(),
                       None if t.no_speech is None else float(p), float(s) / (int(n) + 1))
             for row, n, s, p in zip(tokens, lengths, total, no_speech_p)]

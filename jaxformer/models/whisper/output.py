@@ -7,14 +7,24 @@ import dataclasses
 import json
 from typing import Optional, Sequence
 
+from jaxformer.models.whisper.words import Word
+
 
 @dataclasses.dataclass(frozen=True)
 class Segment:
-    """A stretch of the audio (seconds from its start) and its text."""
+    """A stretch of the audio (seconds from its start) and its text; `words` with
+    word timestamps (else None, and left out of `to_dict`)."""
 
     start: float
     end: float
     text: str
+    words: Optional[tuple[Word, ...]] = None
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        if self.words is None:
+            del out["words"]
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,8 +38,7 @@ class Transcript:
     segments: tuple[Segment, ...]
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self) | {"segments": [dataclasses.asdict(s)
-                                                        for s in self.segments]}
+        return dataclasses.asdict(self) | {"segments": [s.to_dict() for s in self.segments]}
 
 def srt_time(seconds: float) -> str:
     """SubRip time: HH:MM:SS,mmm."""

@@ -17,7 +17,9 @@ program serves every batch of a run.
 
 Decoding is beam search at temperature 0 (`beam_size` 5 as faster-whisper; 1:
 greedy) with Whisper's prompts and logits processors (`generate`), with
-openai-whisper's temperature fallback (`fallback`).
+openai-whisper's temperature fallback (`fallback`), an initial prompt and
+conditioning on the previous windows' text (`prompt`), and word timestamps
+(`words`).
 """
 
 
@@ -37,9 +39,12 @@ from jaxformer.models.whisper.fallback import TEMPERATURES, Safeguards
 from jaxformer.models.whisper.features import HOP
 from jaxformer.models.whisper.decoding import detect_language
 from jaxformer.models.whisper.output import Segment, Transcript
+from jaxformer.models.whisper.prompt import Context, PromptInput, encode_text
+from jaxformer.models.whisper.words import alignment_heads
 from jaxformer.models.whisper.tokens import TASKS, Tokens, decode_text, prompt_ids, tokens_of
-from jaxformer.models.whisper.windows import (FRAMES_PER_SECOND, Windows, consecutive_windows,
-                                              padded_rows, seek_windows, window_features)
+from jaxformer.models.whisper.windows import (FRAMES_PER_SECOND, WINDOW_FRAMES, Windows,
+                                              consecutive_windows, padded_rows, seek_windows,
+                                              window_features)
 
 AudioInput = Union[str, os.PathLike, np.ndarray, audio_lib.WavFile, audio_lib.Samples,
                    media.MediaFile]
@@ -95,6 +100,8 @@ def transcribe(w: Whisper, audio: Union[AudioInput, Sequence[AudioInput]], *,
                temperature: Union[float, Sequence[float]] = TEMPERATURES,
                compression_ratio_threshold: Optional[float] = 2.4, best_of: int = 5,
                beam_size: int = 5, patience: float = 1.0, length_penalty: float = 1.0,
+               initial_prompt: PromptInput = None, condition_on_previous_text: bool = True,
+               word_timestamps: bool = False,
                progress: Optional[Callable[[float, float], None]] = None
                ) -> Union[Transcript, list[Transcript]]:
     """Transcribe (or translate to English) one audio input or a list of them.
@@ -139,6 +146,17 @@ def transcribe(w: Whisper, audio: Union[AudioInput, Sequence[AudioInput]], *,
         window (1: greedy), round(beam_size * patience) finished hypotheses
         collected, the kept one the most probable by summed log-probability /
         length ** length_penalty (0: no normalisation).
+      initial_prompt: text (encoded with the checkpoint's tokenizer.json, as
+        faster-whisper: `prompt.encode_text`) or token ids given to the first
+        window of each file after <|startofprev|> (names, spellings, style).
+      condition_on_previous_text: each window's prompt holds the file's text so
+        far (its last 223 tokens), reset after a window decoded above
+        temperature 0.5 (faster-whisper's default: True). Then a file's windows
+        are decoded one after another even without timestamps; False lets them
+        be decoded together (`batch_size`).
+      word_timestamps: each segment's `words` (word, start, end, probability), from
+        the cross-attention of the checkpoint's alignment heads and DTW
+        (`words`, as faster-whisper); implies `timestamps`.
       progress: called as `progress(seconds done, seconds in total)` after each
         window skipped and each batch decoded.
     Raises:
@@ -157,27 +175,41 @@ def transcribe(w: Whisper, audio: Union[AudioInput, Sequence[AudioInput]], *,
     safeguards = Safeguards(temperature, compression_ratio_threshold, logprob_threshold,
                             no_speech_threshold, best_of)
     check_beam(beam_size, patience, length_penalty)
+    if not isinstance(condition_on_previous_text, bool):
+        raise ValueError(f"condition_on_previous_text must be True or False, got "
+                         f"{condition_on_previous_text!r}")
+    initial = encode_text(w, initial_prompt)
+    if not isinstance(word_timestamps, bool):
+        raise ValueError(f"word_timestamps must be True or False, got {word_timestamps!r}")
+    timestamps = timestamps or word_timestamps
     sources = [read_audio(item) for item in items]  # every file is checked first
     frames = [s.num_samples // HOP for s in sources]
     languages, probabilities = detect(w, t, sources, language, batch_size)
     prompts = [prompt_ids(list(w.vocab), lang if w.multilingual else None, task,
                                   timestamps) for lang in languages]
-    windows = Windows(w, sources, prompts, max_text_tokens, safeguards, beam_size=beam_size,
+    context = None
+    if initial_prompt is not None or (condition_on_previous_text and (timestamps or any(
+            n > WINDOW_FRAMES for n in frames))):  # else every window's prompt is the same
+        context = Context(w.vocab, [initial] * len(sources), bool(condition_on_previous_text))
+    heads = alignment_heads(w.model_dir, w.model.config.num_decoder_layers,
+                            w.model.config.num_heads) if word_timestamps else ()
+    windows = Windows(w, sources, prompts, max_text_tokens, safeguards, context=context,
+                      word_heads=heads, beam_size=beam_size,
                       patience=patience, length_penalty=length_penalty)
     total = sum(frames) / FRAMES_PER_SECOND
     report = (lambda done: progress(done / FRAMES_PER_SECOND, total)) if progress else None
-    if timestamps:
+    if timestamps or context:
         segments = seek_windows(windows, frames, t.timestamp_begin, batch_size, report)
     else:
         segments = consecutive_windows(windows, frames, batch_size, report)
     results = []
     for lang, prob, segs in zip(languages, probabilities, segments):
-        ids = [i for _, _, piece in segs for i in piece]
-        texts = [decode_text(w.vocab, piece).strip() for _, _, piece in segs]
+        ids = [i for _, _, piece, *_ in segs for i in piece]
+        texts = [decode_text(w.vocab, seg[2]).strip() for seg in segs]
         results.append(Transcript(
             decode_text(w.vocab, ids).strip(), lang, prob,
-            tuple(Segment(round(a, 3), round(b, 3), text)
-                  for (a, b, _), text in zip(segs, texts) if text)))  # silence: no segment
+            tuple(Segment(round(seg[0], 3), round(seg[1], 3), text, *seg[3:])
+                  for seg, text in zip(segs, texts) if text)))  # silence: no segment
     return results[0] if single else results
 
 

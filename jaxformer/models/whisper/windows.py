@@ -16,10 +16,13 @@ from jaxformer.models.whisper.config import N_FRAMES
 from jaxformer.models.whisper.decoding import Generated, generate
 from jaxformer.models.whisper.fallback import (Safeguards, final_choice, is_no_speech,
                                                 needs_fallback)
+from jaxformer.models.whisper.prompt import Context
+from jaxformer.models.whisper.words import find_alignment, window_words
 from jaxformer.models.whisper.tokens import TIME_PRECISION, decode_text
 from jaxformer.nn.checks import check_finite_params
 
-FRAMES_PER_SECOND = audio_lib.SAMPLE_RATE // features_lib.HOP  # 100
+HOP = features_lib.HOP
+FRAMES_PER_SECOND = audio_lib.SAMPLE_RATE // HOP  # 100
 FRAMES_PER_TOKEN = 2  # the encoder's second convolution has stride 2
 WINDOW_FRAMES = N_FRAMES  # 3000 mel frames = 30 s
 
@@ -106,7 +109,8 @@ class Windows:
     `beam_size` > 1, with `patience` and `length_penalty`: `decoding.generate`),
     and returns each one's ids, or None where the no-speech rule drops it. `log` records, per decoded window, (file,
     temperatures tried, dropped). `generate` is `decoding.generate` (a test may
-    script it).
+    script it). With a `context` (`prompt.Context`), each window's prompt is its
+    file's prompt after the file's text so far (`seek_windows` feeds it).
     """
 
     w: Whisper
@@ -118,6 +122,11 @@ class Windows:
     beam_size: int = 1
     patience: float = 1.0
     length_penalty: float = 1.0
+    context: Optional[Context] = None
+    word_heads: tuple = ()  # (layer, head) pairs: word timestamps (`words`), or ()
+
+    def prompt(self, f: int) -> list[int]:
+        return self.context.prompt(f, self.prompts[f]) if self.context else self.prompts[f]
 
     def __post_init__(self):
         self.n_mels = self.w.n_mels
@@ -143,13 +152,14 @@ class Windows:
         chosen: list[Optional[Generated]] = [None] * len(batch)
         tried: list[list[tuple[Generated, str]]] = [[] for _ in batch]
         todo = list(range(len(batch)))
+        prompts = [self.prompt(f) for f, _ in batch]
         for k, temperature in enumerate(s.temperatures):
             copies = 1 if temperature == 0 else s.best_of  # sampled: best of `copies`
-            rows_in = [batch[i] for i in todo for _ in range(copies)]
+            rows_in = [i for i in todo for _ in range(copies)]
             padded = rows_in + [rows_in[-1]] * (rows * copies - len(rows_in))
             out = self.generate(self.w.model, self.w.params, vocab,
-                                np.stack([x for _, x in padded]),
-                                [self.prompts[f] for f, _ in padded],
+                                np.stack([batch[i][1] for i in padded]),
+                                [prompts[i] for i in padded],
                                 suppress_ids=self.w.suppress_ids,
                                 suppress_ids_begin=self.w.suppress_ids_begin,
                                 max_text_tokens=self.max_text_tokens,
@@ -221,10 +231,13 @@ def consecutive_windows(windows: Windows, frames: list[int], batch_size: int, re
 
 def seek_windows(windows: Windows, frames: list[int], timestamp_begin: int, batch_size: int,
                  report) -> list[list[tuple[float, float, list[int]]]]:
-    """Timestamped windows: each file's next window starts where `split_segments` says;
-    the current windows of up to `batch_size` files are decoded together. A silent
-    window, or one the no-speech rule drops, is skipped whole."""
+    """Sequential windows: each file's next window starts where `split_segments` says
+    (after the window when it has no timestamps); the current windows of up to
+    `batch_size` files are decoded together. A silent window, or one the no-speech
+    rule drops, is skipped whole. With `windows.context`, each decoded window's
+    segments (those with text) join its file's prompt (`prompt.Context.add`)."""
     seek = [0] * len(frames)
+    last_speech = [0.0] * len(frames)  # per file, for word timestamps
     segments = [[] for _ in frames]
     started = [False] * len(frames)  # an empty file still gets one window
     rows = padded_rows(len(frames), batch_size)
@@ -249,12 +262,46 @@ def seek_windows(windows: Windows, frames: list[int], timestamp_begin: int, batc
                 progressed()
         if not batch:
             return segments
-        for (f, _), ids in zip(batch, windows.decode(batch, rows)):
+        x_of = [x for _, x in batch]
+        for k, ((f, _), ids) in enumerate(zip(batch, windows.decode(batch, rows))):
             s, n = seek[f], size(f)
             if ids is None:  # no speech
                 seek[f] = s + max(n, 1)
                 continue
             pieces, advance = split_segments(ids, timestamp_begin, s, n)
+            if windows.word_heads:
+                pieces, advance = add_words(windows, f, x_of[k], pieces, ids, s, n, advance,
+                                            last_speech, timestamp_begin)
             segments[f].extend(pieces)
+            if windows.context:  # the window's text joins the file's prompt
+                temperature = windows.log[-len(batch):][k][1][-1]
+                windows.context.add(f, [p for a, b, p, *_ in pieces if a != b and decode_text(
+                    windows.w.vocab, p).strip()], temperature)
             seek[f] = s + max(advance, 1)
         progressed()
+
+
+def add_words(windows: Windows, f: int, features_TM, pieces, ids, seek: int, size: int,
+              advance: int, last_speech: list, timestamp_begin: int):
+    """A window's segments with their words (`words.find_alignment`,
+    `words.window_words`) as 4-tuples (start, end, ids, words), and the frames to
+    advance: when the window does not end on a single timestamp, the next one
+    starts at the last word's end (faster-whisper). The file's prompt (timestamps
+    on) is the <|startoftranscript|> sequence the alignment forward starts with."""
+    eot = windows.w.model.config.eos_id
+    # faster-whisper counts one frame more at the end of a file (its features of the
+    # samples and one hop of padding): the alignment reads that frame too.
+    last = seek + size >= windows.sources[f].num_samples // HOP
+    alignment = find_alignment(windows.w, windows.word_heads, features_TM, windows.prompts[f],
+                               [i for i in ids if i < eot], min(size + last, WINDOW_FRAMES))
+    offset = seek / FRAMES_PER_SECOND
+    bounds, words, last_speech[f] = window_words(alignment, pieces, offset, eot, last_speech[f])
+    out = [(a, b, p, tuple(w)) for (a, b, p), w in zip(bounds, words)]
+    ends = [w.end for *_, ws in reversed(out) for w in reversed(ws)]
+    end = ends[0] if ends else (out[-1][1] if out else None)
+    if end is not None:
+        last_speech[f] = end
+    single_ending = [i >= timestamp_begin for i in ids[-2:]] == [False, True]
+    if not single_ending and end is not None and end > offset:
+        advance = round(end * FRAMES_PER_SECOND) - seek
+    return out, advance
