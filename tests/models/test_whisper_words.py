@@ -136,3 +136,30 @@ def test_other_heads_or_a_reversed_cost_move_the_words(models):
     starts = lambda a: [x["start"] for x in a]  # noqa: E731
     assert [x["word"] for x in good] == [x["word"] for x in wrong]
     assert np.abs(np.subtract(starts(good), starts(wrong))).max() > 0.2
+
+
+def test_alignment_path_is_ctranslate2s(models):
+    """The word starts and ends before faster-whisper's corrections equal those of
+    ctranslate2's own `align` (same features, tokens and frames): the heads, the
+    softmax over the window's frames, the standardisation, the median filter and
+    the DTW all as ctranslate2 computes them (measured: identical)."""
+    w, reference = models
+    audio = two_sentences()
+    t = whisper.tokens_of(list(w.vocab))
+    features = whisper.features_of(audio)
+    text = [i for s in reference_words(reference, audio) for i in s.tokens if i < t.eot]
+    frames = len(audio) // 160
+    ours = words_lib.find_alignment(w, words_lib.alignment_heads(whisper_model_dir(), 4, 6),
+                                    features, [t.sot], text, frames)
+    encoded = reference.encode(np.ascontiguousarray(features.T))
+    result = reference.model.align(encoded, [t.sot], [text], frames, median_filter_width=7)[0]
+    text_indices = np.array([p[0] for p in result.alignments])
+    jumps = np.pad(np.diff(text_indices), (1, 0), constant_values=1).astype(bool)
+    times = np.array([p[1] for p in result.alignments])[jumps] / words_lib.TOKENS_PER_SECOND
+    _, word_tokens = words_lib.split_words(list(w.vocab), [*text, t.eot], t.eot)
+    bounds = np.pad(np.cumsum([len(x) for x in word_tokens[:-1]]), (1, 0))
+    assert [(x["start"], x["end"]) for x in ours] == list(zip(times[bounds[:-1]],
+                                                             times[bounds[1:]]))
+    np.testing.assert_allclose([x["probability"] for x in ours],
+                               [np.mean(result.text_token_probs[i:j])
+                                for i, j in zip(bounds[:-1], bounds[1:])], atol=0.01)
