@@ -122,3 +122,28 @@ def test_the_prompt_is_faster_whispers():
 def test_bad_prompts_are_named(models, prompt, message):
     with pytest.raises(ValueError, match=message):
         whisper.transcribe(models[0], np.zeros(SR, np.float32), initial_prompt=prompt)
+
+
+def test_beam_search_after_previous_text_is_ctranslate2s(models):
+    """Beam search (one row at a time after a previous-text prompt): the ids, the
+    no-speech probability (read where <|startoftranscript|> is fed, not at BOS) and
+    the average log-probability of ctranslate2's `generate` with the same prompt."""
+    ctranslate2 = pytest.importorskip("ctranslate2", reason="needs the test extra")
+    from conftest import whisper_ct2_runtime  # noqa: PLC0415
+
+    w = models[0]
+    vocab, t = list(w.vocab), whisper.tokens_of(list(w.vocab))
+    features = whisper.features_of(whisper.read_wav(FOX))[None]
+    prompt = conditioned(encode_text(w, "Jumping foxes and sleepy dogs."), [t.sot],
+                         vocab.index("<|startofprev|>"))
+    [ours] = whisper.generate(w.model, w.params, vocab, features, [prompt], beam_size=3,
+                              suppress_ids=w.suppress_ids,
+                              suppress_ids_begin=w.suppress_ids_begin)
+    [theirs] = whisper_ct2_runtime().generate(
+        ctranslate2.StorageView.from_array(np.ascontiguousarray(features.transpose(0, 2, 1))),
+        [prompt], beam_size=3, return_no_speech_prob=True, return_scores=True,
+        suppress_tokens=list(w.suppress_ids), max_length=448)
+    ids = theirs.sequences_ids[0]
+    assert ours.ids == ids
+    assert abs(ours.no_speech_prob - theirs.no_speech_prob) < 1e-4
+    assert abs(ours.avg_logprob - theirs.scores[0] * len(ids) / (len(ids) + 1)) < 1e-3
