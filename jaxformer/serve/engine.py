@@ -18,8 +18,8 @@ generate, SGLang's chunked prefill beside the decodes):
      are shared instead of computed;
   3. one prefill call: the next chunk (at most `prefill_chunk` tokens, padded
      to one of a few compiled sizes) of the oldest requests still reading their
-     prompts, as many rows as fit `PREFILL_BUDGET` chunks: a long prompt never
-     stalls the running requests for its whole prefill;
+     prompts, as many rows as fit `batching.PREFILL_BUDGET` chunks: a long prompt
+     never stalls the running requests for its whole prefill;
   4. one decode step: every decoding slot feeds its last token and picks the
      next with its own settings (`select.pick`); finished requests leave.
 
@@ -44,7 +44,8 @@ from jaxformer.backends import host_memory
 from jaxformer.decode.inputs import decodable
 from jaxformer.nn import stacking
 from jaxformer.nn.model import DecoderOnlyLM
-from jaxformer.serve import paged, programs, select, spec_step
+from jaxformer.serve import batching, paged, programs, spec_step
+from jaxformer.serve.batching import bucket, page_rows, slot_params, want_top
 from jaxformer.serve.checks import check_engine_args, check_request
 from jaxformer.serve.handle import Handle
 from jaxformer.serve.pages import PagePool, PageTable
@@ -53,15 +54,6 @@ from jaxformer.serve.slots import Slot, token_event
 
 log = logging.getLogger(__name__)
 RATE_WINDOW_S = 10.0  # tokens_per_s is measured over this many recent seconds
-PREFILL_BUDGET = 4  # a prefill call feeds at most this many chunks' tokens (rows x width)
-
-
-def bucket(value: int, sizes: tuple[int, ...]) -> int:
-    """The smallest of `sizes` (ascending) >= value, else value rounded up to the last."""
-    for size in sizes:
-        if size >= value:
-            return size
-    return -(-value // sizes[-1]) * sizes[-1]
 
 
 class Engine:
@@ -251,7 +243,8 @@ class Engine:
         self.admit()
         prefilling = [s for s in self.running if s is not None and s.prefilling]
         if prefilling:
-            batch = self.prefill_batch(prefilling)
+            batch = batching.prefill_batch(prefilling, self.prefill_chunk, self.chunk_sizes,
+                                               self.row_sizes)
             self.guarded(batch, lambda: self.prefill_rows(batch))
         decoding = [s for s in self.running if s is not None and s.pending is not None]
         if decoding:
@@ -300,46 +293,6 @@ class Engine:
         slot.table.ensure(length)
         slot.reserve -= len(slot.table.pages) - before
 
-    def slot_params(self, slots: list[Optional[Slot]]) -> select.SlotParams:
-        def column(get, dtype, idle):
-            return jnp.asarray([idle if s is None else get(s.request.params) for s in slots],
-                               dtype)
-        return select.SlotParams(
-            temperature=column(lambda p: p.temperature, jnp.float32, 0.0),
-            top_k=column(lambda p: p.top_k or 0, jnp.int32, 0),
-            top_p=column(lambda p: 1.0 if p.top_p is None else p.top_p, jnp.float32, 1.0),
-            seed=column(lambda p: p.seed, jnp.uint32, 0))
-
-    @staticmethod
-    def want_top(slots: list[Slot]) -> np.ndarray:
-        return np.asarray(any(s.request.params.logprobs for s in slots))
-
-    def allowed(self, slots: list[Optional[Slot]]):
-        """(S, V) bool masks of the rows' constraints, or None if no row has one."""
-        if all(s is None or s.request.constraint is None for s in slots):
-            return None
-        mask = np.ones((len(slots), self.config.tgt_vocab_size), bool)
-        for i, s in enumerate(slots):
-            if s is not None and s.request.constraint is not None:
-                mask[i] = np.asarray(s.request.constraint.allowed(), bool)
-        return mask
-
-    def prefill_batch(self, prefilling: list[Slot]) -> list[Slot]:
-        """The oldest prefilling requests of one adapter whose next chunks fit one call:
-        at most PREFILL_BUDGET chunks' worth of (padded) tokens."""
-        first = prefilling[0]
-        chosen, width = [], 0
-        for slot in prefilling:
-            count = min(self.prefill_chunk, slot.prompt_len - slot.cached)
-            wider = max(width, bucket(count, self.chunk_sizes))
-            if chosen and (slot.request.adapter != first.request.adapter or
-                           bucket(len(chosen) + 1, self.row_sizes) * wider >
-                           PREFILL_BUDGET * self.prefill_chunk):
-                break
-            chosen.append(slot)
-            width = wider
-        return chosen
-
     def prefill_rows(self, slots: list[Slot]) -> None:
         """The next prompt chunk of each of `slots` in one call (rows padded to a bucket)."""
         counts = [min(self.prefill_chunk, s.prompt_len - s.cached) for s in slots]
@@ -360,12 +313,12 @@ class Engine:
             lasts[i], valid[i, :count], table[i] = count - 1, True, slot.table.row()
         padded = slots + [None] * (rows - len(slots))
         echo = any(s.request.params.echo for s in slots)
-        allowed = self.allowed(padded)
+        allowed = batching.allowed(padded, self.config.tgt_vocab_size)
         view_len = bucket(int(starts.max()) + width, self.view_sizes)
         self.note_shape("prefill", rows, width, view_len, echo, allowed is None)
         picks, extra, self.pools = self.prefill_fn(
             self.model, self.page_size, self.params[slots[0].request.adapter], self.pools,
-            table, starts, tokens, valid, self.slot_params(padded), self.want_top(slots), lasts,
+            table, starts, tokens, valid, slot_params(padded), want_top(slots), lasts,
             targets, np.zeros((1, 1), bool) if allowed is None else allowed,
             view_len=view_len, echo=echo, masked=allowed is not None)
         picks = jax.device_get(picks)
@@ -395,17 +348,18 @@ class Engine:
             groups.setdefault(slot.request.adapter, []).append(slot)
         lengths = np.asarray([0 if s is None else s.cached for s in self.running], np.int32)
         view_len = self.view_length(int(lengths.max()) + 1)
-        table = self.page_rows()
+        table = page_rows(self.running, self.max_pages)
         tokens = np.asarray([s.pending if s in decoding else 0 for s in self.running], np.int32)
-        allowed = self.allowed([s if s in decoding else None for s in self.running])
-        params = self.slot_params(self.running)
+        allowed = batching.allowed([s if s in decoding else None for s in self.running],
+                          self.config.tgt_vocab_size)
+        params = slot_params(self.running)
         results = []
         for adapter, members in groups.items():
             valid = np.asarray([s in members for s in self.running])
             self.note_shape("decode", view_len, allowed is None)
             picks, self.pools = self.decode_fn(
                 self.model, self.page_size, self.params[adapter], self.pools, table, lengths,
-                tokens, valid, params, self.want_top(members),
+                tokens, valid, params, want_top(members),
                 np.zeros((1, 1), bool) if allowed is None else allowed, view_len=view_len,
                 masked=allowed is not None)
             results.append((members, jax.device_get(picks)))
@@ -420,10 +374,6 @@ class Engine:
     def view_length(self, needed: int) -> int:
         """The compiled view length bucket for rows of up to `needed` positions."""
         return bucket(needed, self.view_sizes)
-
-    def page_rows(self) -> np.ndarray:
-        """(slots, max_pages) page tables of the running slots (zeros for free ones)."""
-        return np.stack([paged_row(s, self.max_pages) for s in self.running])
 
     def count_drafts(self, drafted: int, accepted: int) -> None:
         with self.lock:
@@ -491,6 +441,3 @@ class Engine:
         slot.table.free()
         self.running[self.running.index(slot)] = None
 
-
-def paged_row(slot: Optional[Slot], max_pages: int) -> np.ndarray:
-    return np.zeros((max_pages,), np.int32) if slot is None else slot.table.row()

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer.backends import cpu
-from jaxformer.serve import paged, select
+from jaxformer.serve import batching, paged, select
 
 __all__ = ["Verified", "draft_tokens", "verify_program", "compiled_verify", "speculative_step"]
 
@@ -154,9 +154,10 @@ def speculative_step(engine, decoding) -> None:
         engine.take_pages(slot, slot.cached + 1 + len(drafts))
     lengths = np.asarray([0 if s is None else s.cached for s in running], np.int32)
     view_len = engine.view_length(int(lengths.max()) + k + 1)
-    table = engine.page_rows()
-    allowed = engine.allowed([s if s in decoding else None for s in running])
-    params = engine.slot_params(running)
+    table = batching.page_rows(running, engine.max_pages)
+    allowed = batching.allowed([s if s in decoding else None for s in running],
+                               engine.config.tgt_vocab_size)
+    params = batching.slot_params(running)
     groups = {}
     for slot in decoding:
         groups.setdefault(slot.request.adapter, []).append(slot)
@@ -168,7 +169,7 @@ def speculative_step(engine, decoding) -> None:
         engine.note_shape("verify", k, view_len, allowed is None)
         out, engine.pools = verify(
             engine.model, engine.page_size, engine.params[adapter], engine.pools, table,
-            lengths, tokens, valid, counts, params, engine.want_top(members),
+            lengths, tokens, valid, counts, params, batching.want_top(members),
             np.zeros((1, 1), bool) if allowed is None else allowed, view_len=view_len,
             masked=allowed is not None)
         results.append((members, jax.device_get(out)))
