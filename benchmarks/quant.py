@@ -48,7 +48,6 @@ max_rel_logit_err_vs_llamacpp, kv_cache_bytes_ratio_int8, and every measurement.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import statistics

@@ -22,7 +22,6 @@ Exit status: 0 done, 1 non-finite loss, 2 bad input or checkpoint,
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import traceback
 from typing import Optional, Sequence

@@ -37,7 +37,6 @@ import time
 from typing import Any, Callable, Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxformer.backends import host_memory
