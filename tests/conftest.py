@@ -244,6 +244,18 @@ def whisper_model_dir():
     return os.path.join(list(spec.submodule_search_locations)[0], "model")
 
 
+@pytest.fixture(scope="session")
+def whisper_and_faster():
+    """(jaxformer's Whisper, faster-whisper's model) on the same CTranslate2 folder, loaded
+    once per session (float32, one thread, as `whisper_ct2_runtime`)."""
+    faster_whisper = pytest.importorskip("faster_whisper", reason="needs the test extra")
+    from jaxformer.models import whisper  # noqa: PLC0415
+
+    model_dir = whisper_model_dir()
+    return whisper.load(model_dir), faster_whisper.WhisperModel(
+        model_dir, device="cpu", compute_type="float32", cpu_threads=1)
+
+
 def whisper_ct2_runtime(model_dir=None):
     """ctranslate2's Whisper on the shipped model (float32, one thread: two threads on
     two shared cores wait on each other), or skip without the test extra."""

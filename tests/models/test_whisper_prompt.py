@@ -17,12 +17,9 @@ SR = 16000
 
 
 @pytest.fixture(scope="module")
-def models():
-    """(jaxformer's Whisper, faster-whisper's model) on the same CTranslate2 folder."""
-    faster_whisper = pytest.importorskip("faster_whisper", reason="needs the test extra")
-    model_dir = whisper_model_dir()
-    return whisper.load(model_dir), faster_whisper.WhisperModel(
-        model_dir, device="cpu", compute_type="float32", cpu_threads=1)
+def models(whisper_and_faster):
+    """(jaxformer's Whisper, faster-whisper's model): conftest's, loaded once."""
+    return whisper_and_faster
 
 
 @pytest.fixture(scope="module")
