@@ -57,6 +57,7 @@ positive_float = _bounded(float, lambda v: v > 0, "a positive finite number")
 non_negative_float = _bounded(float, lambda v: v >= 0, "a finite number >= 0")
 probability = _bounded(float, lambda v: 0 < v <= 1, "in (0, 1]")
 fraction = _bounded(float, lambda v: 0 <= v < 1, "in [0, 1)")
+finite_float = _bounded(float, lambda v: True, "a finite number")
 
 
 def at_least(low: int):

@@ -29,7 +29,7 @@ import time
 import argparse
 import math
 
-from jaxformer.cli.args import positive_float, positive_int
+from jaxformer.cli.args import finite_float, positive_float, positive_int
 from jaxformer.cli.usage import UsageError, require_positive
 
 FORMATS = ("text", "json", "srt")
@@ -89,7 +89,7 @@ def add_parser(commands, add_common_flags) -> None:
     beam.add_argument("--patience", type=positive_float, default=1.0,
                       help="finished hypotheses collected: round(beam size * patience) "
                            "(default 1.0)")
-    beam.add_argument("--length-penalty", type=float, default=1.0,
+    beam.add_argument("--length-penalty", type=finite_float, default=1.0,
                       help="the kept hypothesis maximises log-probability / length ** this "
                            "(default 1.0; 0: no normalisation)")
     context = parser.add_argument_group(

@@ -117,8 +117,9 @@ def test_every_numeric_flag_has_a_checking_type():
     (cli_args.probability, {"1": 1.0, "0.9": 0.9}, ["0", "1.01", "nan"]),
     (cli_args.fraction, {"0": 0.0, "0.5": 0.5}, ["1", "-0.1", "nan"]),
     (cli_args.at_least(2), {"2": 2}, ["1"]),
+    (cli_args.finite_float, {"-0.5": -0.5, "0": 0.0}, ["nan", "inf", "x"]),
 ], ids=["positive_int", "non_negative_int", "seed", "positive_float", "non_negative_float",
-        "probability", "fraction", "at_least"])
+        "probability", "fraction", "at_least", "finite_float"])
 def test_argument_types(parse, good, bad):
     for text, value in good.items():
         assert parse(text) == value
