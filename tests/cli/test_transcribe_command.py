@@ -61,7 +61,7 @@ def test_json_lines_of_a_44k_stereo_file(ct2_text, capsys):
     (["--best-of", "0"], "--best-of: must be a positive integer"),
     (["--beam-size", "0"], "--beam-size: must be a positive integer"),
     (["--patience", "0"], "--patience: must be a positive finite number"),
-    (["--length-penalty", "nan"], "--length-penalty: length_penalty must be a finite number"),
+    (["--length-penalty", "nan"], "argument --length-penalty: must be a finite number"),
     (["--initial-prompt", "  "], "--initial-prompt: empty text"),
 ], ids=["language", "translate-english-only", "srt-without-timestamps", "batch",
         "translate-named-english", "no-speech", "logprob", "ratio", "negative-temperature",
