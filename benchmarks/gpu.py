@@ -14,9 +14,15 @@ Workloads (`--size 125m`, the default; `--size 350m` a bigger one):
           FLOPs per token = 6 N + 12 L D T (PaLM, appendix B; N parameters, L
           layers, D d_model, T sequence length).
   decode  the same model in bfloat16 (`jaxformer.generate`, greedy, scan loop),
-          a 128-token prompt and 128 new tokens, batch 1 and 64. Bandwidth
-          fraction = (parameter bytes + mean KV-cache bytes read) per step x steps/s
-          / the chip's peak memory bandwidth.
+          a 128-token prompt and 128 new tokens, batch 1 and 64; then with int8
+          weights (`weight_quant="int8"`, dequantized inside the compiled matmul)
+          and, at batch 64, an int8 KV cache too. Bandwidth fraction = (parameter
+          bytes + mean KV-cache bytes read) per step x steps/s / the chip's peak
+          memory bandwidth.
+
+The compiled train step's custom calls are listed (`custom_calls_auto`, ...):
+they show which attention kernel "auto" chose (cuDNN's fused attention on GPU)
+and that no host callback sits in the step.
 
 Peaks come from the vendors' data sheets by device kind (`PEAKS`); an unknown kind
 reports null fractions. Compile times are `lower().compile()` wall seconds. Every
@@ -29,13 +35,15 @@ Prints a table, then one JSON line: device, train_mfu_auto, train_mfu_blockwise,
 train_step_s_auto, train_step_s_blockwise, train_compile_s_auto,
 train_compile_s_blockwise, decode_tokens_per_s_b1, decode_tokens_per_s_b64,
 decode_bandwidth_fraction_b1, decode_bandwidth_fraction_b64, decode_compile_s_b1,
-decode_compile_s_b64, params.
+decode_compile_s_b64, the same with `_int8` (int8 weights) and `_int8kv` (int8
+weights and KV cache, batch 64), custom_calls_auto, custom_calls_blockwise, params.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -45,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxformer as jf
+from jaxformer.nn.quant_params import quantize_params
 from jaxformer.train import LMBatch, TrainConfig, train_functions
 
 # (bfloat16 dense FLOP/s, memory bytes/s) by a substring of `device.device_kind`.
@@ -104,6 +113,7 @@ def train_row(size: str, impl: str, batch: int, seq_len: int, rounds: int) -> di
     start = time.perf_counter()
     step = fns.step.lower(state, data).compile()
     compile_s = time.perf_counter() - start
+    custom_calls = sorted(set(re.findall(r'custom_call_target="([^"]+)"', step.as_text())))
     holder = {"state": state}
 
     def run():
@@ -116,17 +126,23 @@ def train_row(size: str, impl: str, batch: int, seq_len: int, rounds: int) -> di
         * batch * seq_len
     peak_flops, _ = peaks(jax.devices()[0])
     return {"params": n, "step_s": step_s, "compile_s": compile_s,
+            "custom_calls": custom_calls,
             "tokens_per_s": batch * seq_len / step_s,
             "mfu": None if peak_flops is None else flops / step_s / peak_flops}
 
 
-def decode_row(size: str, batch: int, prompt_len: int, new_tokens: int, rounds: int) -> dict:
+def decode_row(size: str, batch: int, prompt_len: int, new_tokens: int, rounds: int,
+               weight_quant: str | None = None, kv_cache_quant: str | None = None) -> dict:
     config = model_config(size, prompt_len + new_tokens, dtype="bfloat16",
                           param_dtype="bfloat16")
-    model = jf.DecoderOnlyLM(config)
     prompt = jnp.asarray(np.random.default_rng(1).integers(
         3, config.tgt_vocab_size, (batch, prompt_len)), jnp.int32)
-    params = jax.jit(model.init)(jax.random.PRNGKey(0), prompt[:1])["params"]
+    params = jax.jit(jf.DecoderOnlyLM(config).init)(jax.random.PRNGKey(0), prompt[:1])["params"]
+    if weight_quant:
+        config, params = quantize_params(config, params, weight_quant)
+        params = jax.device_put(params)
+    config = config.replace(kv_cache_quant=kv_cache_quant)
+    model = jf.DecoderOnlyLM(config)
     start = time.perf_counter()
     jax.block_until_ready(jf.generate(model, params, prompt, max_new_tokens=new_tokens).tokens)
     compile_s = time.perf_counter() - start  # compile + one run
@@ -136,7 +152,7 @@ def decode_row(size: str, batch: int, prompt_len: int, new_tokens: int, rounds: 
     param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
     mean_cache = prompt_len + new_tokens / 2  # positions read per step, on average
     kv_bytes = (2 * config.num_decoder_layers * batch * mean_cache * config.kv_heads
-                * config.head_dim * 2)
+                * config.head_dim * (1 if kv_cache_quant else 2))  # (per-token scales left out)
     _, peak_bandwidth = peaks(jax.devices()[0])
     return {"tokens_per_s": batch * steps_per_s, "compile_s": compile_s,
             "bandwidth_fraction": None if peak_bandwidth is None else
@@ -160,26 +176,33 @@ def main(argv=None) -> dict:
 
     train = {impl: train_row(size, impl, batch, seq_len, rounds)
              for impl in ("auto", "blockwise")}
-    decode = {b: decode_row(size, b, prompt_len, new_tokens, rounds)
-              for b in ((1, 2) if args.smoke else (1, 64))}
+    small, large = (1, 2) if args.smoke else (1, 64)
+    decode = {"b1": decode_row(size, small, prompt_len, new_tokens, rounds),
+              "b64": decode_row(size, large, prompt_len, new_tokens, rounds),
+              "b1_int8": decode_row(size, small, prompt_len, new_tokens, rounds, "int8"),
+              "b64_int8": decode_row(size, large, prompt_len, new_tokens, rounds, "int8"),
+              "b64_int8kv": decode_row(size, large, prompt_len, new_tokens, rounds, "int8",
+                                       "int8")}
     print(f"{'workload':<24}{'time':>12}{'tokens/s':>14}{'fraction':>10}{'compile s':>11}")
     for impl, row in train.items():
         fraction = "-" if row["mfu"] is None else f"{row['mfu']:.3f}"
         print(f"{'train ' + impl:<24}{row['step_s']:>11.4f}s{row['tokens_per_s']:>14,.0f}"
               f"{fraction:>10}{row['compile_s']:>11.1f}")
-    for b, row in decode.items():
+    for name, row in decode.items():
         fraction = "-" if row["bandwidth_fraction"] is None else \
             f"{row['bandwidth_fraction']:.3f}"
-        print(f"{'decode batch ' + str(b):<24}{'':>12}{row['tokens_per_s']:>14,.1f}"
+        print(f"{'decode ' + name:<24}{'':>12}{row['tokens_per_s']:>14,.1f}"
               f"{fraction:>10}{row['compile_s']:>11.1f}")
-    (b1, d1), (b64, d64) = decode.items()
+    for impl, row in train.items():
+        print(f"custom calls of the {impl} train step: {', '.join(row['custom_calls']) or '-'}")
     result = {"device": f"{device.platform} {getattr(device, 'device_kind', '')}".strip(),
               "size": size, "params": train["auto"]["params"], "train_batch": batch,
               "seq_len": seq_len}
     for impl, row in train.items():
         result |= {f"train_mfu_{impl}": row["mfu"], f"train_step_s_{impl}": row["step_s"],
-                   f"train_compile_s_{impl}": row["compile_s"]}
-    for name, row in (("b1", d1), ("b64", d64)):
+                   f"train_compile_s_{impl}": row["compile_s"],
+                   f"custom_calls_{impl}": row["custom_calls"]}
+    for name, row in decode.items():
         result |= {f"decode_tokens_per_s_{name}": row["tokens_per_s"],
                    f"decode_bandwidth_fraction_{name}": row["bandwidth_fraction"],
                    f"decode_compile_s_{name}": row["compile_s"]}

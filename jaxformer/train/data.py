@@ -35,14 +35,16 @@ from __future__ import annotations
 import glob
 import math
 import os
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import flax
-import grain
 import jax.numpy as jnp
 import numpy as np
 
 from jaxformer.nn.mask_structure import MaskSpec
+
+if TYPE_CHECKING:
+    import grain
 
 
 def document_paths(patterns: Sequence[str]) -> list[str]:
@@ -277,6 +279,11 @@ class TextData:
             raise ValueError(f"seed must be in [0, 2**32), got {seed}")
         key = (batch_size, seed, process_index, process_count)
         if key not in self._datasets:
+            # Imported here: only the training loop reads batches, and `jaxformer.train`
+            # (its step functions: benchmarks, an accelerator image without grain)
+            # should not pay grain's 0.7 s import.
+            import grain
+
             stream, seq_len = self._train_stream, self.seq_len
             dataset = (
                 grain.MapDataset.range(self.num_train_windows)
