@@ -103,8 +103,24 @@ def random_batch(batch: int, seq_len: int, vocab: int, seed: int = 0) -> LMBatch
                    segments=ones)
 
 
-def train_row(size: str, impl: str, batch: int, seq_len: int, rounds: int) -> dict:
-    config = model_config(size, seq_len, precision="mixed", attention_impl=impl)
+def matmul_flops_per_s(n: int, rounds: int) -> float:
+    """The chip's bfloat16 matrix-product rate through XLA: an (n, n) x (n, n) product on
+    random data, rotating over three input pairs (the method's measured ceiling)."""
+    keys = jax.random.split(jax.random.PRNGKey(0), 6)
+    pairs = [(jax.random.normal(keys[2 * i], (n, n), jnp.bfloat16),
+              jax.random.normal(keys[2 * i + 1], (n, n), jnp.bfloat16)) for i in range(3)]
+    product = jax.jit(jnp.matmul)
+    turn = iter(range(10 ** 9))
+
+    def run():
+        return product(*pairs[next(turn) % 3])
+
+    return 2 * n ** 3 / timed(run, rounds)
+
+
+def train_row(size: str, impl: str, batch: int, seq_len: int, rounds: int,
+              remat: str = "none") -> dict:
+    config = model_config(size, seq_len, precision="mixed", attention_impl=impl, remat=remat)
     tc = TrainConfig(task="lm", data=("random tokens",), seq_len=seq_len, batch_size=batch,
                      steps=1000, warmup_steps=10)
     fns = train_functions(config, tc)
@@ -164,6 +180,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--size", choices=("125m", "350m"), default="125m")
     parser.add_argument("--batch", type=int, default=8, help="train batch (sequences)")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--impls", default="auto,blockwise",
+                        help="attention implementations of the train rows, comma-separated")
+    parser.add_argument("--remat", default="none", help="the train rows' remat policy")
+    parser.add_argument("--train-only", action="store_true", help="no decode rows")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny sizes: checks the script end to end on any machine")
     args = parser.parse_args(argv)
@@ -174,10 +194,12 @@ def main(argv=None) -> dict:
     print(f"{device.platform} {getattr(device, 'device_kind', '')}, jax {jax.__version__}, "
           f"{size}, train batch {batch} x {seq_len}", file=sys.stderr)
 
-    train = {impl: train_row(size, impl, batch, seq_len, rounds)
-             for impl in ("auto", "blockwise")}
+    matmul = matmul_flops_per_s(256 if args.smoke else 8192, rounds)
+    print(f"bfloat16 matrix product through XLA: {matmul / 1e12:.1f} TFLOP/s", file=sys.stderr)
+    train = {impl: train_row(size, impl, batch, seq_len, rounds, args.remat)
+             for impl in args.impls.split(",")}
     small, large = (1, 2) if args.smoke else (1, 64)
-    decode = {"b1": decode_row(size, small, prompt_len, new_tokens, rounds),
+    decode = {} if args.train_only else {"b1": decode_row(size, small, prompt_len, new_tokens, rounds),
               "b64": decode_row(size, large, prompt_len, new_tokens, rounds),
               "b1_int8": decode_row(size, small, prompt_len, new_tokens, rounds, "int8"),
               "b64_int8": decode_row(size, large, prompt_len, new_tokens, rounds, "int8"),
@@ -196,8 +218,9 @@ def main(argv=None) -> dict:
     for impl, row in train.items():
         print(f"custom calls of the {impl} train step: {', '.join(row['custom_calls']) or '-'}")
     result = {"device": f"{device.platform} {getattr(device, 'device_kind', '')}".strip(),
-              "size": size, "params": train["auto"]["params"], "train_batch": batch,
-              "seq_len": seq_len}
+              "size": size, "params": next(iter(train.values()))["params"],
+              "train_batch": batch, "seq_len": seq_len, "remat": args.remat,
+              "matmul_tflops": matmul / 1e12}
     for impl, row in train.items():
         result |= {f"train_mfu_{impl}": row["mfu"], f"train_step_s_{impl}": row["step_s"],
                    f"train_compile_s_{impl}": row["compile_s"],
