@@ -16,7 +16,7 @@ can be overridden by naming an implementation.
                blocks), and a mask of causal / window / segment-id structure only
                (`splash_supports`).
   "blockwise"  `blockwise.blockwise_attention`: memory linear in length, any MaskSpec;
-               from `BLOCKWISE_MIN_LENGTH` on.
+               from `BLOCKWISE_MIN_LENGTH` on (`GPU_BLOCKWISE_MIN_LENGTH` on GPUs).
   "dense"      `attention.dot_product_attention`: short sequences, and masks given as
                dense boolean arrays (arbitrary patterns).
 
@@ -42,6 +42,11 @@ from jaxformer.nn.mask_structure import MaskSpec
 # Blockwise is no slower than dense on CPU from here on for causal masks
 # (benchmarks/long.py), and its temporaries grow linearly instead of quadratically.
 BLOCKWISE_MIN_LENGTH = 1024
+# On a GPU XLA runs blockwise's scan over key blocks as many small kernels: a packed
+# 125M train step at 8 x 2048 took 0.26 s blockwise against 0.095 s dense on an H100
+# (benchmarks/gpu.py, NOTES.md), so dense keeps masks cuDNN cannot take up to here.
+GPU_BLOCKWISE_MIN_LENGTH = 4096
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 CUDNN_MAX_HEAD_DIM = 128
 CUDNN_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 SPLASH_BLOCK = 128  # the splash kernel's default blocks and its lane width
@@ -124,7 +129,13 @@ def choose_attention_impl(platform: str, head_dim: int, dtype: Any,
     if platform == "tpu" and splash_supports(head_dim, dtype, mask,
                                              *(shape or (seq_len, seq_len))):
         return "splash"
-    return "blockwise" if seq_len >= BLOCKWISE_MIN_LENGTH else "dense"
+    return "blockwise" if seq_len >= blockwise_min_length(platform) else "dense"
+
+
+def blockwise_min_length(platform: str) -> int:
+    """The length from which "auto" runs blockwise rather than dense attention (when no
+    fused kernel takes the call) on `platform`."""
+    return GPU_BLOCKWISE_MIN_LENGTH if platform in GPU_PLATFORMS else BLOCKWISE_MIN_LENGTH
 
 
 def resolved_attention_impl(config, length: int, mask: Optional[MaskSpec | jnp.ndarray] = None,
@@ -150,7 +161,7 @@ def resolved_attention_impl(config, length: int, mask: Optional[MaskSpec | jnp.n
     choice = choose_attention_impl(platform, config.head_dim, config.compute_dtype, mask, length,
                                    shape)
     if choice == "cudnn" and config.attn_logit_softcapping is not None:
-        choice = "blockwise" if length >= BLOCKWISE_MIN_LENGTH else "dense"
+        choice = "blockwise" if length >= blockwise_min_length(platform) else "dense"
     return {"dense": "einsum"}.get(choice, choice)
 
 

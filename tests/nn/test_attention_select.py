@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxformer.nn.attention_select import (BLOCKWISE_MIN_LENGTH, choose_attention_impl,
-                                           jax_nn_mask_arguments)
+from jaxformer.nn.attention_select import (BLOCKWISE_MIN_LENGTH, GPU_BLOCKWISE_MIN_LENGTH,
+                                           choose_attention_impl, jax_nn_mask_arguments)
 from jaxformer.nn.mask_structure import MaskSpec
 
 B, T, H = 2, 64, 4
@@ -89,12 +89,20 @@ def test_cudnn_training_step_lowers_to_fused_forward_and_backward(cudnn_for_lowe
     assert "__cudnn$fmhaSoftmax(" in hlo and "__cudnn$fmhaSoftmaxBackward" in hlo
 
 
-def test_off_gpu_length_picks_blockwise_or_dense():
+def test_length_picks_blockwise_or_dense_where_no_fused_kernel_takes_the_call():
     causal = MASKS["causal"]
-    for platform in ("cpu", "tpu", "cuda"):  # float32: no cuDNN on GPU either
+    for platform, threshold in (("cpu", BLOCKWISE_MIN_LENGTH), ("tpu", BLOCKWISE_MIN_LENGTH),
+                                ("cuda", GPU_BLOCKWISE_MIN_LENGTH)):
+        # float32: no cuDNN on GPU either; head dim 64: no splash on TPU
         assert choose_attention_impl(platform, 64, jnp.float32, causal,
-                                     BLOCKWISE_MIN_LENGTH) == "blockwise"
+                                     threshold) == "blockwise"
         assert choose_attention_impl(platform, 64, jnp.float32, causal,
-                                     BLOCKWISE_MIN_LENGTH - 1) == "dense"
+                                     threshold - 1) == "dense"
+    # A packed batch's segment ids have no cuDNN form: dense on a GPU at 2048 (measured
+    # faster there), blockwise on a CPU.
+    packed = MaskSpec(causal=True, q_segment_ids=jnp.ones((1, 2048), jnp.int32),
+                      kv_segment_ids=jnp.ones((1, 2048), jnp.int32))
+    assert choose_attention_impl("cuda", 64, jnp.bfloat16, packed, 2048) == "dense"
+    assert choose_attention_impl("cpu", 64, jnp.bfloat16, packed, 2048) == "blockwise"
     dense_mask = jnp.ones((1, 1, 8192, 8192), bool)  # an arbitrary pattern: dense only
     assert choose_attention_impl("cuda", 64, jnp.bfloat16, dense_mask, 8192) == "dense"
