@@ -196,22 +196,35 @@ def continue_prompts(model, params, prompts, max_new_tokens: int, *,
                      on_token=None, prefill_chunk=None) -> list[list[int]]:
     """Sampled (temperature 0: greedy) continuations of token prompts: the new ids,
     up to and without EOS. `max_new_tokens`: within the model's context
-    (`new_token_budget`). `on_token`: as `jaxformer.decode.api.generate`'s."""
+    (`new_token_budget`). `on_token(step, token_B)` is called with every step's picks
+    as they come (`jaxformer.decode.stream.generate_stream`'s chunks: its programs
+    hold no host callback, so the compilation cache keeps them across starts)."""
     import jax  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
 
     from jaxformer.decode.api import generate  # noqa: PLC0415
+    from jaxformer.decode.stream import generate_stream  # noqa: PLC0415
 
     width = max(len(p) for p in prompts)
     batch = np.full((len(prompts), width), model.config.pad_id, np.int32)
     for row, prompt in zip(batch, prompts):
         row[:len(prompt)] = prompt
-    out = generate(model, params, batch, max_new_tokens=max_new_tokens,
-                   prompt_lengths=np.array([len(p) for p in prompts], np.int32),
-                   rng=jax.random.PRNGKey(seed), temperature=temperature, top_k=top_k,
-                   top_p=top_p, on_token=on_token, prefill_chunk=prefill_chunk)
-    tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
-    return [[int(i) for i in row[:n] if i != model.config.eos_id]
-            for row, n in zip(tokens, lengths)]
+    settings = dict(max_new_tokens=max_new_tokens,
+                    prompt_lengths=np.array([len(p) for p in prompts], np.int32),
+                    rng=jax.random.PRNGKey(seed), temperature=temperature, top_k=top_k,
+                    top_p=top_p, prefill_chunk=prefill_chunk)
+    if on_token is None:
+        tokens = np.asarray(generate(model, params, batch, **settings).tokens)
+    else:
+        columns = []
+        for chunk_Bk in generate_stream(model, params, batch, **settings):
+            for token_B in chunk_Bk.T:
+                on_token(len(columns), token_B)
+                columns.append(token_B)
+        tokens = np.stack(columns, axis=1)
+    eos = model.config.eos_id
+    # PAD follows a row's EOS: the ids before the first EOS
+    return [[int(i) for i in row[:list(row).index(eos) if eos in row else len(row)]]
+            for row in tokens]
 
 

@@ -57,7 +57,8 @@ from jaxformer.nn.masks import causal_mask
 from jaxformer.nn.model import DecoderOnlyLM, Transformer
 
 __all__ = ["DecodeResult", "DecodeState", "TRACE_COUNTS", "generate", "greedy_decode",
-           "greedy_decode_one", "greedy_decode_recompute", "sample"]
+           "greedy_decode_one", "greedy_decode_recompute", "sample", "start_lm_state",
+           "check_lm_request"]
 
 # --------------------------------------------------------------------------
 # Encoder-decoder
@@ -235,10 +236,14 @@ def greedy_decode_recompute(model: Transformer, params, src_BS, *, max_new_token
 # Decoder-only LM with a prompt
 
 
-def _lm_core(model: DecoderOnlyLM, params, prompt_BP, lengths_B, rng, *, max_new_tokens: int,
-             select, loop: str, return_logits: bool, processors: tuple = (),
-             segments: int = 1, prefill_chunk: Optional[int] = None,
-             on_token=None) -> DecodeResult:
+def start_lm_state(model: DecoderOnlyLM, params, prompt_BP, lengths_B, rng, *,
+                   max_new_tokens: int, select, return_logits: bool = False,
+                   processors: tuple = (), segments: int = 1,
+                   prefill_chunk: Optional[int] = None, on_token=None) -> DecodeState:
+    """Traceable: the cache filled with the (right-padded) prompts and the first new
+    token of every row picked: the `DecodeState` that `decode_loop` continues for the
+    other `max_new_tokens - 1` steps (the cache holds room for all of them, or for the
+    first of `segments` chunks)."""
     c = model.config
     batch, width = prompt_BP.shape
     lengths = segment_lengths(max_new_tokens - 1, segments)
@@ -254,8 +259,19 @@ def _lm_core(model: DecoderOnlyLM, params, prompt_BP, lengths_B, rng, *, max_new
                        pad_id=c.pad_id, rng=rng,
                        vocab_size=c.tgt_vocab_size if return_logits else None)
     # Every row's last prompt token sits in the last prompt slot after left alignment.
-    state = advance(state, last_BV, cache, select=select, eos_id=c.eos_id,
-                    pad_id=c.pad_id, processors=processors, on_token=on_token)
+    return advance(state, last_BV, cache, select=select, eos_id=c.eos_id,
+                   pad_id=c.pad_id, processors=processors, on_token=on_token)
+
+
+def _lm_core(model: DecoderOnlyLM, params, prompt_BP, lengths_B, rng, *, max_new_tokens: int,
+             select, loop: str, return_logits: bool, processors: tuple = (),
+             segments: int = 1, prefill_chunk: Optional[int] = None,
+             on_token=None) -> DecodeResult:
+    c = model.config
+    state = start_lm_state(model, params, prompt_BP, lengths_B, rng,
+                           max_new_tokens=max_new_tokens, select=select,
+                           return_logits=return_logits, processors=processors,
+                           segments=segments, prefill_chunk=prefill_chunk, on_token=on_token)
     state = decode_loop(cached_logits_fn(model, params), state, max_new_tokens - 1,
                         select=select, eos_id=c.eos_id, pad_id=c.pad_id, loop=loop,
                         processors=processors, segments=segments, fold=cache_lib.fold,
@@ -301,6 +317,25 @@ def generate(model: DecoderOnlyLM, params, prompt_BP, *, max_new_tokens: int,
     Returns:
       DecodeResult of the new tokens only (B, N).
     """
+    select, procs, prompt, lengths = check_lm_request(
+        model, prompt_BP, prompt_lengths, max_new_tokens, rng=rng, temperature=temperature,
+        top_k=top_k, top_p=top_p, processors=processors, prefill_chunk=prefill_chunk)
+    check_loop(loop)
+    return lm_program(*decodable(model, params), jnp.asarray(prompt, jnp.int32),
+                   jnp.asarray(lengths, jnp.int32),
+                   jax.random.PRNGKey(0) if rng is None else rng,
+                   max_new_tokens=int(max_new_tokens), select=select, loop=loop,
+                   return_logits=return_logits, processors=procs,
+                   segments=segments_for(int(max_new_tokens) - 1, segments),
+                   prefill_chunk=None if prefill_chunk is None else int(prefill_chunk),
+                   on_token=on_token)
+
+
+def check_lm_request(model: DecoderOnlyLM, prompt_BP, prompt_lengths, max_new_tokens: int, *,
+                     rng, temperature: float, top_k, top_p, processors,
+                     prefill_chunk) -> tuple:
+    """`generate`'s host checks: (selector, processors, prompt (B, P), lengths (B,)), or
+    the TypeError / ValueError naming the first bad argument."""
     if not isinstance(model, DecoderOnlyLM):
         raise TypeError(f"model must be a jaxformer DecoderOnlyLM, got {type(model).__name__}")
     c = model.config
@@ -314,13 +349,5 @@ def generate(model: DecoderOnlyLM, params, prompt_BP, *, max_new_tokens: int,
     check_max_new_tokens(max_new_tokens, c.decoder_len - width + 1,
                          f"prompt width {width} + {max_new_tokens} new tokens - 1 exceeds "
                          f"the decoder's max_len={c.decoder_len}")
-    check_loop(loop)
     check_prefill_chunk(prefill_chunk)
-    return lm_program(*decodable(model, params), jnp.asarray(prompt, jnp.int32),
-                   jnp.asarray(lengths, jnp.int32),
-                   jax.random.PRNGKey(0) if rng is None else rng,
-                   max_new_tokens=int(max_new_tokens), select=select, loop=loop,
-                   return_logits=return_logits, processors=procs,
-                   segments=segments_for(int(max_new_tokens) - 1, segments),
-                   prefill_chunk=None if prefill_chunk is None else int(prefill_chunk),
-                   on_token=on_token)
+    return select, procs, prompt, lengths

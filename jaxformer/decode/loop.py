@@ -51,7 +51,7 @@ LogitsFn = Callable[[jnp.ndarray, Any, jnp.ndarray], tuple[jnp.ndarray, Any]]
 # on_token(step, token_B): numpy arrays, on the host, as each step's picks are made.
 OnToken = Callable[[Any, Any], None]
 
-def decode_jit(*, static_argnames: tuple[str, ...]):
+def decode_jit(*, static_argnames: tuple[str, ...], donate_argnums: tuple[int, ...] = ()):
     """`jax.jit` of a decode entry `fn(model, params, ...)` whose program first puts
     the parameters in the per-layer layout (`stacking.for_decoding`: a scanned
     model's stacked parameters are sliced inside the compiled program, not on
@@ -61,7 +61,9 @@ def decode_jit(*, static_argnames: tuple[str, ...]):
     The backend is looked up at the first call (not at import, which would
     initialise JAX's backends); one compiled function per backend and shape.
     Like a jitted function it has `.lower(...)`; the undecorated function is
-    `__wrapped__` and its static arguments `static_argnames`.
+    `__wrapped__` and its static arguments `static_argnames`. `donate_argnums`:
+    positional arguments (counting `model` and `params`) whose buffers the program
+    may reuse.
     """
 
     def wrap(fn):
@@ -75,6 +77,7 @@ def decode_jit(*, static_argnames: tuple[str, ...]):
             key = (backend, cpu.process_tuned())
             if key not in jitted:
                 jitted[key] = jax.jit(per_layer, static_argnames=static_argnames,
+                                      donate_argnums=donate_argnums,
                                       compiler_options=cpu.decode_compiler_options(backend))
             return jitted[key]
 

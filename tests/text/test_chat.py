@@ -55,6 +55,7 @@ def test_cli_chat_sends_the_templated_ids(smollm2, hf_tokenizer, monkeypatch, ca
     """`generate --chat --system`: the decoded batch is the tokenizer's ids of transformers'
     rendering (specials written by the template, none added); the reply alone is printed."""
     import jaxformer.decode.api
+    import jaxformer.decode.stream
     import jaxformer.models
     from jaxformer.cli.main import main
     from jaxformer.decode.loop import DecodeResult
@@ -68,7 +69,12 @@ def test_cli_chat_sends_the_templated_ids(smollm2, hf_tokenizer, monkeypatch, ca
         seen["batch"], seen["lengths"] = np.asarray(batch), np.asarray(prompt_lengths)
         return DecodeResult(tokens=np.array([reply]), lengths=np.array([len(reply)]))
 
+    def fake_stream(*args, **kwargs):  # one prompt streams: the reply in two chunks
+        tokens = fake_generate(*args, **kwargs).tokens
+        return iter([tokens[:, :1], tokens[:, 1:]])
+
     monkeypatch.setattr(jaxformer.decode.api, "generate", fake_generate)
+    monkeypatch.setattr(jaxformer.decode.stream, "generate_stream", fake_stream)
     capsys.readouterr()
     assert main(["generate", "--model", path, "--chat", "--system", "Be brief.",
                  "What is 12 times 7?", "--max-new-tokens", "8"]) == 0
