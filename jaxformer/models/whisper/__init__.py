@@ -16,7 +16,8 @@ Modules, bottom up: `config` (`TransformerConfig`, CTranslate2 mapping), `tokens
 beam search), `decoding` (encoder, language detection, greedy and beam
 decoding), `audio` (WAV reading), `media` (any other
 audio or video file through PyAV, streamed), `features` (log-mel
-spectrogram), `checkpoint` (`Whisper`, `load`), `output` (`Transcript`, SRT),
+spectrogram), `checkpoint` (`Whisper`, `load`), `output` (`Transcript`, text, JSON),
+`subtitles` (SRT, WebVTT, TSV; word cues),
 `fallback` (temperature fallback, no-speech rule), `prompt` (initial prompt,
 previous text), `words` (word timestamps: alignment heads, DTW), `windows` (30 s
 windows and segments), `pipeline` (`transcribe`).
@@ -38,8 +39,9 @@ from jaxformer.models.whisper.fallback import (TEMPERATURES, Safeguards, compres
                                                final_choice, is_no_speech, needs_fallback)
 from jaxformer.models.whisper.features import (CHUNK_SAMPLES, HOP, N_FFT, log_mel_spectrogram,
                                                mel_filters, pad_or_trim)
-from jaxformer.models.whisper.output import (Segment, Transcript, srt, srt_time, to_json,
-                                             to_text)
+from jaxformer.models.whisper.output import Segment, Transcript, srt_time, to_json, to_text
+from jaxformer.models.whisper.subtitles import (check_layout, cues, format_timestamp, srt, tsv,
+                                                vtt)
 from jaxformer.models.whisper.pipeline import (AudioInput, check_options, check_thresholds,
                                                read_audio, transcribe)
 from jaxformer.models.whisper.prompt import (MAX_LENGTH, RESET_TEMPERATURE, Context,
@@ -79,7 +81,8 @@ __all__ = [
     # transcription
     "TEMPERATURES", "Safeguards", "compression_ratio", "final_choice", "is_no_speech",
     "needs_fallback", "Windows", "AudioInput", "check_options", "check_thresholds", "read_audio", "transcribe",
-    "Segment", "Transcript", "srt", "srt_time", "to_json", "to_text",
+    "Segment", "Transcript", "srt", "srt_time", "to_json", "to_text", "vtt", "tsv", "cues",
+    "format_timestamp", "check_layout",
     "FRAMES_PER_SECOND", "FRAMES_PER_TOKEN", "WINDOW_FRAMES", "features_of",
     "split_segments", "window_features", "window_samples",
 ]

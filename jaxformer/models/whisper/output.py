@@ -1,11 +1,11 @@
 """What transcription returns (`Transcript`, `Segment`) and its output formats
-(text, JSON, SRT)."""
+(text, JSON; the subtitle formats are in `subtitles`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Optional, Sequence
+from typing import Optional
 
 from jaxformer.models.whisper.words import Word
 
@@ -44,12 +44,6 @@ def srt_time(seconds: float) -> str:
     """SubRip time: HH:MM:SS,mmm."""
     ms = int(round(max(seconds, 0.0) * 1000))
     return f"{ms // 3_600_000:02d}:{ms // 60_000 % 60:02d}:{ms // 1000 % 60:02d},{ms % 1000:03d}"
-
-
-def srt(segments: Sequence[Segment]) -> str:
-    """SubRip subtitles: numbered blocks of `start --> end` and the text."""
-    return "".join(f"{i}\n{srt_time(s.start)} --> {srt_time(s.end)}\n{s.text}\n\n"
-                   for i, s in enumerate(segments, 1))
 
 
 def to_text(result: Transcript, timestamps: bool = False) -> str:
