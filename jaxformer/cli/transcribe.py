@@ -2,7 +2,8 @@
 
     jaxformer transcribe --model DIR talk.wav            # the text
     jaxformer transcribe --model DIR a.wav b.wav --json  # one JSON line per file
-    jaxformer transcribe --model DIR talk.wav --timestamps --format srt
+    jaxformer transcribe --model DIR talk.wav --timestamps --format srt   # or vtt, tsv
+    jaxformer transcribe --model DIR talk.wav --word-timestamps --format vtt --max-line-width 42
     jaxformer transcribe --model DIR talk.wav --initial-prompt "Glossary: JAX, Flax."
     jaxformer transcribe --model DIR talk.wav --word-timestamps --json   # words in JSON
 
@@ -32,7 +33,8 @@ import math
 from jaxformer.cli.args import finite_float, positive_float, positive_int
 from jaxformer.cli.usage import UsageError, require_positive
 
-FORMATS = ("text", "json", "srt")
+FORMATS = ("text", "json", "srt", "vtt", "tsv")
+SUBTITLES = ("srt", "vtt")  # the formats the word layout flags shape
 STATUS_EVERY_S = 10.0  # seconds between two status lines (no terminal, or --no-progress)
 
 
@@ -59,9 +61,23 @@ def add_parser(commands, add_common_flags) -> None:
                              "implies --timestamps): cross-attention alignment as "
                              "faster-whisper")
     parser.add_argument("--format", choices=FORMATS, default="text",
-                        help="text, json (one line per file) or srt (default text)")
+                        help="text, json (one line per file), srt, vtt (subtitles) or tsv "
+                             "(start and end in ms, text; the last three need "
+                             "--timestamps; default text)")
     parser.add_argument("--json", action="store_const", const="json", dest="format",
                         help="the same as --format json")
+    layout = parser.add_argument_group(
+        "subtitle layout", "srt and vtt cues cut by word timing, as openai-whisper's writers "
+        "(need --word-timestamps)")
+    layout.add_argument("--highlight-words", action="store_true",
+                        help="a cue per word, the word underlined (<u>word</u>)")
+    layout.add_argument("--max-line-width", type=positive_int, default=None, metavar="N",
+                        help="characters per line before a line break")
+    layout.add_argument("--max-line-count", type=positive_int, default=None, metavar="N",
+                        help="lines per cue (needs --max-line-width; cues then ignore "
+                             "segment bounds)")
+    layout.add_argument("--max-words-per-line", type=positive_int, default=None, metavar="N",
+                        help="words per cue, each segment cut in turn")
     parser.add_argument("--batch", type=positive_int, default=8,
                         help="30 s windows decoded together")
     safeguards = parser.add_argument_group(
@@ -164,6 +180,25 @@ def beam_of(args) -> None:
         raise UsageError(f"--{flag}: {error}") from error
 
 
+def layout_of(args) -> dict:
+    """The subtitle layout options set (`whisper.cues`), or UsageError naming a flag
+    that cannot act: without --word-timestamps, outside srt/vtt, or --max-line-count
+    without --max-line-width."""
+    flags = {"highlight_words": args.highlight_words, "max_line_width": args.max_line_width,
+             "max_line_count": args.max_line_count,
+             "max_words_per_line": args.max_words_per_line}
+    layout = {name: value for name, value in flags.items() if value not in (None, False)}
+    for name in layout:
+        flag = "--" + name.replace("_", "-")
+        if not args.word_timestamps:
+            raise UsageError(f"{flag} needs --word-timestamps (cues are cut by word timing)")
+        if args.format not in SUBTITLES:
+            raise UsageError(f"{flag} shapes subtitles: it needs --format srt or vtt")
+    if "max_line_count" in layout and "max_line_width" not in layout:
+        raise UsageError("--max-line-count needs --max-line-width (lines are cut by width)")
+    return layout
+
+
 def run(args) -> int:
     from jaxformer.models import whisper  # noqa: PLC0415
 
@@ -178,8 +213,9 @@ def run(args) -> int:
         raise UsageError(f"--language: {error}") from error
     if args.initial_prompt is not None and not args.initial_prompt.strip():
         raise UsageError("--initial-prompt: empty text (leave the flag out for no prompt)")
-    if args.format == "srt" and not (args.timestamps or args.word_timestamps):
-        raise UsageError("--format srt needs --timestamps")
+    if args.format in ("srt", "vtt", "tsv") and not (args.timestamps or args.word_timestamps):
+        raise UsageError(f"--format {args.format} needs --timestamps")
+    layout = layout_of(args)
     if not os.path.isdir(args.model):
         raise UsageError(f"--model {args.model}: not a directory (a CTranslate2 Whisper "
                               "folder with model.bin, vocabulary.txt and config.json, or a "
@@ -209,8 +245,11 @@ def run(args) -> int:
         if args.format == "json":
             print(json.dumps({"file": path, **result.to_dict()}, ensure_ascii=False),
                   flush=True)
-        elif args.format == "srt":
-            print(whisper.srt(result.segments), end="", flush=True)
+        elif args.format in SUBTITLES:
+            print(getattr(whisper, args.format)(result.segments, **layout), end="",
+                  flush=True)
+        elif args.format == "tsv":
+            print(whisper.tsv(result.segments), end="", flush=True)
         else:
             prefix = f"{path}: " if len(args.audio) > 1 else ""
             print(prefix + whisper.to_text(result, args.timestamps or args.word_timestamps),

@@ -63,10 +63,20 @@ def test_json_lines_of_a_44k_stereo_file(ct2_text, capsys):
     (["--patience", "0"], "--patience: must be a positive finite number"),
     (["--length-penalty", "nan"], "argument --length-penalty: must be a finite number"),
     (["--initial-prompt", "  "], "--initial-prompt: empty text"),
+    (["--format", "tsv"], "--format tsv needs --timestamps"),
+    (["--timestamps", "--format", "vtt", "--highlight-words"],
+     "--highlight-words needs --word-timestamps"),
+    (["--word-timestamps", "--json", "--max-line-width", "40"],
+     "--max-line-width shapes subtitles: it needs --format srt or vtt"),
+    (["--word-timestamps", "--format", "srt", "--max-line-count", "2"],
+     "--max-line-count needs --max-line-width"),
+    (["--word-timestamps", "--format", "srt", "--max-words-per-line", "0"],
+     "--max-words-per-line: must be a positive integer"),
 ], ids=["language", "translate-english-only", "srt-without-timestamps", "batch",
         "translate-named-english", "no-speech", "logprob", "ratio", "negative-temperature",
         "decreasing-temperatures", "temperature-word", "nan", "best-of", "beam-size",
-        "patience", "length-penalty", "empty-prompt"])
+        "patience", "length-penalty", "empty-prompt", "tsv-without-timestamps",
+        "highlight-without-words", "width-in-json", "count-without-width", "zero-words"])
 def test_bad_options_are_one_line_and_exit_2(flags, message, capsys):
     assert main(["transcribe", "--model", whisper_model_dir(), FOX, *flags]) == 2
     err = capsys.readouterr().err
@@ -155,3 +165,41 @@ def test_status_lines_come_at_a_low_rate_without_a_terminal():
     now[0] = 100.0
     status(3600.0, 3600.0)
     assert len(out.getvalue().splitlines()) == 3
+
+
+@pytest.mark.parametrize("fmt, flags, layout", [
+    ("vtt", ["--max-line-width", "12", "--max-line-count", "1"],
+     {"max_line_width": 12, "max_line_count": 1}),
+    ("srt", ["--highlight-words", "--max-words-per-line", "2"],
+     {"highlight_words": True, "max_words_per_line": 2}),
+    ("tsv", [], None),
+], ids=["vtt-width-count", "srt-highlight-words", "tsv"])
+def test_subtitle_flags_reach_the_writers(fmt, flags, layout, monkeypatch, capsys):
+    """The CLI prints `whisper.vtt/srt(segments, **layout)` (tested against
+    openai-whisper's writers in tests/models/test_whisper_subtitles.py) or
+    `whisper.tsv`, and the layout changes the cues; the model is replaced by a
+    made transcript (the flags, not the decoding, are under test)."""
+    words = tuple(whisper.Word(w, 0.3 * i, 0.3 * i + 0.25, 0.9)
+                  for i, w in enumerate([" The", " quick", " brown", " fox", " jumps."]))
+    result = whisper.Transcript("The quick brown fox jumps.", "en", None,
+                                (whisper.Segment(0.0, 1.5, "The quick brown fox jumps.",
+                                                 words),))
+    monkeypatch.setattr(whisper, "load", lambda path: object())
+    monkeypatch.setattr(whisper, "check_options", lambda *args: None)
+    seen = {}
+
+    def fake_transcribe(w, samples, **options):
+        seen.update(options)
+        return [result]
+
+    monkeypatch.setattr(whisper, "transcribe", fake_transcribe)
+    assert main(["transcribe", "--model", whisper_model_dir(), FOX, "--format", fmt,
+                 "--word-timestamps", "--no-progress", *flags]) == 0
+    out = capsys.readouterr().out
+    assert seen["word_timestamps"] is True
+    if layout is None:
+        assert out == whisper.tsv(result.segments)
+        assert out.splitlines()[1] == "0\t1500\tThe quick brown fox jumps."
+        return
+    writer = getattr(whisper, fmt)
+    assert out == writer(result.segments, **layout) != writer(result.segments)
