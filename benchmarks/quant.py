@@ -12,8 +12,9 @@ same run.
               defaults (then tuned: see tuning). llama.cpp: its C API through llama-cpp-python's
               ctypes bindings, B sequences in one llama_batch per step, greedy argmax on
               the host, --threads threads (default 2: this machine's cores).
-  bandwidth   a STREAM-like triad a = b + s c over three float32 arrays of 64 MB each
-              (jitted, XLA's threads), bytes = 3 x 64 MB per call, the best of 10.
+  bandwidth   a STREAM-like triad a = b + s c over three float32 arrays of 256 MB each
+              (8x this machine's 32 MB L3, so the bytes come from memory; jitted,
+              XLA's threads), bytes = 3 x 256 MB per call, the best of 10.
   fraction    bandwidth_fraction_b1 = the kept Q4_1 tree's bytes x batch-1 tokens/s /
               the triad's bytes/s: the share of the memory bandwidth batch-1 decoding
               would use if each token read every weight byte once. (On XLA:CPU the
@@ -63,7 +64,7 @@ import llamacpp_reference as ref  # noqa: E402
 PROMPT = "The capital of France is"
 
 
-def triad_bytes_per_s(mib: int = 64, repeats: int = 10) -> float:
+def triad_bytes_per_s(mib: int = 256, repeats: int = 10) -> float:
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
