@@ -8,6 +8,7 @@ unsupported quantization type) are refused with a ValueError naming the
 problem, before any tensor is decoded. The real SmolLM2 file: test_smollm2.py.
 """
 
+import os
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -312,3 +313,30 @@ def test_tensors_leave_host_memory_one_at_a_time(tmp_path, make_lm):
         tracemalloc.stop()
     total = jf.nn.param_bytes(loaded)  # (a CPU array may keep its numpy buffer: `held`)
     assert peak - held < total / 10, (peak, held, total)  # before: all at once, 0.26
+
+
+def mapped_bytes(path) -> int:
+    """Resident bytes of this process's memory maps of `path` (/proc/self/smaps)."""
+    total, current = 0, False
+    with open("/proc/self/smaps") as maps:
+        for line in maps:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+                current = len(fields) > 5 and fields[5] == str(path)
+            elif current and fields[0] == "Rss:":
+                total += int(fields[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads Linux's /proc")
+def test_a_loaded_model_keeps_nothing_of_the_files_memory_map(tmp_path, qlm):
+    """jax.device_put aliases a float32 view of the mapped file on a CPU: one such norm
+    weight kept every page of the file resident after loading (copied now)."""
+    import gc  # noqa: PLC0415
+
+    path = quantized_file(tmp_path / "q.gguf", qlm[1], Q.Q8_0)
+    for quantize in (None, "keep"):
+        loaded = llama.load_gguf(path, quantize=quantize)
+        gc.collect()
+        assert mapped_bytes(path) == 0, quantize
+        del loaded
