@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxformer as jf
-from jaxformer.nn.quant_params import quantize_params
+from jaxformer.nn import quantize_params
 from jaxformer.train import LMBatch, TrainConfig, train_functions
 
 # (bfloat16 dense FLOP/s, memory bytes/s) by a substring of `device.device_kind`.
