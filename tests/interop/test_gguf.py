@@ -340,3 +340,18 @@ def test_a_loaded_model_keeps_nothing_of_the_files_memory_map(tmp_path, qlm):
         gc.collect()
         assert mapped_bytes(path) == 0, quantize
         del loaded
+
+
+def test_the_plain_array_reader_reads_what_gguf_reads(tmp_path, qlm):
+    from jaxformer.interop.gguf import PlainArrayReader  # noqa: PLC0415
+
+    path = quantized_file(tmp_path / "q.gguf", qlm[1], Q.Q4_1)
+    want, got = gguf.GGUFReader(path), PlainArrayReader(path)
+    assert not isinstance(got.data, np.memmap)  # what makes it fast
+    assert list(got.fields) == list(want.fields)
+    for key, field in want.fields.items():
+        assert got.fields[key].contents() == field.contents(), key
+    assert [t.name for t in got.tensors] == [t.name for t in want.tensors]
+    for mine, theirs in zip(got.tensors, want.tensors):
+        assert (mine.tensor_type, mine.data_offset) == (theirs.tensor_type, theirs.data_offset)
+        np.testing.assert_array_equal(mine.data, theirs.data)
