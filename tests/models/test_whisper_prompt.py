@@ -37,10 +37,14 @@ def minute():
     return signal + rng.normal(0, 1e-3, len(signal)).astype(np.float32)
 
 
+def ours_of(w, audio, timestamps=True, **options):
+    return whisper.transcribe(w, audio, timestamps=timestamps, temperature=0.0, beam_size=1,
+                              **options)
+
+
 def both(models, audio, timestamps=True, **options):
     w, reference = models
-    ours = whisper.transcribe(w, audio, timestamps=timestamps, temperature=0.0, beam_size=1,
-                              **options)
+    ours = ours_of(w, audio, timestamps, **options)
     segments, _ = reference.transcribe(audio, beam_size=1, best_of=1, temperature=0.0,
                                        without_timestamps=not timestamps, **options)
     return ours, list(segments)
@@ -65,22 +69,30 @@ SETTINGS = {
 }
 
 
+@pytest.fixture(scope="module")
+def texts():
+    """{setting: our text of the minute}, filled by the test below (a minute's transcript
+    is 4-10 s of CPU: the must-differ test reuses them rather than decoding them again)."""
+    return {}
+
+
 @pytest.mark.parametrize("name", list(SETTINGS))
-def test_text_and_segments_equal_faster_whispers(name, models, minute):
+def test_text_and_segments_equal_faster_whispers(name, models, minute, texts):
     ours, theirs = both(models, minute, **SETTINGS[name])
+    texts[name] = ours.text
     assert_same(ours, theirs)
     assert len(ours.segments) >= 2 and ours.segments[-1].end > 30  # several windows
 
 
-def test_the_settings_change_the_text(models, minute):
+def test_the_settings_change_the_text(models, minute, texts):
     """Must differ: without the prompt (and without the previous text) the same audio
     gives other text, so the equalities above test what the prompt does."""
     w = models[0]
-    texts = {name: whisper.transcribe(w, minute, timestamps=True, temperature=0.0, beam_size=1,
-                                      **options).text for name, options in SETTINGS.items()}
-    plain = whisper.transcribe(w, minute, timestamps=True, temperature=0.0, beam_size=1,
-                               condition_on_previous_text=False).text
-    assert len({plain, *texts.values()}) == 4
+    for name, options in SETTINGS.items():
+        if name not in texts:  # (run alone)
+            texts[name] = ours_of(w, minute, **options).text
+    plain = ours_of(w, minute, condition_on_previous_text=False).text
+    assert len({plain, *(texts[name] for name in SETTINGS)}) == 4
 
 
 def test_conditioning_without_timestamps_equals_faster_whisper(models, minute):
