@@ -33,9 +33,20 @@ from jaxformer.nn import checks
 
 
 def rope_frequencies(head_dim: int, theta: float) -> np.ndarray:
-    """(K/2,) float32 inverse frequencies theta^(-2i/K)."""
-    return (1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
-            ).astype(np.float32)
+    """(K/2,) float32 inverse frequencies theta^(-2i/K), as transformers computes them.
+
+    transformers (the reference every imported checkpoint is compared with) takes
+    `1.0 / (theta ** (arange(0, K, 2) / K))` in float32: the exponent 2i/K rounded to
+    float32, theta rounded to float32, the power rounded to float32 (torch's scalar
+    path is glibc's `powf`, which rounds correctly in all but rare cases), then the
+    float32 reciprocal. The power is taken here in float64 and rounded once, so the
+    result does not depend on numpy's float32 `power` (a SIMD approximation a few
+    ulps off: 5 of SmolLM2's 32 frequencies differed). torch's vectorized `pow`
+    (Sleef, 1 ulp) can still differ by an ulp at some (K, theta), from 32 pairs up.
+    """
+    exponent = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+    power = np.float64(np.float32(theta)) ** exponent.astype(np.float64)
+    return np.float32(1.0) / power.astype(np.float32)
 
 
 def scaled_frequencies(inv_freq: np.ndarray, kind: Optional[str], factor: float,
