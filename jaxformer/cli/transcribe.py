@@ -98,6 +98,12 @@ def add_parser(commands, add_common_flags) -> None:
     safeguards.add_argument("--no-speech-threshold", type=optional_number, default=0.6,
                             metavar="P", help="drop a window whose no-speech probability is "
                                               "above, unless confident (default 0.6)")
+    safeguards.add_argument("--hallucination-silence-threshold", type=optional_number,
+                            default=None, metavar="S",
+                            help="with --word-timestamps: skip a likely hallucination "
+                                 "(improbable, very short or long words) with over S "
+                                 "seconds of silence around it, and the silence before it "
+                                 "(default none)")
     beam = parser.add_argument_group(
         "beam search", "at temperature 0, as faster-whisper (CTranslate2) runs it")
     beam.add_argument("--beam-size", type=positive_int, default=5,
@@ -216,6 +222,12 @@ def run(args) -> int:
     if args.format in ("srt", "vtt", "tsv") and not (args.timestamps or args.word_timestamps):
         raise UsageError(f"--format {args.format} needs --timestamps")
     layout = layout_of(args)
+    threshold = args.hallucination_silence_threshold
+    if threshold is not None and not args.word_timestamps:
+        raise UsageError("--hallucination-silence-threshold needs --word-timestamps (the "
+                         "rule reads the words' timing and probability)")
+    if threshold is not None and threshold < 0:
+        raise UsageError(f"--hallucination-silence-threshold: seconds >= 0, got {threshold:g}")
     if not os.path.isdir(args.model):
         raise UsageError(f"--model {args.model}: not a directory (a CTranslate2 Whisper "
                               "folder with model.bin, vocabulary.txt and config.json, or a "
@@ -236,6 +248,7 @@ def run(args) -> int:
                                         length_penalty=args.length_penalty,
                                         initial_prompt=args.initial_prompt,
                                         word_timestamps=args.word_timestamps,
+                                        hallucination_silence_threshold=threshold,
                                         condition_on_previous_text=(
                                             args.condition_on_previous_text),
                                         progress=_progress_bar(args))

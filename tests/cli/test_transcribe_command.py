@@ -72,11 +72,18 @@ def test_json_lines_of_a_44k_stereo_file(ct2_text, capsys):
      "--max-line-count needs --max-line-width"),
     (["--word-timestamps", "--format", "srt", "--max-words-per-line", "0"],
      "--max-words-per-line: must be a positive integer"),
+    (["--hallucination-silence-threshold", "2"],
+     "--hallucination-silence-threshold needs --word-timestamps"),
+    (["--word-timestamps", "--hallucination-silence-threshold", "-1"],
+     "--hallucination-silence-threshold: seconds >= 0, got -1"),
+    (["--word-timestamps", "--hallucination-silence-threshold", "inf"],
+     "--hallucination-silence-threshold: must be a finite number"),
 ], ids=["language", "translate-english-only", "srt-without-timestamps", "batch",
         "translate-named-english", "no-speech", "logprob", "ratio", "negative-temperature",
         "decreasing-temperatures", "temperature-word", "nan", "best-of", "beam-size",
         "patience", "length-penalty", "empty-prompt", "tsv-without-timestamps",
-        "highlight-without-words", "width-in-json", "count-without-width", "zero-words"])
+        "highlight-without-words", "width-in-json", "count-without-width", "zero-words",
+        "hallucination-without-words", "negative-silence", "infinite-silence"])
 def test_bad_options_are_one_line_and_exit_2(flags, message, capsys):
     assert main(["transcribe", "--model", whisper_model_dir(), FOX, *flags]) == 2
     err = capsys.readouterr().err
@@ -194,9 +201,10 @@ def test_subtitle_flags_reach_the_writers(fmt, flags, layout, monkeypatch, capsy
 
     monkeypatch.setattr(whisper, "transcribe", fake_transcribe)
     assert main(["transcribe", "--model", whisper_model_dir(), FOX, "--format", fmt,
-                 "--word-timestamps", "--no-progress", *flags]) == 0
+                 "--word-timestamps", "--no-progress", "--hallucination-silence-threshold",
+                 "1.5", *flags]) == 0
     out = capsys.readouterr().out
-    assert seen["word_timestamps"] is True
+    assert seen["word_timestamps"] is True and seen["hallucination_silence_threshold"] == 1.5
     if layout is None:
         assert out == whisper.tsv(result.segments)
         assert out.splitlines()[1] == "0\t1500\tThe quick brown fox jumps."

@@ -19,7 +19,8 @@ audio or video file through PyAV, streamed), `features` (log-mel
 spectrogram), `checkpoint` (`Whisper`, `load`), `output` (`Transcript`, text, JSON),
 `subtitles` (SRT, WebVTT, TSV; word cues),
 `fallback` (temperature fallback, no-speech rule), `prompt` (initial prompt,
-previous text), `words` (word timestamps: alignment heads, DTW), `windows` (30 s
+previous text), `words` (word timestamps: alignment heads, DTW), `hallucination`
+(silence around likely hallucinations), `windows` (30 s
 windows and segments), `pipeline` (`transcribe`).
 """
 
@@ -37,6 +38,8 @@ from jaxformer.models.whisper.decoding import (Generated, detect_language, encod
 from jaxformer.models.whisper.media import MediaFile, open_media, read_media
 from jaxformer.models.whisper.fallback import (TEMPERATURES, Safeguards, compression_ratio,
                                                final_choice, is_no_speech, needs_fallback)
+from jaxformer.models.whisper.hallucination import (is_segment_anomaly, skip_hallucinations,
+                                                    word_anomaly_score)
 from jaxformer.models.whisper.features import (CHUNK_SAMPLES, HOP, N_FFT, log_mel_spectrogram,
                                                mel_filters, pad_or_trim)
 from jaxformer.models.whisper.output import Segment, Transcript, srt_time, to_json, to_text
@@ -80,7 +83,8 @@ __all__ = [
     "beam_program", "beam_replacements", "check_beam", "max_candidates",
     # transcription
     "TEMPERATURES", "Safeguards", "compression_ratio", "final_choice", "is_no_speech",
-    "needs_fallback", "Windows", "AudioInput", "check_options", "check_thresholds", "read_audio", "transcribe",
+    "needs_fallback", "is_segment_anomaly", "skip_hallucinations", "word_anomaly_score",
+    "Windows", "AudioInput", "check_options", "check_thresholds", "read_audio", "transcribe",
     "Segment", "Transcript", "srt", "srt_time", "to_json", "to_text", "vtt", "tsv", "cues",
     "format_timestamp", "check_layout",
     "FRAMES_PER_SECOND", "FRAMES_PER_TOKEN", "WINDOW_FRAMES", "features_of",

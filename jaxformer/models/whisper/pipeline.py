@@ -37,6 +37,7 @@ from jaxformer.models.whisper.checkpoint import Whisper
 from jaxformer.models.whisper.beam import check_beam
 from jaxformer.models.whisper.fallback import TEMPERATURES, Safeguards
 from jaxformer.models.whisper.features import HOP
+from jaxformer.models.whisper.hallucination import check_threshold
 from jaxformer.models.whisper.decoding import detect_language
 from jaxformer.models.whisper.output import Segment, Transcript
 from jaxformer.models.whisper.prompt import Context, PromptInput, encode_text
@@ -102,6 +103,7 @@ def transcribe(w: Whisper, audio: Union[AudioInput, Sequence[AudioInput]], *,
                beam_size: int = 5, patience: float = 1.0, length_penalty: float = 1.0,
                initial_prompt: PromptInput = None, condition_on_previous_text: bool = True,
                word_timestamps: bool = False,
+               hallucination_silence_threshold: Optional[float] = None,
                progress: Optional[Callable[[float, float], None]] = None
                ) -> Union[Transcript, list[Transcript]]:
     """Transcribe (or translate to English) one audio input or a list of them.
@@ -157,6 +159,10 @@ def transcribe(w: Whisper, audio: Union[AudioInput, Sequence[AudioInput]], *,
       word_timestamps: each segment's `words` (word, start, end, probability), from
         the cross-attention of the checkpoint's alignment heads and DTW
         (`words`, as faster-whisper); implies `timestamps`.
+      hallucination_silence_threshold: with word timestamps, seconds of silence
+        around a likely hallucination (improbable, very short or very long words)
+        that make it skipped, and the silence before it (`hallucination`, as
+        faster-whisper and openai-whisper; None: off).
       progress: called as `progress(seconds done, seconds in total)` after each
         window skipped and each batch decoded.
     Raises:
@@ -181,6 +187,10 @@ def transcribe(w: Whisper, audio: Union[AudioInput, Sequence[AudioInput]], *,
     initial = encode_text(w, initial_prompt)
     if not isinstance(word_timestamps, bool):
         raise ValueError(f"word_timestamps must be True or False, got {word_timestamps!r}")
+    check_threshold(hallucination_silence_threshold)
+    if hallucination_silence_threshold is not None and not word_timestamps:
+        raise ValueError("hallucination_silence_threshold needs word_timestamps=True (the "
+                         "rule reads the words' timing and probability)")
     timestamps = timestamps or word_timestamps
     sources = [read_audio(item) for item in items]  # every file is checked first
     frames = [s.num_samples // HOP for s in sources]
@@ -195,6 +205,7 @@ def transcribe(w: Whisper, audio: Union[AudioInput, Sequence[AudioInput]], *,
                             w.model.config.num_heads) if word_timestamps else ()
     windows = Windows(w, sources, prompts, max_text_tokens, safeguards, context=context,
                       word_heads=heads, beam_size=beam_size,
+                      hallucination_silence_threshold=hallucination_silence_threshold,
                       patience=patience, length_penalty=length_penalty)
     total = sum(frames) / FRAMES_PER_SECOND
     report = (lambda done: progress(done / FRAMES_PER_SECOND, total)) if progress else None

@@ -13,7 +13,9 @@ from jaxformer.models.whisper import audio as audio_lib
 from jaxformer.models.whisper import features as features_lib
 from jaxformer.models.whisper.checkpoint import Whisper
 from jaxformer.models.whisper.config import N_FRAMES
-from jaxformer.models.whisper.decoding import Generated, generate
+from jaxformer.models.whisper import decoding
+from jaxformer.models.whisper.decoding import Generated
+from jaxformer.models.whisper.hallucination import skip_hallucinations
 from jaxformer.models.whisper.fallback import (Safeguards, final_choice, is_no_speech,
                                                 needs_fallback)
 from jaxformer.models.whisper.prompt import Context
@@ -118,18 +120,20 @@ class Windows:
     prompts: list
     max_text_tokens: int
     safeguards: Safeguards = dataclasses.field(default_factory=Safeguards)
-    generate: Callable[..., list[Generated]] = generate
+    generate: Optional[Callable[..., list[Generated]]] = None  # None: decoding.generate
     beam_size: int = 1
     patience: float = 1.0
     length_penalty: float = 1.0
     context: Optional[Context] = None
     word_heads: tuple = ()  # (layer, head) pairs: word timestamps (`words`), or ()
+    hallucination_silence_threshold: Optional[float] = None  # `hallucination`, with words
 
     def prompt(self, f: int) -> list[int]:
         return self.context.prompt(f, self.prompts[f]) if self.context else self.prompts[f]
 
     def __post_init__(self):
         self.n_mels = self.w.n_mels
+        self.generate = self.generate or decoding.generate
         check_finite_params(self.w.params)  # NaN/inf refused once, not once per window
         self.log: list[tuple[int, tuple[float, ...], bool]] = []
 
@@ -269,11 +273,12 @@ def seek_windows(windows: Windows, frames: list[int], timestamp_begin: int, batc
                 seek[f] = s + max(n, 1)
                 continue
             pieces, advance = split_segments(ids, timestamp_begin, s, n)
+            redo = False
             if windows.word_heads:
-                pieces, advance = add_words(windows, f, x_of[k], pieces, ids, s, n, advance,
-                                            last_speech, timestamp_begin)
+                pieces, advance, redo = add_words(windows, f, x_of[k], pieces, ids, s, n,
+                                                  advance, last_speech, timestamp_begin)
             segments[f].extend(pieces)
-            if windows.context:  # the window's text joins the file's prompt
+            if windows.context and not redo:  # the window's text joins the file's prompt
                 temperature = windows.log[-len(batch):][k][1][-1]
                 windows.context.add(f, [p for a, b, p, *_ in pieces if a != b and decode_text(
                     windows.w.vocab, p).strip()], temperature)
@@ -286,9 +291,13 @@ def add_words(windows: Windows, f: int, features_TM, pieces, ids, seek: int, siz
     """A window's segments with their words (`words.find_alignment`,
     `words.window_words`) as 4-tuples (start, end, ids, words), and the frames to
     advance: when the window does not end on a single timestamp, the next one
-    starts at the last word's end (faster-whisper). The file's prompt (timestamps
+    starts at the last word's end (faster-whisper); with
+    `windows.hallucination_silence_threshold`, `hallucination.skip_hallucinations`
+    then drops likely hallucinations (third value: the whole window is dropped and
+    decoded again from the returned advance). The file's prompt (timestamps
     on) is the <|startoftranscript|> sequence the alignment forward starts with."""
     eot = windows.w.model.config.eos_id
+    before = last_speech[f]
     # faster-whisper counts one frame more at the end of a file (its features of the
     # samples and one hop of padding): the alignment reads that frame too.
     last = seek + size >= windows.sources[f].num_samples // HOP
@@ -304,4 +313,12 @@ def add_words(windows: Windows, f: int, features_TM, pieces, ids, seek: int, siz
     single_ending = [i >= timestamp_begin for i in ids[-2:]] == [False, True]
     if not single_ending and end is not None and end > offset:
         advance = round(end * FRAMES_PER_SECOND) - seek
-    return out, advance
+    threshold = windows.hallucination_silence_threshold
+    if threshold is None:
+        return out, advance, False
+    out, new_seek, redo = skip_hallucinations(
+        out, threshold, seek, size, before, windows.sources[f].num_samples // HOP)
+    ends = [w.end for *_, ws in reversed(out) for w in reversed(ws)]
+    end = ends[0] if ends else (out[-1][1] if out else None)
+    last_speech[f] = before if redo or end is None else end
+    return out, advance if new_seek is None else new_seek - seek, redo
