@@ -78,6 +78,9 @@ def add_parser(commands, add_common_flags) -> None:
                              "segment bounds)")
     layout.add_argument("--max-words-per-line", type=positive_int, default=None, metavar="N",
                         help="words per cue, each segment cut in turn")
+    parser.add_argument("--clip-timestamps", metavar="START,END,...", default=None,
+                        help="decode only these stretches of each file, in seconds "
+                             "(the last end may be left out: the file's end)")
     parser.add_argument("--batch", type=positive_int, default=8,
                         help="30 s windows decoded together")
     safeguards = parser.add_argument_group(
@@ -226,6 +229,11 @@ def run(args) -> int:
     if threshold is not None and not args.word_timestamps:
         raise UsageError("--hallucination-silence-threshold needs --word-timestamps (the "
                          "rule reads the words' timing and probability)")
+    if args.clip_timestamps is not None:
+        try:
+            whisper.parse_clips(args.clip_timestamps)
+        except ValueError as error:
+            raise UsageError(f"--clip-timestamps: {error}") from error
     if threshold is not None and threshold < 0:
         raise UsageError(f"--hallucination-silence-threshold: seconds >= 0, got {threshold:g}")
     if not os.path.isdir(args.model):
@@ -249,6 +257,7 @@ def run(args) -> int:
                                         initial_prompt=args.initial_prompt,
                                         word_timestamps=args.word_timestamps,
                                         hallucination_silence_threshold=threshold,
+                                        clip_timestamps=args.clip_timestamps,
                                         condition_on_previous_text=(
                                             args.condition_on_previous_text),
                                         progress=_progress_bar(args))

@@ -78,12 +78,14 @@ def test_json_lines_of_a_44k_stereo_file(ct2_text, capsys):
      "--hallucination-silence-threshold: seconds >= 0, got -1"),
     (["--word-timestamps", "--hallucination-silence-threshold", "inf"],
      "--hallucination-silence-threshold: must be a finite number"),
+    (["--clip-timestamps", "5,2"], "--clip-timestamps: clip_timestamps must be in order"),
 ], ids=["language", "translate-english-only", "srt-without-timestamps", "batch",
         "translate-named-english", "no-speech", "logprob", "ratio", "negative-temperature",
         "decreasing-temperatures", "temperature-word", "nan", "best-of", "beam-size",
         "patience", "length-penalty", "empty-prompt", "tsv-without-timestamps",
         "highlight-without-words", "width-in-json", "count-without-width", "zero-words",
-        "hallucination-without-words", "negative-silence", "infinite-silence"])
+        "hallucination-without-words", "negative-silence", "infinite-silence",
+        "clips-out-of-order"])
 def test_bad_options_are_one_line_and_exit_2(flags, message, capsys):
     assert main(["transcribe", "--model", whisper_model_dir(), FOX, *flags]) == 2
     err = capsys.readouterr().err
@@ -202,9 +204,10 @@ def test_subtitle_flags_reach_the_writers(fmt, flags, layout, monkeypatch, capsy
     monkeypatch.setattr(whisper, "transcribe", fake_transcribe)
     assert main(["transcribe", "--model", whisper_model_dir(), FOX, "--format", fmt,
                  "--word-timestamps", "--no-progress", "--hallucination-silence-threshold",
-                 "1.5", *flags]) == 0
+                 "1.5", "--clip-timestamps", "0,20", *flags]) == 0
     out = capsys.readouterr().out
     assert seen["word_timestamps"] is True and seen["hallucination_silence_threshold"] == 1.5
+    assert seen["clip_timestamps"] == "0,20"
     if layout is None:
         assert out == whisper.tsv(result.segments)
         assert out.splitlines()[1] == "0\t1500\tThe quick brown fox jumps."

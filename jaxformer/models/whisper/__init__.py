@@ -46,7 +46,7 @@ from jaxformer.models.whisper.output import Segment, Transcript, srt_time, to_js
 from jaxformer.models.whisper.subtitles import (check_layout, cues, format_timestamp, srt, tsv,
                                                 vtt)
 from jaxformer.models.whisper.pipeline import (AudioInput, check_options, check_thresholds,
-                                               read_audio, transcribe)
+                                               parse_clips, read_audio, transcribe)
 from jaxformer.models.whisper.prompt import (MAX_LENGTH, RESET_TEMPERATURE, Context,
                                               PromptInput, conditioned, encode_text)
 from jaxformer.models.whisper.rules import (EndAfter, SuppressAtPromptEnd, TimestampRules,
@@ -85,6 +85,7 @@ __all__ = [
     "TEMPERATURES", "Safeguards", "compression_ratio", "final_choice", "is_no_speech",
     "needs_fallback", "is_segment_anomaly", "skip_hallucinations", "word_anomaly_score",
     "Windows", "AudioInput", "check_options", "check_thresholds", "read_audio", "transcribe",
+    "parse_clips",
     "Segment", "Transcript", "srt", "srt_time", "to_json", "to_text", "vtt", "tsv", "cues",
     "format_timestamp", "check_layout",
     "FRAMES_PER_SECOND", "FRAMES_PER_TOKEN", "WINDOW_FRAMES", "features_of",

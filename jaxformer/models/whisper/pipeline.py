@@ -25,6 +25,7 @@ conditioning on the previous windows' text (`prompt`), and word timestamps
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Callable, Optional, Sequence, Union
 
@@ -104,6 +105,7 @@ def transcribe(w: Whisper, audio: Union[AudioInput, Sequence[AudioInput]], *,
                initial_prompt: PromptInput = None, condition_on_previous_text: bool = True,
                word_timestamps: bool = False,
                hallucination_silence_threshold: Optional[float] = None,
+               clip_timestamps: Union[str, Sequence[float], None] = None,
                progress: Optional[Callable[[float, float], None]] = None
                ) -> Union[Transcript, list[Transcript]]:
     """Transcribe (or translate to English) one audio input or a list of them.
@@ -163,6 +165,10 @@ def transcribe(w: Whisper, audio: Union[AudioInput, Sequence[AudioInput]], *,
         around a likely hallucination (improbable, very short or very long words)
         that make it skipped, and the silence before it (`hallucination`, as
         faster-whisper and openai-whisper; None: off).
+      clip_timestamps: the stretches of each file to decode, "start,end,start,end,..."
+        in seconds (a string or numbers; the last end may be left out: the file's
+        end), as openai-whisper's and faster-whisper's `clip_timestamps`: windows
+        start inside a clip and their audio stops at its end (`parse_clips`).
       progress: called as `progress(seconds done, seconds in total)` after each
         window skipped and each batch decoded.
     Raises:
@@ -191,6 +197,7 @@ def transcribe(w: Whisper, audio: Union[AudioInput, Sequence[AudioInput]], *,
     if hallucination_silence_threshold is not None and not word_timestamps:
         raise ValueError("hallucination_silence_threshold needs word_timestamps=True (the "
                          "rule reads the words' timing and probability)")
+    clips = parse_clips(clip_timestamps)
     timestamps = timestamps or word_timestamps
     sources = [read_audio(item) for item in items]  # every file is checked first
     frames = [s.num_samples // HOP for s in sources]
@@ -209,8 +216,8 @@ def transcribe(w: Whisper, audio: Union[AudioInput, Sequence[AudioInput]], *,
                       patience=patience, length_penalty=length_penalty)
     total = sum(frames) / FRAMES_PER_SECOND
     report = (lambda done: progress(done / FRAMES_PER_SECOND, total)) if progress else None
-    if timestamps or context:
-        segments = seek_windows(windows, frames, t.timestamp_begin, batch_size, report)
+    if timestamps or context or clips:
+        segments = seek_windows(windows, frames, t.timestamp_begin, batch_size, report, clips)
     else:
         segments = consecutive_windows(windows, frames, batch_size, report)
     results = []
@@ -222,6 +229,35 @@ def transcribe(w: Whisper, audio: Union[AudioInput, Sequence[AudioInput]], *,
             tuple(Segment(round(seg[0], 3), round(seg[1], 3), text, *seg[3:])
                   for seg, text in zip(segs, texts) if text)))  # silence: no segment
     return results[0] if single else results
+
+
+def parse_clips(clip_timestamps: Union[str, Sequence[float], None]
+                ) -> Optional[list[tuple[int, Optional[int]]]]:
+    """(first mel frame, end frame or None: the file's end) of each clip of
+    "start,end,start,end,..." seconds, or None for the whole file.
+
+    Raises:
+      ValueError unless the times are finite, >= 0, each clip's end after its start,
+      and each clip after the one before.
+    """
+    if clip_timestamps is None:
+        return None
+    text = clip_timestamps if isinstance(clip_timestamps, str) else None
+    try:
+        times = ([float(x) for x in text.split(",")] if text is not None
+                 else [float(x) for x in clip_timestamps])
+    except (TypeError, ValueError):
+        raise ValueError(f"clip_timestamps must be seconds 'start,end,start,end,...', got "
+                         f"{clip_timestamps!r}") from None
+    if not times or not all(math.isfinite(x) and x >= 0 for x in times):
+        raise ValueError(f"clip_timestamps must be finite seconds >= 0, got {clip_timestamps!r}")
+    for i in range(1, len(times)):
+        if times[i] <= times[i - 1] if i % 2 else times[i] < times[i - 1]:
+            raise ValueError(f"clip_timestamps must be in order, each clip's end after its "
+                             f"start: {times[i - 1]:g} then {times[i]:g}")
+    frames = [round(x * FRAMES_PER_SECOND) for x in times]
+    ends = frames[1::2] + [None] * (len(frames) % 2)
+    return list(zip(frames[::2], ends))
 
 
 def detect(w: Whisper, t: Tokens, sources: list, language: str,

@@ -146,9 +146,18 @@ class Windows:
             return total if self.length_penalty == 0 else float("-inf")
         return total / n ** self.length_penalty
 
-    def features(self, f: int, seek: int) -> Optional[np.ndarray]:
+    def features(self, f: int, seek: int, stop: Optional[int] = None
+                 ) -> Optional[np.ndarray]:
+        """The window's features; with `stop` (a clip's end), the frames from mel frame
+        `stop` on are 0.0 (faster-whisper's slice of the file's features, padded)."""
         chunk = window_samples(self.sources[f], seek)
-        return None if audio_lib.is_silent(chunk) else features_of(chunk, self.n_mels)
+        inside = chunk if stop is None else chunk[:max(stop - seek, 0) * features_lib.HOP]
+        if audio_lib.is_silent(inside):
+            return None
+        out = features_of(chunk, self.n_mels)
+        if stop is not None:
+            out[max(stop - seek, 0):] = 0.0
+        return out
 
     def decode(self, batch: list[tuple[int, np.ndarray]], rows: int
                ) -> list[Optional[list[int]]]:
@@ -234,20 +243,39 @@ def consecutive_windows(windows: Windows, frames: list[int], batch_size: int, re
 
 
 def seek_windows(windows: Windows, frames: list[int], timestamp_begin: int, batch_size: int,
-                 report) -> list[list[tuple[float, float, list[int]]]]:
+                 report, clips: Optional[Sequence[tuple[int, Optional[int]]]] = None
+                 ) -> list[list[tuple[float, float, list[int]]]]:
     """Sequential windows: each file's next window starts where `split_segments` says
     (after the window when it has no timestamps); the current windows of up to
     `batch_size` files are decoded together. A silent window, or one the no-speech
     rule drops, is skipped whole. With `windows.context`, each decoded window's
-    segments (those with text) join its file's prompt (`prompt.Context.add`)."""
+    segments (those with text) join its file's prompt (`prompt.Context.add`).
+    `clips`: (first frame, end frame or None for the file's end) of the stretches of
+    every file to decode, in order (openai-whisper's `clip_timestamps`): windows
+    start inside them and their audio stops at their end."""
+    clips = list(clips) if clips else [(0, None)]
+    clip = [0] * len(frames)  # per file, the clip being decoded
     seek = [0] * len(frames)
     last_speech = [0.0] * len(frames)  # per file, for word timestamps
     segments = [[] for _ in frames]
     started = [False] * len(frames)  # an empty file still gets one window
     rows = padded_rows(len(frames), batch_size)
 
+    def clip_end(f):
+        end = clips[min(clip[f], len(clips) - 1)][1]
+        return frames[f] if end is None else min(end, frames[f])
+
+    def active(f):
+        """Moves file f's seek into its current clip (or the next); False when done."""
+        while clip[f] < len(clips):
+            seek[f] = max(seek[f], clips[clip[f]][0])
+            if seek[f] < clip_end(f):
+                return True
+            clip[f] += 1
+        return False
+
     def size(f):
-        return max(min(WINDOW_FRAMES, frames[f] - seek[f]), 0)
+        return max(min(WINDOW_FRAMES, clip_end(f) - seek[f]), 0)
 
     def progressed():
         if report:
@@ -256,9 +284,10 @@ def seek_windows(windows: Windows, frames: list[int], timestamp_begin: int, batc
     while True:
         batch = []
         for f in range(len(frames)):
-            while len(batch) < rows and (seek[f] < frames[f] or not started[f]):
+            while len(batch) < rows and (active(f) or not started[f]):
                 started[f] = True
-                x = windows.features(f, seek[f])
+                x = windows.features(f, seek[f], clip_end(f) if clip_end(f) < frames[f]
+                                     else None)
                 if x is not None:
                     batch.append((f, x))
                     break
