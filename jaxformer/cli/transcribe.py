@@ -33,8 +33,10 @@ import math
 from jaxformer.cli.args import finite_float, positive_float, positive_int
 from jaxformer.cli.usage import UsageError, require_positive
 
-FORMATS = ("text", "json", "srt", "vtt", "tsv")
-SUBTITLES = ("srt", "vtt")  # the formats the word layout flags shape
+EXTENSIONS = {"text": "txt", "json": "json", "srt": "srt", "vtt": "vtt", "tsv": "tsv"}
+FORMATS = (*EXTENSIONS, "all")
+SUBTITLES = ("srt", "vtt", "all")  # the formats the word layout flags shape
+TIMED = ("srt", "vtt", "tsv", "all")  # the formats that need --timestamps
 STATUS_EVERY_S = 10.0  # seconds between two status lines (no terminal, or --no-progress)
 
 
@@ -61,9 +63,14 @@ def add_parser(commands, add_common_flags) -> None:
                              "implies --timestamps): cross-attention alignment as "
                              "faster-whisper")
     parser.add_argument("--format", choices=FORMATS, default="text",
-                        help="text, json (one line per file), srt, vtt (subtitles) or tsv "
-                             "(start and end in ms, text; the last three need "
-                             "--timestamps; default text)")
+                        help="text, json (one line per file), srt, vtt (subtitles), tsv "
+                             "(start and end in ms, text) or all (each of them, with "
+                             "--output-dir); srt, vtt, tsv and all need --timestamps "
+                             "(default text)")
+    parser.add_argument("--output-dir", metavar="DIR", default=None,
+                        help="write each file's result to DIR/NAME.txt (.json, .srt, .vtt, "
+                             ".tsv) instead of stdout; existing files are never "
+                             "overwritten (refused before decoding)")
     parser.add_argument("--json", action="store_const", const="json", dest="format",
                         help="the same as --format json")
     layout = parser.add_argument_group(
@@ -202,7 +209,7 @@ def layout_of(args) -> dict:
         if not args.word_timestamps:
             raise UsageError(f"{flag} needs --word-timestamps (cues are cut by word timing)")
         if args.format not in SUBTITLES:
-            raise UsageError(f"{flag} shapes subtitles: it needs --format srt or vtt")
+            raise UsageError(f"{flag} shapes subtitles: it needs --format srt, vtt or all")
     if "max_line_count" in layout and "max_line_width" not in layout:
         raise UsageError("--max-line-count needs --max-line-width (lines are cut by width)")
     return layout
@@ -222,7 +229,7 @@ def run(args) -> int:
         raise UsageError(f"--language: {error}") from error
     if args.initial_prompt is not None and not args.initial_prompt.strip():
         raise UsageError("--initial-prompt: empty text (leave the flag out for no prompt)")
-    if args.format in ("srt", "vtt", "tsv") and not (args.timestamps or args.word_timestamps):
+    if args.format in TIMED and not (args.timestamps or args.word_timestamps):
         raise UsageError(f"--format {args.format} needs --timestamps")
     layout = layout_of(args)
     threshold = args.hallucination_silence_threshold
@@ -236,6 +243,7 @@ def run(args) -> int:
             raise UsageError(f"--clip-timestamps: {error}") from error
     if threshold is not None and threshold < 0:
         raise UsageError(f"--hallucination-silence-threshold: seconds >= 0, got {threshold:g}")
+    targets = output_paths(args)
     if not os.path.isdir(args.model):
         raise UsageError(f"--model {args.model}: not a directory (a CTranslate2 Whisper "
                               "folder with model.bin, vocabulary.txt and config.json, or a "
@@ -264,19 +272,55 @@ def run(args) -> int:
     except ValueError as error:  # FileFormatError included
         raise UsageError(str(error)) from error
     for path, result in zip(args.audio, results):
-        if args.format == "json":
-            print(json.dumps({"file": path, **result.to_dict()}, ensure_ascii=False),
-                  flush=True)
-        elif args.format in SUBTITLES:
-            print(getattr(whisper, args.format)(result.segments, **layout), end="",
-                  flush=True)
-        elif args.format == "tsv":
-            print(whisper.tsv(result.segments), end="", flush=True)
-        else:
-            prefix = f"{path}: " if len(args.audio) > 1 else ""
-            print(prefix + whisper.to_text(result, args.timestamps or args.word_timestamps),
-                  flush=True)
+        for fmt in (EXTENSIONS if args.format == "all" else [args.format]):
+            text = rendered(fmt, path, result, args, layout)
+            if targets is None:
+                print(text, end="", flush=True)
+                continue
+            with open(targets[path, fmt], "x", encoding="utf-8") as f:  # never overwrites
+                f.write(text)
     return 0
+
+
+def rendered(fmt: str, path: str, result, args, layout: dict) -> str:
+    """One file's result in `fmt`, ending with a newline."""
+    from jaxformer.models import whisper  # noqa: PLC0415
+
+    if fmt == "json":
+        return json.dumps({"file": path, **result.to_dict()}, ensure_ascii=False) + "\n"
+    if fmt in ("srt", "vtt"):
+        return getattr(whisper, fmt)(result.segments, **layout)
+    if fmt == "tsv":
+        return whisper.tsv(result.segments)
+    prefix = f"{path}: " if len(args.audio) > 1 and args.output_dir is None else ""
+    return prefix + whisper.to_text(result, args.timestamps or args.word_timestamps) + "\n"
+
+
+def output_paths(args):
+    """{(audio path, format): file to write} under --output-dir (None: stdout), or
+    UsageError when a file is there already, two inputs share a name, or --format
+    all has no --output-dir."""
+    if args.output_dir is None:
+        if args.format == "all":
+            raise UsageError("--format all writes one file per format: it needs --output-dir")
+        return None
+    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
+        raise UsageError(f"--output-dir {args.output_dir}: not a directory")
+    formats = list(EXTENSIONS) if args.format == "all" else [args.format]
+    targets, owners = {}, {}
+    for path in args.audio:
+        stem = os.path.splitext(os.path.basename(path))[0]
+        for fmt in formats:
+            target = os.path.join(args.output_dir, f"{stem}.{EXTENSIONS[fmt]}")
+            if target in owners:
+                raise UsageError(f"--output-dir: {owners[target]} and {path} would both "
+                                 f"write {target}")
+            if os.path.exists(target):
+                raise UsageError(f"--output-dir: {target} exists (never overwritten; move "
+                                 "it or choose another directory)")
+            targets[path, fmt], owners[target] = target, path
+    os.makedirs(args.output_dir, exist_ok=True)
+    return targets
 
 
 def _progress_bar(args):

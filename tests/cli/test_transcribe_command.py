@@ -67,7 +67,7 @@ def test_json_lines_of_a_44k_stereo_file(ct2_text, capsys):
     (["--timestamps", "--format", "vtt", "--highlight-words"],
      "--highlight-words needs --word-timestamps"),
     (["--word-timestamps", "--json", "--max-line-width", "40"],
-     "--max-line-width shapes subtitles: it needs --format srt or vtt"),
+     "--max-line-width shapes subtitles: it needs --format srt, vtt or all"),
     (["--word-timestamps", "--format", "srt", "--max-line-count", "2"],
      "--max-line-count needs --max-line-width"),
     (["--word-timestamps", "--format", "srt", "--max-words-per-line", "0"],
@@ -176,6 +176,56 @@ def test_status_lines_come_at_a_low_rate_without_a_terminal():
     assert len(out.getvalue().splitlines()) == 3
 
 
+def made_transcript(monkeypatch):
+    """A transcript with words that `whisper.transcribe` returns for every file (the
+    model is not read), and the options it was called with."""
+    words = tuple(whisper.Word(w, 0.3 * i, 0.3 * i + 0.25, 0.9)
+                  for i, w in enumerate([" The", " quick", " brown", " fox", " jumps."]))
+    result = whisper.Transcript("The quick brown fox jumps.", "en", None,
+                                (whisper.Segment(0.0, 1.5, "The quick brown fox jumps.",
+                                                 words),))
+    monkeypatch.setattr(whisper, "load", lambda path: object())
+    monkeypatch.setattr(whisper, "check_options", lambda *args: None)
+    seen = {}
+
+    def fake_transcribe(w, samples, **options):
+        seen.update(options)
+        return [result] * len(samples)
+
+    monkeypatch.setattr(whisper, "transcribe", fake_transcribe)
+    return result, seen
+
+
+def test_format_all_writes_each_file_once(tmp_path, monkeypatch, capsys):
+    """--format all --output-dir: one file per format, each what stdout would print;
+    a second run is refused before decoding and leaves the files as they were; two
+    inputs with one name, and all without a directory, are refused."""
+    result, seen = made_transcript(monkeypatch)
+    out_dir = tmp_path / "out"
+    flags = ["transcribe", "--model", whisper_model_dir(), "--word-timestamps",
+             "--no-progress", "--format", "all", "--max-line-width", "12", FOX]
+    assert main([*flags, "--output-dir", str(out_dir)]) == 0
+    assert capsys.readouterr().out == ""
+    files = {p.name: p.read_text(encoding="utf-8") for p in out_dir.iterdir()}
+    assert files == {"fox_espeak.txt": whisper.to_text(result, True) + "\n",
+                     "fox_espeak.json": json.dumps({"file": FOX, **result.to_dict()}) + "\n",
+                     "fox_espeak.srt": whisper.srt(result.segments, max_line_width=12),
+                     "fox_espeak.vtt": whisper.vtt(result.segments, max_line_width=12),
+                     "fox_espeak.tsv": whisper.tsv(result.segments)}
+    seen.clear()
+    (out_dir / "fox_espeak.srt").write_text("mine", encoding="utf-8")
+    assert main([*flags, "--output-dir", str(out_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "fox_espeak.txt exists (never overwritten" in err and len(err.splitlines()) == 1
+    assert seen == {} and (out_dir / "fox_espeak.srt").read_text(encoding="utf-8") == "mine"
+    assert main([*flags, os.path.join(str(tmp_path), "fox_espeak.wav"), "--output-dir",
+                 str(tmp_path / "other")]) == 2  # two files named fox_espeak
+    assert "would both write" in capsys.readouterr().err
+    assert main(flags) == 2
+    assert "--format all writes one file per format: it needs --output-dir" in (
+        capsys.readouterr().err)
+
+
 @pytest.mark.parametrize("fmt, flags, layout", [
     ("vtt", ["--max-line-width", "12", "--max-line-count", "1"],
      {"max_line_width": 12, "max_line_count": 1}),
@@ -188,20 +238,7 @@ def test_subtitle_flags_reach_the_writers(fmt, flags, layout, monkeypatch, capsy
     openai-whisper's writers in tests/models/test_whisper_subtitles.py) or
     `whisper.tsv`, and the layout changes the cues; the model is replaced by a
     made transcript (the flags, not the decoding, are under test)."""
-    words = tuple(whisper.Word(w, 0.3 * i, 0.3 * i + 0.25, 0.9)
-                  for i, w in enumerate([" The", " quick", " brown", " fox", " jumps."]))
-    result = whisper.Transcript("The quick brown fox jumps.", "en", None,
-                                (whisper.Segment(0.0, 1.5, "The quick brown fox jumps.",
-                                                 words),))
-    monkeypatch.setattr(whisper, "load", lambda path: object())
-    monkeypatch.setattr(whisper, "check_options", lambda *args: None)
-    seen = {}
-
-    def fake_transcribe(w, samples, **options):
-        seen.update(options)
-        return [result]
-
-    monkeypatch.setattr(whisper, "transcribe", fake_transcribe)
+    result, seen = made_transcript(monkeypatch)
     assert main(["transcribe", "--model", whisper_model_dir(), FOX, "--format", fmt,
                  "--word-timestamps", "--no-progress", "--hallucination-silence-threshold",
                  "1.5", "--clip-timestamps", "0,20", *flags]) == 0
