@@ -7,7 +7,9 @@ lowering holds the plain dequantize-then-dot, never a custom call). XLA:CPU turn
 plain path into a float32 copy of every kernel written and read each step; the kernel
 reads each weight byte once, in the layout the parameters already have (N last: a tile
 of 64 output columns reads 64 contiguous bytes of each row), and shares the tiles out
-to XLA's intra-op threads.
+to XLA's intra-op threads. On an AVX2 CPU the 4-bit layouts (and the transposed
+int8_block one: a Q8_0 tied output table) round x per block to int8 and take integer
+dot products, as llama.cpp does (`integer_dot`; `kernels/qdot.h` states the rounding).
 
 The build is lazy: the source ships in the package and is compiled on first use with
 the system's C++ compiler (`$CXX`, else g++ or c++; -O3 -march=native) against
@@ -23,6 +25,7 @@ Pieces::
     FORMATS                       the layouts the kernel reads
     enabled() -> bool             tuned process and the kernel built (builds it once)
     library() -> path | None      the built shared library (building it if needed)
+    integer_dot(fmt, transposed, block) -> bool   whether x is rounded to int8 per block
     matmul(x, parts, fmt, block, transposed=False)   the kernel: x (B, K) -> (B, N) float32
     dot(x, parts, fmt, block, plain, transposed=False)  matmul on a tuned CPU, else plain
 """
@@ -48,13 +51,15 @@ from jax import lax
 from jaxformer.backends import cpu
 
 FORMATS = ("int8", "int8_block", "int4", "int4_sym")
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels", "qmatmul.cc")
+KERNELS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels")
+SOURCE = os.path.join(KERNELS, "qmatmul.cc")
+HEADERS = (os.path.join(KERNELS, "qdot.h"),)  # included by SOURCE: part of the cache key
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 TARGETS = {"int8": ("jaxformer_qmatmul_int8", "JaxformerQmatmulInt8"),
            "int8_block": ("jaxformer_qmatmul_int8_block", "JaxformerQmatmulInt8Block"),
            "int4": ("jaxformer_qmatmul_int4", "JaxformerQmatmulInt4"),
            "int4_sym": ("jaxformer_qmatmul_int4_sym", "JaxformerQmatmulInt4Sym")}
-_STATE = {"tried": False, "path": None}
+_STATE = {"tried": False, "path": None, "integer": False}
 _LOCK = threading.Lock()
 
 
@@ -91,8 +96,10 @@ def _build() -> str:
                                  timeout=60).stdout.splitlines()[:1]
     except (OSError, subprocess.SubprocessError) as e:
         raise RuntimeError(f"the C++ compiler {cxx!r} does not run ({e})") from None
-    with open(SOURCE, "rb") as f:
-        source = f.read()
+    source = b""
+    for name in (SOURCE, *HEADERS):
+        with open(name, "rb") as f:
+            source += f.read() + b"\0"
     key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), repr(version).encode(),
                                      jax.lib.__version__.encode(), _cpu_id().encode()]))
     folder = _cache_dir()
@@ -129,12 +136,25 @@ def library() -> Optional[str]:
                 for name, symbol in TARGETS.values():
                     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)),
                                                 platform="cpu")
+                _STATE["integer"] = bool(lib.jaxformer_qmatmul_integer_dot())
                 _STATE["path"] = path
             except (RuntimeError, OSError, AttributeError) as e:
                 warnings.warn(f"jaxformer: the quantized CPU kernel is not available ({e}); "
                               "quantized layers use the plain dequantize-then-dot path",
                               RuntimeWarning, stacklevel=2)
         return _STATE["path"]
+
+
+def integer_dot(fmt: str, transposed: bool, block: int) -> bool:
+    """Whether the built kernel computes `fmt` with integer dot products (`kernels/qdot.h`:
+    x rounded per block to int8 first, llama.cpp's scheme): an AVX2 build, the 4-bit
+    layouts (transposed: block % 32 == 0) and the transposed int8_block one (block % 32
+    == 0). False before `library()` has built it."""
+    if not _STATE["integer"]:
+        return False
+    if fmt in ("int4", "int4_sym"):
+        return not transposed or block % 32 == 0
+    return fmt == "int8_block" and transposed and block % 32 == 0
 
 
 def enabled() -> bool:

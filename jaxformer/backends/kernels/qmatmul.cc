@@ -14,12 +14,16 @@
 // transposed=true: W^T is stored, (N, K) with K last (a tied embedding table (V, D)
 // quantized along D; the scales (N) or (N, K/bk)), packed the same way along K: each
 // output n is a dot product over one contiguous row, summed in 16 lanes.
+// Under AVX2 the 4-bit layouts and the transposed int8_block one take integer dot products
+// instead (x quantized per block to int8, llama.cpp's scheme): qdot.h.
 // Built and loaded by jaxformer/backends/qmatmul.py; registered as "jaxformer_qmatmul_*".
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <utility>
 #include <thread>
@@ -86,7 +90,13 @@ struct Problem {
   const uint16_t* offset;  // int4 only
   float* y;
   std::vector<float> xsum;  // (B, K / block): block sums of x (4-bit layouts)
+  bool integer = false;     // integer dot products (qdot.h): xq, xd below
+  int64_t width = NT;       // columns per task (N-last layout)
+  std::vector<int8_t> xq;   // (B, K): x quantized per block
+  std::vector<float> xd;    // (B, K / block): its block scales
 };
+
+#include "qdot.h"
 
 // The R rows b0 .. b0 + R of y, columns n0 .. n0 + W (W = NT when FULL, else nt).
 template <int R, bool FULL>
@@ -304,8 +314,33 @@ void RowsOf(const Problem& p, int64_t t) {
     }
 }
 
+#if defined(__AVX2__)
+template <Fmt F>
+void IntRowsOf(const Problem& p, int64_t t) {
+  for (int64_t n = t * VT; n < std::min(p.N, (t + 1) * VT); ++n)
+    for (int64_t b0 = 0; b0 < p.B; b0 += BT) {
+      switch (std::min(BT, p.B - b0)) {
+        case 1: IntRowDots<1, F>(p, b0, n); break;
+        case 2: IntRowDots<2, F>(p, b0, n); break;
+        case 3: IntRowDots<3, F>(p, b0, n); break;
+        default: IntRowDots<BT, F>(p, b0, n); break;
+      }
+    }
+}
+#endif
+
 // Transposed layout, task t: outputs t VT .. min(N, (t + 1) VT), every row of x.
 void RunRows(const Problem& p, int64_t t) {
+#if defined(__AVX2__)
+  if (p.integer) {
+    switch (p.fmt) {
+      case Fmt::kInt8Block: return IntRowsOf<Fmt::kInt8Block>(p, t);
+      case Fmt::kInt4: return IntRowsOf<Fmt::kInt4>(p, t);
+      case Fmt::kInt4Sym: return IntRowsOf<Fmt::kInt4Sym>(p, t);
+      default: break;
+    }
+  }
+#endif
   switch (p.fmt) {
     case Fmt::kInt8: return RowsOf<Fmt::kInt8>(p, t);
     case Fmt::kInt8Block: return RowsOf<Fmt::kInt8Block>(p, t);
@@ -314,11 +349,22 @@ void RunRows(const Problem& p, int64_t t) {
   }
 }
 
-// Output tile t: columns t NT .. min(N, (t + 1) NT), every row of x.
+// Output tile t: columns t width .. min(N, (t + 1) width), every row of x.
 void RunTile(const Problem& p, int64_t t) {
-  const int64_t n0 = t * NT, nt = std::min(NT, p.N - n0);
+  const int64_t n0 = t * p.width, nt = std::min(p.width, p.N - n0);
   for (int64_t b0 = 0; b0 < p.B; b0 += BT) {
     const int64_t rows = std::min(BT, p.B - b0);
+#if defined(__AVX2__)
+    if (p.integer) {
+      switch (rows) {
+        case 1: Int4Tile<1>(p, b0, n0, nt); break;
+        case 2: Int4Tile<2>(p, b0, n0, nt); break;
+        case 3: Int4Tile<3>(p, b0, n0, nt); break;
+        default: Int4Tile<BT>(p, b0, n0, nt); break;
+      }
+      continue;
+    }
+#endif
     if (nt == NT) {
       Rows<true>(p, b0, rows, n0, nt);
     } else {
@@ -370,12 +416,18 @@ ffi::Error Run(ffi::ThreadPool& pool, Problem& p) {
     std::fill(p.y, p.y + p.B * p.N, 0.0f);
     return ffi::Error::Success();
   }
+  p.integer = UsesIntegerDot(p.fmt, p.transposed, p.block);
+  if (p.integer) QuantizeX(p);
   const bool serial = p.K * p.N < SERIAL;
   if (p.transposed) {
     ParallelFor(pool, (p.N + VT - 1) / VT, serial, [&p](int64_t t) { RunRows(p, t); });
-  } else {
-    ParallelFor(pool, (p.N + NT - 1) / NT, serial, [&p](int64_t t) { RunTile(p, t); });
+    return ffi::Error::Success();
   }
+  if (p.integer) {  // N split evenly over the threads, in multiples of 32 columns
+    const int64_t workers = serial ? 1 : pool.num_threads() + 1;
+    p.width = std::min(IW, ((p.N + workers - 1) / workers + 31) / 32 * 32);
+  }
+  ParallelFor(pool, (p.N + p.width - 1) / p.width, serial, [&p](int64_t t) { RunTile(p, t); });
   return ffi::Error::Success();
 }
 
@@ -477,3 +529,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxformerQmatmulInt4, Int4Impl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxformerQmatmulInt4Sym, Int4SymImpl,
                               JAXFORMER_QMATMUL_BIND(.Arg<ffi::Buffer<ffi::U8>>()
                                                      .Arg<ffi::Buffer<ffi::F16>>()));
+
+// 1 where the library takes qdot.h's integer dot products (UsesIntegerDot), else 0.
+extern "C" int jaxformer_qmatmul_integer_dot() { return kIntegerDot ? 1 : 0; }
