@@ -9,12 +9,7 @@ import pytest
 from jaxformer.models import whisper
 
 FOX = "tests/data/fox_espeak.wav"
-SR = 16000
-
-
-@pytest.fixture(scope="module")
-def models(whisper_and_faster):
-    return whisper_and_faster
+SR = whisper.SAMPLE_RATE
 
 
 @pytest.fixture(scope="module")
@@ -26,16 +21,16 @@ def audio():
 
 
 @pytest.fixture(scope="module")
-def whole(models, audio):
+def whole(whisper_and_faster, audio):
     """The texts of the segments of the whole file."""
-    result = whisper.transcribe(models[0], audio, timestamps=True, temperature=0.0,
+    result = whisper.transcribe(whisper_and_faster[0], audio, timestamps=True, temperature=0.0,
                                 beam_size=1, condition_on_previous_text=False)
     return [s.text for s in result.segments]
 
 
 @pytest.mark.parametrize("clips", ["4.6", "1.2,3.6,4.6,7"], ids=["second-to-end", "two-clips"])
-def test_clips_are_faster_whispers(clips, models, audio, whole):
-    w, reference = models
+def test_clips_are_faster_whispers(clips, whisper_and_faster, audio, whole):
+    w, reference = whisper_and_faster
     ours = whisper.transcribe(w, audio, timestamps=True, temperature=0.0, beam_size=1,
                               condition_on_previous_text=False, clip_timestamps=clips)
     segments, _ = reference.transcribe(audio, beam_size=1, temperature=0.0,
@@ -52,7 +47,7 @@ def test_clips_are_faster_whispers(clips, models, audio, whole):
     ("-1", "finite seconds >= 0"),
     ("a,b", "seconds 'start,end,start,end,...'"),
 ])
-def test_bad_clips_are_named(clips, message, models):
-    w, _ = models
+def test_bad_clips_are_named(clips, message, whisper_and_faster):
+    w, _ = whisper_and_faster
     with pytest.raises(ValueError, match=message):
         whisper.transcribe(w, np.zeros(SR, np.float32), clip_timestamps=clips)
