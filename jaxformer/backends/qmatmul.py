@@ -7,9 +7,9 @@ lowering holds the plain dequantize-then-dot, never a custom call). XLA:CPU turn
 plain path into a float32 copy of every kernel written and read each step; the kernel
 reads each weight byte once, in the layout the parameters already have (N last: a tile
 of 64 output columns reads 64 contiguous bytes of each row), and shares the tiles out
-to XLA's intra-op threads. On an AVX2 CPU the 4-bit layouts (and the transposed
-int8_block one: a Q8_0 tied output table) round x per block to int8 and take integer
-dot products, as llama.cpp does (`integer_dot`; `kernels/qdot.h` states the rounding).
+to XLA's intra-op threads. On an AVX2 CPU the 4-bit and int8_block layouts (GGUF
+Q4_1, Q4_0, Q8_0) round x per block to int8 and take integer dot products, as
+llama.cpp does (`integer_dot`; `kernels/qdot.h` states the rounding).
 
 The build is lazy: the source ships in the package and is compiled on first use with
 the system's C++ compiler (`$CXX`, else g++ or c++; -O3 -march=native) against
@@ -148,13 +148,13 @@ def library() -> Optional[str]:
 def integer_dot(fmt: str, transposed: bool, block: int) -> bool:
     """Whether the built kernel computes `fmt` with integer dot products (`kernels/qdot.h`:
     x rounded per block to int8 first, llama.cpp's scheme): an AVX2 build, the 4-bit
-    layouts (transposed: block % 32 == 0) and the transposed int8_block one (block % 32
-    == 0). False before `library()` has built it."""
+    and int8_block layouts (transposed: block % 32 == 0). False before `library()` has
+    built it."""
     if not _STATE["integer"]:
         return False
     if fmt in ("int4", "int4_sym"):
         return not transposed or block % 32 == 0
-    return fmt == "int8_block" and transposed and block % 32 == 0
+    return fmt == "int8_block" and (not transposed or block % 32 == 0)
 
 
 def enabled() -> bool:

@@ -119,6 +119,19 @@ def test_kernel_reads_multi_axis_outputs_and_other_blocks(built):
             _check(got, x, parts, fmt, True, block, f"{fmt} block {block} transposed")
 
 
+def test_int8_block_odd_blocks(built):
+    """int8_block N last pairs rows k and k + 1 (kernels/qdot.h): an odd block's last
+    row pairs with zeros; 70 columns: two 32-column passes and a ragged end."""
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((45, 70)).astype(np.float32)
+    for batch in (1, 5):
+        x = jnp.asarray(rng.standard_normal((batch, 45)), jnp.float32)
+        for block in (15, 9):
+            parts = quant.quantize(w, "int8_block", block, 0)
+            got = qmatmul.matmul(x, parts, "int8_block", block)
+            _check(got, x, parts, "int8_block", False, block, f"B={batch} block {block}")
+
+
 # -- a tuned process: the model's layers call it on the CPU only ---------------------------
 
 # GQA, RoPE, a tied output embedding: the layers' kernels and the table's transpose.

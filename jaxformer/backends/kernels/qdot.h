@@ -14,6 +14,8 @@
 //   int4, int4_sym, N last (K/2, N): 32 columns per pass, a packed byte's low and high
 //     nibbles interleaved so that one maddubs multiplies x[k] and x[k + bk/2] into one
 //     column's int16; any even block.
+//   int8_block, N last (K, N): the same, rows k and k + 1 interleaved (|q| against x
+//     carrying q's sign), widened to int32 after every pair; any block.
 //   int8_block, int4, int4_sym, transposed (N, K): one row per output, 32 k per
 //     maddubs (int8: |q| against x carrying q's sign, as ggml's Q8_0 dot); block % 32 == 0.
 
@@ -26,7 +28,7 @@ constexpr bool kIntegerDot = false;
 inline bool UsesIntegerDot(Fmt fmt, bool transposed, int64_t block) {
   if (!kIntegerDot) return false;
   if (fmt == Fmt::kInt4 || fmt == Fmt::kInt4Sym) return !transposed || block % 32 == 0;
-  return fmt == Fmt::kInt8Block && transposed && block % 32 == 0;
+  return fmt == Fmt::kInt8Block && (!transposed || block % 32 == 0);
 }
 
 // p.xq (B, K) and p.xd (B, K / block) from p.x.
@@ -117,20 +119,77 @@ void Int4BlockSums(const Problem& p, int64_t b0, int64_t kb, int64_t n0, int64_t
     }
 }
 
-// The R rows b0 .. b0 + R of y, columns n0 .. n0 + w (N-last 4-bit, integer sums).
+// isum[r][j] = sum over block kb's k of q[k, n0 + j] xq[b0 + r, k] (N-last int8_block), j < w.
 template <int R>
-void Int4Tile(const Problem& p, int64_t b0, int64_t n0, int64_t w) {
+void Int8BlockSums(const Problem& p, int64_t b0, int64_t kb, int64_t n0, int64_t w,
+                   int32_t (*isum)[IW]) {
+  const int64_t K = p.K, N = p.N, bk = p.block;
+  const int8_t* q = static_cast<const int8_t*>(p.q) + kb * bk * N + n0;
+  const int8_t* xq = p.xq.data() + b0 * K + kb * bk;
+  int64_t j = 0;
+  for (; j + 32 <= w; j += 32) {
+    __m256i s32[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c) s32[r][c] = _mm256_setzero_si256();
+    for (int64_t i = 0; i < bk; i += 2) {
+      const bool pair = i + 1 < bk;  // an odd block's last row pairs with zeros
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i * N + j));
+      const __m256i b = pair ? _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(q + (i + 1) * N + j)) : _mm256_setzero_si256();
+      // the next block's rows, these columns: ahead of the prefetchers' page-bound streams
+      _mm_prefetch(reinterpret_cast<const char*>(q + (bk + i) * N + j), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(q + (bk + i + 1) * N + j), _MM_HINT_T0);
+      // bytes (q[i], q[i + 1]) per column: columns 0-7 and 16-23, then 8-15 and 24-31
+      const __m256i wl = _mm256_unpacklo_epi8(a, b), wh = _mm256_unpackhi_epi8(a, b);
+      const __m256i al = _mm256_sign_epi8(wl, wl), ah = _mm256_sign_epi8(wh, wh);  // |q|
+      for (int r = 0; r < R; ++r) {
+        const uint16_t two = static_cast<uint8_t>(xq[r * K + i]) |
+            static_cast<uint16_t>(pair ? static_cast<uint8_t>(xq[r * K + i + 1]) : 0) << 8;
+        const __m256i xv = _mm256_set1_epi16(static_cast<int16_t>(two));
+        // |q x + q' x'| <= 2 * 128 * 127: one pair fits an int16, then int32
+        const __m256i l = _mm256_maddubs_epi16(al, _mm256_sign_epi8(xv, wl));
+        const __m256i h = _mm256_maddubs_epi16(ah, _mm256_sign_epi8(xv, wh));
+        s32[r][0] = _mm256_add_epi32(s32[r][0], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(l)));
+        s32[r][1] = _mm256_add_epi32(s32[r][1], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(h)));
+        s32[r][2] = _mm256_add_epi32(s32[r][2], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(l, 1)));
+        s32[r][3] = _mm256_add_epi32(s32[r][3], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(h, 1)));
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(isum[r] + j + 8 * c), s32[r][c]);
+  }
+  for (; j < w; ++j)
+    for (int r = 0; r < R; ++r) {
+      int32_t s = 0;
+      for (int64_t i = 0; i < bk; ++i) s += q[i * N + j] * xq[r * K + i];
+      isum[r][j] = s;
+    }
+}
+
+// The R rows b0 .. b0 + R of y, columns n0 .. n0 + w (N-last int8_block or 4-bit, integer sums).
+template <int R>
+void IntTile(const Problem& p, int64_t b0, int64_t n0, int64_t w) {
   const int64_t N = p.N, blocks = p.K / p.block;
   const uint16_t* scale = static_cast<const uint16_t*>(p.scale) + n0;
   float acc[R][IW] = {};
   alignas(32) int32_t isum[R][IW];
   float d[IW], m[IW];
   for (int64_t kb = 0; kb < blocks; ++kb) {
-    Int4BlockSums<R>(p, b0, kb, n0, w, isum);
+    if (p.fmt == Fmt::kInt8Block) {
+      Int8BlockSums<R>(p, b0, kb, n0, w, isum);
+    } else {
+      Int4BlockSums<R>(p, b0, kb, n0, w, isum);
+    }
     HalvesToFloats(scale + kb * N, d, w);
     if (p.fmt == Fmt::kInt4) HalvesToFloats(p.offset + n0 + kb * N, m, w);
     for (int r = 0; r < R; ++r) {
-      const float dx = p.xd[(b0 + r) * blocks + kb], xs = p.xsum[(b0 + r) * blocks + kb];
+      const float dx = p.xd[(b0 + r) * blocks + kb];
+      if (p.fmt == Fmt::kInt8Block) {
+        for (int64_t j = 0; j < w; ++j) acc[r][j] += d[j] * (dx * static_cast<float>(isum[r][j]));
+        continue;
+      }
+      const float xs = p.xsum[(b0 + r) * blocks + kb];
       if (p.fmt == Fmt::kInt4) {
         for (int64_t j = 0; j < w; ++j)
           acc[r][j] += d[j] * (dx * static_cast<float>(isum[r][j])) + m[j] * xs;

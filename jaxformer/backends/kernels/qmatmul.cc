@@ -14,8 +14,8 @@
 // transposed=true: W^T is stored, (N, K) with K last (a tied embedding table (V, D)
 // quantized along D; the scales (N) or (N, K/bk)), packed the same way along K: each
 // output n is a dot product over one contiguous row, summed in 16 lanes.
-// Under AVX2 the 4-bit layouts and the transposed int8_block one take integer dot products
-// instead (x quantized per block to int8, llama.cpp's scheme): qdot.h.
+// Under AVX2 the 4-bit and int8_block layouts take integer dot products instead (x
+// quantized per block to int8, llama.cpp's scheme): qdot.h.
 // Built and loaded by jaxformer/backends/qmatmul.py; registered as "jaxformer_qmatmul_*".
 
 #include <algorithm>
@@ -357,10 +357,10 @@ void RunTile(const Problem& p, int64_t t) {
 #if defined(__AVX2__)
     if (p.integer) {
       switch (rows) {
-        case 1: Int4Tile<1>(p, b0, n0, nt); break;
-        case 2: Int4Tile<2>(p, b0, n0, nt); break;
-        case 3: Int4Tile<3>(p, b0, n0, nt); break;
-        default: Int4Tile<BT>(p, b0, n0, nt); break;
+        case 1: IntTile<1>(p, b0, n0, nt); break;
+        case 2: IntTile<2>(p, b0, n0, nt); break;
+        case 3: IntTile<3>(p, b0, n0, nt); break;
+        default: IntTile<BT>(p, b0, n0, nt); break;
       }
       continue;
     }
