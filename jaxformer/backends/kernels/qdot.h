@@ -57,13 +57,13 @@ inline void QuantizeX(Problem& p) {
     }
 }
 
-#if defined(__AVX2__)
-
 // Columns per task of the N-last integer path, at most (qmatmul.cc's Run picks the width:
 // N split evenly over the threads). A task reads block kb's bk/2 packed rows w bytes at a
 // time, so the hardware prefetchers follow bk/2 sequential streams (64-column tiles going
 // down the rows read one cache line per row, a new page every few rows: latency-bound).
 constexpr int64_t IW = 1024;
+
+#if defined(__AVX2__)
 
 // isum[r][j] = sum over block kb's k of q[k, n0 + j] xq[b0 + r, k] (N-last 4-bit), j < w.
 template <int R>

@@ -172,6 +172,33 @@ void Tile(const Problem& p, int64_t b0, int64_t n0, int64_t nt) {
     for (int64_t j = 0; j < w; ++j) p.y[(b0 + r) * N + n0 + j] = acc[r][j];
 }
 
+// int8 (per-column scales), N last: the rows k in order, w <= RW contiguous bytes of
+// each (the hardware prefetchers follow one stream; the rows AHEAD further on prefetched
+// too, as a new page starts every few rows), float sums.
+constexpr int64_t RW = 512;
+constexpr int64_t AHEAD = 4;
+template <int R>
+void Int8Run(const Problem& p, int64_t b0, int64_t n0, int64_t w) {
+  const int64_t K = p.K, N = p.N;
+  const int8_t* q = static_cast<const int8_t*>(p.q) + n0;
+  const float* x = p.x + b0 * K;
+  alignas(64) float acc[R][RW] = {};
+  for (int64_t k = 0; k < K; ++k) {
+    const int8_t* row = q + k * N;
+    if (k + AHEAD < K)
+      for (int64_t j = 0; j < w; j += 64) __builtin_prefetch(row + AHEAD * N + j);
+    float xv[R];
+    for (int r = 0; r < R; ++r) xv[r] = x[r * K + k];
+    for (int64_t j = 0; j < w; ++j) {
+      const float wv = static_cast<float>(row[j]);
+      for (int r = 0; r < R; ++r) acc[r][j] += xv[r] * wv;
+    }
+  }
+  const float* s = static_cast<const float*>(p.scale) + n0;
+  for (int r = 0; r < R; ++r)
+    for (int64_t j = 0; j < w; ++j) p.y[(b0 + r) * N + n0 + j] = acc[r][j] * s[j];
+}
+
 template <bool FULL>
 void Rows(const Problem& p, int64_t b0, int64_t rows, int64_t n0, int64_t nt) {
   switch (rows) {
@@ -354,6 +381,15 @@ void RunTile(const Problem& p, int64_t t) {
   const int64_t n0 = t * p.width, nt = std::min(p.width, p.N - n0);
   for (int64_t b0 = 0; b0 < p.B; b0 += BT) {
     const int64_t rows = std::min(BT, p.B - b0);
+    if (p.fmt == Fmt::kInt8) {
+      switch (rows) {
+        case 1: Int8Run<1>(p, b0, n0, nt); break;
+        case 2: Int8Run<2>(p, b0, n0, nt); break;
+        case 3: Int8Run<3>(p, b0, n0, nt); break;
+        default: Int8Run<BT>(p, b0, n0, nt); break;
+      }
+      continue;
+    }
 #if defined(__AVX2__)
     if (p.integer) {
       switch (rows) {
@@ -423,9 +459,9 @@ ffi::Error Run(ffi::ThreadPool& pool, Problem& p) {
     ParallelFor(pool, (p.N + VT - 1) / VT, serial, [&p](int64_t t) { RunRows(p, t); });
     return ffi::Error::Success();
   }
-  if (p.integer) {  // N split evenly over the threads, in multiples of 32 columns
+  if (p.integer || p.fmt == Fmt::kInt8) {  // N split evenly, in multiples of 32 columns
     const int64_t workers = serial ? 1 : pool.num_threads() + 1;
-    p.width = std::min(IW, ((p.N + workers - 1) / workers + 31) / 32 * 32);
+    p.width = std::min(p.integer ? IW : RW, ((p.N + workers - 1) / workers + 31) / 32 * 32);
   }
   ParallelFor(pool, (p.N + p.width - 1) / p.width, serial, [&p](int64_t t) { RunTile(p, t); });
   return ffi::Error::Success();
