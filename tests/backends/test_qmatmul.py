@@ -23,6 +23,7 @@ from jaxformer.nn.quant_params import quantize_params
 from conftest import REPO
 
 # (K, N): N ragged against the kernel's 64-column tiles, one column, K of one block
+# (all below the kernel's serial bound: one thread)
 SHAPES = [(32, 1), (96, 70), (64, 130), (576, 200)]
 BATCHES = [1, 3, 8]
 
@@ -117,6 +118,15 @@ def test_kernel_reads_multi_axis_outputs_and_other_blocks(built):
             parts = quant.quantize(table, fmt, block, -1)
             got = qmatmul.matmul(x, parts, fmt, block, transposed=True)
             _check(got, x, parts, fmt, True, block, f"{fmt} block {block} transposed")
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["kn", "nk"])
+@pytest.mark.parametrize("fmt", qmatmul.FORMATS)
+def test_kernel_shares_large_products_out_to_threads(built, fmt, transposed):
+    """K N = 4.3 M weights, above the kernel's serial bound (2^22): tasks on XLA's pool."""
+    x, parts = _case(fmt, 3, 2048, 2080, transposed, seed=4)
+    got = jax.jit(lambda x, p: qmatmul.matmul(x, p, fmt, 32, transposed))(x, parts)
+    _check(got, x, parts, fmt, transposed, msg=f"{fmt} threaded")
 
 
 def test_int8_block_odd_blocks(built):
