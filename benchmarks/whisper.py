@@ -38,6 +38,8 @@ synthetic signals, repeated to fill the batch):
               `jf_first_call`: XLA programs compiled, their compile seconds and
               the wall time of jaxformer's first transcription (the warm-up),
               unbatched and batched.
+              `word_timestamps_max_abs_diff_s` / `words_identical`: the 60 s file's
+              words (`word_timestamps=True`, unbatched) on both sides.
               `peak_rss_ratio_vs_faster_whisper`: jaxformer / faster-whisper peak
               resident memory of a fresh process transcribing the longest file once.
 
@@ -235,22 +237,36 @@ def peer_runs(model_dir, beam_size):
                                      cpu_threads=os.cpu_count())
     batched = faster_whisper.BatchedInferencePipeline(fw)
 
-    def jf(path, batch):
+    def jf(path, batch, words=False):
         r = whisper.transcribe(w, path, timestamps=not batch, batch_size=8 if batch else 1,
-                               beam_size=beam_size,
+                               beam_size=beam_size, word_timestamps=words,
                                condition_on_previous_text=False)  # as the peer's options
+        if words:
+            return [(x.word, x.start, x.end) for s in r.segments for x in s.words]
         return r.text, [(round(s.start, 2), round(s.end, 2)) for s in r.segments]
 
-    def fw_run(path, batch):
+    def fw_run(path, batch, words=False):
         options = dict(beam_size=beam_size, condition_on_previous_text=False)
         segments, _ = (batched.transcribe(path, batch_size=8, **options) if batch
-                       else fw.transcribe(path, **options))
+                       else fw.transcribe(path, word_timestamps=words, **options))
         segments = list(segments)
+        if words:
+            return [(x.word, x.start, x.end) for s in segments for x in s.words]
         return ("".join(s.text for s in segments).strip(),
                 [(round(s.start, 2), round(s.end, 2)) for s in segments])
 
     return {(who, b): functools.partial(fn, batch=b) for who, fn in (("jf", jf), ("fw", fw_run))
             for b in (False, True)}
+
+
+def word_timing(runs, path) -> dict:
+    """Both sides' words of `path` (`word_timestamps=True`, unbatched, the peers'
+    options): whether the words are the same, and the largest start or end difference
+    in seconds over the words (all of them if the words differ, else over the pairs)."""
+    ours, theirs = runs["jf", False](path, words=True), runs["fw", False](path, words=True)
+    pairs = list(zip(ours, theirs))
+    return {"count": len(theirs), "identical": [w for w, *_ in ours] == [w for w, *_ in theirs],
+            "max_abs_diff_s": max(max(abs(a[1] - b[1]), abs(a[2] - b[2])) for a, b in pairs)}
 
 
 def faster_whisper_peer(model_dir, rounds, beam_size, seconds_list):
@@ -289,6 +305,9 @@ def faster_whisper_peer(model_dir, rounds, beam_size, seconds_list):
             ratios[seconds, batch] = fw_s / jf_s
             if not batch:
                 identical &= out["jf"] == out["fw"]
+    words = word_timing(runs, files[first])
+    rows.append((f"words of the {first} s file; max |start/end diff|, ms", words["count"],
+                 words["count"], 1e3 * words["max_abs_diff_s"]))
     rss = {}
     for who in ("jf", "fw"):
         done = subprocess.run([sys.executable, __file__, "--child", who, files[longest],
@@ -304,7 +323,8 @@ def faster_whisper_peer(model_dir, rounds, beam_size, seconds_list):
         "transcribe_10min_ratio_vs_faster_whisper_batched": round(ratios[longest, True], 3),
         "files_s": sorted(files), "jf_first_call": first_call,
         "text_identical": bool(identical),
-        "word_timestamps_max_abs_diff_s": None,  # word timestamps: not implemented yet
+        "word_timestamps_max_abs_diff_s": round(words["max_abs_diff_s"], 3),
+        "words_identical": words["identical"],
         "peak_rss_ratio_vs_faster_whisper": round(rss["jf"] / rss["fw"], 3),
         "beam_size": beam_size, "threads": os.cpu_count()}
 
