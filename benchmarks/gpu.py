@@ -94,13 +94,16 @@ def timed(fn, rounds: int) -> float:
     return statistics.median(times)
 
 
-def random_batch(batch: int, seq_len: int, vocab: int, seed: int = 0) -> LMBatch:
+def random_batch(batch: int, seq_len: int, vocab: int, docs: int = 1,
+                 seed: int = 0) -> LMBatch:
+    """Random tokens, each row `docs` packed documents of equal length."""
     ids = np.random.default_rng(seed).integers(3, vocab, (batch, seq_len + 1), np.int32)
-    ones = np.ones((batch, seq_len), np.int32)
-    return LMBatch(inputs=ids[:, :-1], labels=ids[:, 1:], weights=ones.astype(np.float32),
-                   positions=np.broadcast_to(np.arange(seq_len, dtype=np.int32),
-                                             (batch, seq_len)).copy(),
-                   segments=ones)
+    doc_len = -(-seq_len // docs)
+    index = np.arange(seq_len, dtype=np.int32)
+    return LMBatch(inputs=ids[:, :-1], labels=ids[:, 1:],
+                   weights=np.ones((batch, seq_len), np.float32),
+                   positions=np.broadcast_to(index % doc_len, (batch, seq_len)).copy(),
+                   segments=np.broadcast_to(1 + index // doc_len, (batch, seq_len)).copy())
 
 
 def matmul_flops_per_s(n: int, rounds: int) -> float:
@@ -119,21 +122,23 @@ def matmul_flops_per_s(n: int, rounds: int) -> float:
 
 
 def train_row(size: str, impl: str, batch: int, seq_len: int, rounds: int,
-              remat: str = "none") -> dict:
+              remat: str = "none", docs: int = 1) -> dict:
     config = model_config(size, seq_len, precision="mixed", attention_impl=impl, remat=remat)
     tc = TrainConfig(task="lm", data=("random tokens",), seq_len=seq_len, batch_size=batch,
                      steps=1000, warmup_steps=10)
     fns = train_functions(config, tc)
     state = fns.init(0)
-    data = jax.device_put(random_batch(batch, seq_len, config.tgt_vocab_size))
+    data = jax.device_put(random_batch(batch, seq_len, config.tgt_vocab_size, docs))
     start = time.perf_counter()
     step = fns.step.lower(state, data).compile()
     compile_s = time.perf_counter() - start
     custom_calls = sorted(set(re.findall(r'custom_call_target="([^"]+)"', step.as_text())))
     holder = {"state": state}
+    losses = []
 
     def run():
         holder["state"], metrics = step(holder["state"], data)
+        losses.append(metrics["loss"])
         return metrics["loss"]
 
     step_s = timed(run, rounds)
@@ -142,7 +147,7 @@ def train_row(size: str, impl: str, batch: int, seq_len: int, rounds: int,
         * batch * seq_len
     peak_flops, _ = peaks(jax.devices()[0])
     return {"params": n, "step_s": step_s, "compile_s": compile_s,
-            "custom_calls": custom_calls,
+            "custom_calls": custom_calls, "first_loss": float(losses[0]),
             "tokens_per_s": batch * seq_len / step_s,
             "mfu": None if peak_flops is None else flops / step_s / peak_flops}
 
@@ -184,6 +189,8 @@ def main(argv=None) -> dict:
                         help="attention implementations of the train rows, comma-separated")
     parser.add_argument("--remat", default="none", help="the train rows' remat policy")
     parser.add_argument("--train-only", action="store_true", help="no decode rows")
+    parser.add_argument("--docs", type=int, default=1,
+                        help="documents packed in each train row (segment ids)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny sizes: checks the script end to end on any machine")
     args = parser.parse_args(argv)
@@ -196,7 +203,7 @@ def main(argv=None) -> dict:
 
     matmul = matmul_flops_per_s(256 if args.smoke else 8192, rounds)
     print(f"bfloat16 matrix product through XLA: {matmul / 1e12:.1f} TFLOP/s", file=sys.stderr)
-    train = {impl: train_row(size, impl, batch, seq_len, rounds, args.remat)
+    train = {impl: train_row(size, impl, batch, seq_len, rounds, args.remat, args.docs)
              for impl in args.impls.split(",")}
     small, large = (1, 2) if args.smoke else (1, 64)
     decode = {} if args.train_only else {"b1": decode_row(size, small, prompt_len, new_tokens, rounds),
@@ -220,7 +227,10 @@ def main(argv=None) -> dict:
     result = {"device": f"{device.platform} {getattr(device, 'device_kind', '')}".strip(),
               "size": size, "params": next(iter(train.values()))["params"],
               "train_batch": batch, "seq_len": seq_len, "remat": args.remat,
-              "matmul_tflops": matmul / 1e12}
+              "docs_per_row": args.docs, "matmul_tflops": matmul / 1e12,
+              # the same initial state and batch: the implementations' first losses agree
+              "train_first_loss_max_diff": max(r["first_loss"] for r in train.values())
+              - min(r["first_loss"] for r in train.values())}
     for impl, row in train.items():
         result |= {f"train_mfu_{impl}": row["mfu"], f"train_step_s_{impl}": row["step_s"],
                    f"train_compile_s_{impl}": row["compile_s"],

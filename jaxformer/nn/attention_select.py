@@ -9,7 +9,9 @@ can be overridden by naming an implementation.
                float16 / bfloat16, head dim a multiple of 8 and <= 128 (<= 256 on
                Hopper and later; 128 is what holds everywhere), and a mask cuDNN
                takes as structure: causal, a causal sliding window, key / query
-               lengths (`jax_nn_mask_arguments`). Segment ids, prefixes, explicit
+               lengths (`jax_nn_mask_arguments`); segment ids (packed documents)
+               as a boolean (B, 1, T, S) mask, which cuDNN reads as a constant bias,
+               up to `SEGMENT_MASK_MAX_ELEMENTS` = T x S. Prefixes, explicit
                positions and query offsets have no cuDNN form through `jax.nn`.
   "splash"     Pallas splash attention (`splash.splash_attention`): TPUs, float32 /
                bfloat16, head dim a multiple of 128, T and S multiples of 128 (its
@@ -46,6 +48,9 @@ BLOCKWISE_MIN_LENGTH = 1024
 # 125M train step at 8 x 2048 took 0.26 s blockwise against 0.095 s dense on an H100
 # (benchmarks/gpu.py, NOTES.md), so dense keeps masks cuDNN cannot take up to here.
 GPU_BLOCKWISE_MIN_LENGTH = 4096
+# Segment ids reach `jax.nn` as a dense boolean mask (cuDNN: a (B, 1, T, S) bias in the
+# query dtype) up to this T x S; longer calls go blockwise.
+SEGMENT_MASK_MAX_ELEMENTS = GPU_BLOCKWISE_MIN_LENGTH ** 2
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 CUDNN_MAX_HEAD_DIM = 128
 CUDNN_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
@@ -83,16 +88,23 @@ def splash_supports(head_dim: int, dtype: Any, mask: Optional[MaskSpec], num_que
 
 def jax_nn_mask_arguments(mask: Optional[MaskSpec]) -> Optional[dict[str, Any]]:
     """`jax.nn.dot_product_attention` keyword arguments (`is_causal`, `local_window_size`,
-    `query_seq_lengths`, `key_value_seq_lengths`) expressing `mask`, or None if the mask
-    has parts they cannot express (segment ids, prefix, explicit positions, a query
-    offset, a window without causality)."""
+    `query_seq_lengths`, `key_value_seq_lengths`, and `mask` for segment ids) expressing
+    `mask`, or None if the mask has parts they cannot express (a prefix, explicit
+    positions, a query offset, a window without causality, segment ids over more than
+    `SEGMENT_MASK_MAX_ELEMENTS` query x key pairs)."""
     if mask is None:
         return {}
-    if (mask.q_segment_ids is not None or mask.prefix_length is not None or mask.has_positions
+    if (mask.prefix_length is not None or mask.has_positions
             or not (isinstance(mask.q_offset, int) and mask.q_offset == 0)
             or (mask.window is not None and not mask.causal)):
         return None
     args: dict[str, Any] = {"is_causal": mask.causal}
+    if mask.q_segment_ids is not None:
+        if mask.q_segment_ids.shape[-1] * mask.kv_segment_ids.shape[-1] > \
+                SEGMENT_MASK_MAX_ELEMENTS:
+            return None
+        args["mask"] = (mask.q_segment_ids[:, None, :, None]
+                        == mask.kv_segment_ids[:, None, None, :])  # (B, 1, T, S)
     if mask.window is not None:  # keys (q - w, q]: w - 1 to the left, none to the right
         args["local_window_size"] = (mask.window - 1, 0)
     if mask.q_lengths is not None:

@@ -43,7 +43,7 @@ def _cuda_hlo(head_dim, dtype, mask, grad=False):
         # Ask jax itself: a window on both sides (its symmetric local_window_size).
         arguments = dict(local_window_size=(mask.window - 1, mask.window - 1))
     elif arguments is None:
-        return None  # segment ids: jax.nn has no argument for them
+        return None  # parts jax.nn has no argument for
     lengths = {k: arguments.pop(k) for k in ("query_seq_lengths", "key_value_seq_lengths")
                if k in arguments}
     x = jnp.zeros((B, T, H, head_dim), dtype)
@@ -84,9 +84,11 @@ def test_cudnn_is_chosen_exactly_where_jax_lowers_it(cudnn_for_lowering, head_di
         assert choice == "blockwise"  # long: the fallback is the linear-memory path
 
 
-def test_cudnn_training_step_lowers_to_fused_forward_and_backward(cudnn_for_lowering):
-    hlo = _cuda_hlo(64, jnp.bfloat16, MASKS["causal_window_lengths"], grad=True)
-    assert "__cudnn$fmhaSoftmax(" in hlo and "__cudnn$fmhaSoftmaxBackward" in hlo
+@pytest.mark.parametrize("mask", ["causal_window_lengths", "segments"])
+def test_cudnn_training_step_lowers_to_fused_forward_and_backward(cudnn_for_lowering, mask):
+    hlo = _cuda_hlo(64, jnp.bfloat16, MASKS[mask], grad=True)
+    # segments: `__cudnn$fmhaScaleBiasSoftmax` (the mask as a bias) and its backward
+    assert "__cudnn$fmha" in hlo and "SoftmaxBackward(" in hlo
 
 
 def test_length_picks_blockwise_or_dense_where_no_fused_kernel_takes_the_call():
@@ -98,11 +100,15 @@ def test_length_picks_blockwise_or_dense_where_no_fused_kernel_takes_the_call():
                                      threshold) == "blockwise"
         assert choose_attention_impl(platform, 64, jnp.float32, causal,
                                      threshold - 1) == "dense"
-    # A packed batch's segment ids have no cuDNN form: dense on a GPU at 2048 (measured
-    # faster there), blockwise on a CPU.
-    packed = MaskSpec(causal=True, q_segment_ids=jnp.ones((1, 2048), jnp.int32),
-                      kv_segment_ids=jnp.ones((1, 2048), jnp.int32))
-    assert choose_attention_impl("cuda", 64, jnp.bfloat16, packed, 2048) == "dense"
-    assert choose_attention_impl("cpu", 64, jnp.bfloat16, packed, 2048) == "blockwise"
+    # A packed batch's segment ids reach cuDNN as a (B, 1, T, S) mask up to 4096 x 4096;
+    # beyond, blockwise (the mask would grow quadratically); blockwise on a CPU.
+    def packed(n):
+        ids = jnp.ones((1, n), jnp.int32)
+        return MaskSpec(causal=True, q_segment_ids=ids, kv_segment_ids=ids)
+
+    assert choose_attention_impl("cuda", 64, jnp.bfloat16, packed(2048), 2048) == "cudnn"
+    assert choose_attention_impl("cuda", 64, jnp.bfloat16, packed(8192), 8192) == "blockwise"
+    assert choose_attention_impl("cuda", 64, jnp.float32, packed(2048), 2048) == "dense"
+    assert choose_attention_impl("cpu", 64, jnp.bfloat16, packed(2048), 2048) == "blockwise"
     dense_mask = jnp.ones((1, 1, 8192, 8192), bool)  # an arbitrary pattern: dense only
     assert choose_attention_impl("cuda", 64, jnp.bfloat16, dense_mask, 8192) == "dense"

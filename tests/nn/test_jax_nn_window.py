@@ -19,13 +19,17 @@ from jaxformer.nn.mask_structure import MaskSpec, dense_mask
 
 B, T, H, K = 2, 9, 2, 8
 LENGTHS = np.array([9, 6], np.int32)
+SEGMENTS = jnp.asarray([[0, 0, 0, 1, 1, 1, 1, 2, 2], [0, 0, 0, 0, 0, 1, 1, 1, 1]], jnp.int32)
 
 
 @pytest.mark.parametrize("spec", [
     MaskSpec(causal=True, window=1), MaskSpec(causal=True, window=3),
     MaskSpec(causal=True, window=4, kv_lengths=LENGTHS, q_lengths=LENGTHS),
-    MaskSpec(causal=True, window=T + 5)], ids=["window_1", "window_3", "window_4_lengths",
-                                               "window_beyond_T"])
+    MaskSpec(causal=True, window=T + 5),
+    MaskSpec(causal=True, q_segment_ids=SEGMENTS, kv_segment_ids=SEGMENTS),
+    MaskSpec(causal=True, window=2, q_segment_ids=SEGMENTS, kv_segment_ids=SEGMENTS)],
+    ids=["window_1", "window_3", "window_4_lengths", "window_beyond_T", "segments",
+         "segments_window_2"])
 def test_jax_nn_arguments_see_the_keys_of_the_dense_mask(spec):
     q, k, v = (np.random.default_rng(i).normal(size=(B, T, H, K)).astype(np.float32)
                for i in range(3))
