@@ -44,9 +44,10 @@ from jaxformer.nn.mask_structure import MaskSpec
 # Blockwise is no slower than dense on CPU from here on for causal masks
 # (benchmarks/long.py), and its temporaries grow linearly instead of quadratically.
 BLOCKWISE_MIN_LENGTH = 1024
-# On a GPU XLA runs blockwise's scan over key blocks as many small kernels: a packed
-# 125M train step at 8 x 2048 took 0.26 s blockwise against 0.095 s dense on an H100
-# (benchmarks/gpu.py, NOTES.md), so dense keeps masks cuDNN cannot take up to here.
+# On a GPU XLA runs blockwise's scan over key blocks as many small kernels: a 125M
+# train step at 8 x 2048 took 0.26 s blockwise against 0.095 s dense (0.060 s cuDNN)
+# on an H100 (benchmarks/gpu.py, NOTES.md), so dense keeps masks cuDNN cannot take
+# up to here.
 GPU_BLOCKWISE_MIN_LENGTH = 4096
 # Segment ids reach `jax.nn` as a dense boolean mask (cuDNN: a (B, 1, T, S) bias in the
 # query dtype) up to this T x S; longer calls go blockwise.
