@@ -25,7 +25,7 @@ from conftest import REPO
 # (K, N): N ragged against the kernel's 64-column tiles, one column, K of one block
 # (all below the kernel's serial bound: one thread)
 SHAPES = [(32, 1), (96, 70), (64, 130), (576, 200)]
-BATCHES = [1, 3, 8]
+BATCHES = [1, 3, 8, 13]  # 13: a full pass of 8 rows (the integer paths) and one of 5
 
 
 @pytest.fixture(scope="module")

@@ -5,19 +5,22 @@
 //
 // (a block holding a NaN or an infinity gets dx = NaN, so the output is NaN as on the
 // float path), then per block and output column the integer sum s = sum_k q[k, n] xq[k]
-// is exact (int16 pairs from _mm256_maddubs_epi16, widened to int32 at most every 8
-// packed rows) and y += d (dx s) (+ m xsum, or - 8 d xsum for int4_sym), in float32;
-// xsum is the float block sum of x itself. So the only change from the float path is x's
-// rounding to 8 bits per block: |x - dx xq| <= dx / 2 per element.
+// is exact (4 products at a time into int32: VNNI's dpbusd, or maddubs + madd where the
+// CPU lacks it: every pair fits an int16) and y += d (dx s) (+ m xsum, or - 8 d xsum for
+// int4_sym), in float32; xsum is the float block sum of x itself. So the only change
+// from the float path is x's rounding to 8 bits per block: |x - dx xq| <= dx / 2.
 //
-// Layouts taken (AVX2 only; elsewhere the float path of qmatmul.cc):
-//   int4, int4_sym, N last (K/2, N): 32 columns per pass, a packed byte's low and high
-//     nibbles interleaved so that one maddubs multiplies x[k] and x[k + bk/2] into one
-//     column's int16; any even block.
-//   int8_block, N last (K, N): the same, rows k and k + 1 interleaved (|q| against x
-//     carrying q's sign), widened to int32 after every pair; any block.
-//   int8_block, int4, int4_sym, transposed (N, K): one row per output, 32 k per
-//     maddubs (int8: |q| against x carrying q's sign, as ggml's Q8_0 dot); block % 32 == 0.
+// x is quantized once per call, into the order in which the layout's weights stream
+// (Problem::xs, `XStream`), so both layouts and every format share one inner loop:
+//   N last (K/2 or K, N): 32 columns per pass, four k per column in each int32 lane
+//     (4-bit: packed rows i, i + 1, low and high nibbles: k = i, i + bk/2, i + 1,
+//     i + 1 + bk/2; int8_block: rows k .. k + 3), x's 4 matching bytes broadcast; every
+//     row of x (up to 8) against each weight vector while it is in registers or L1.
+//     Any even block (int8_block: any block), padded with zeros to 4 k.
+//   transposed (N, K): one row per output, 32 k per vector (4-bit: a 16-byte chunk's
+//     low then high nibbles); block % 32 == 0.
+// int8 weights enter as |q| against x carrying q's sign (ggml's Q8_0 dot): the unsigned
+// operand stays <= 128.
 
 #if defined(__AVX2__)
 constexpr bool kIntegerDot = true;
@@ -25,17 +28,36 @@ constexpr bool kIntegerDot = true;
 constexpr bool kIntegerDot = false;
 #endif
 
+constexpr int IR = 8;  // rows of x per pass over the weights (integer paths)
+
 inline bool UsesIntegerDot(Fmt fmt, bool transposed, int64_t block) {
-  if (!kIntegerDot) return false;
-  if (fmt == Fmt::kInt4 || fmt == Fmt::kInt4Sym) return !transposed || block % 32 == 0;
-  return fmt == Fmt::kInt8Block && (!transposed || block % 32 == 0);
+  if (!kIntegerDot || fmt == Fmt::kInt8) return false;
+  return !transposed || block % 32 == 0;
 }
 
-// p.xq (B, K) and p.xd (B, K / block) from p.x.
+// Bytes of the x stream per block: transposed, bk; N last, bk rounded up to 4 k.
+inline int64_t StreamBytes(const Problem& p) {
+  return p.transposed ? p.block : (p.block + 3) / 4 * 4;
+}
+
+// The position in the block's x stream of the block's k = i (see the header).
+inline int64_t StreamAt(const Problem& p, int64_t i) {
+  const int64_t bk = p.block, half = bk / 2;
+  if (p.fmt == Fmt::kInt8Block) return i;  // rows k in order (transposed or N last)
+  const bool hi = i >= half;
+  const int64_t r = hi ? i - half : i;     // packed row / byte r, its high nibble or not
+  if (p.transposed) return r / 16 * 32 + (hi ? 16 : 0) + r % 16;
+  return r / 2 * 4 + (hi ? 1 : 0) + (r % 2) * 2;
+}
+
+// p.xs (B, K / block, StreamBytes) and p.xd (B, K / block) from p.x: quantized once;
+// transposed also p.xdt (B / IR rounded up, K / block, IR): xd by row group.
 inline void QuantizeX(Problem& p) {
-  const int64_t K = p.K, bk = p.block, blocks = K / bk;
-  p.xq.assign(p.B * K, 0);
+  const int64_t K = p.K, bk = p.block, blocks = K / bk, sb = StreamBytes(p);
+  p.xs.assign(p.B * blocks * sb, 0);
   p.xd.assign(p.B * blocks, 0.0f);
+  std::vector<int64_t> at(bk);
+  for (int64_t i = 0; i < bk; ++i) at[i] = StreamAt(p, i);
   for (int64_t b = 0; b < p.B; ++b)
     for (int64_t kb = 0; kb < blocks; ++kb) {
       const float* x = p.x + b * K + kb * bk;
@@ -50,152 +72,150 @@ inline void QuantizeX(Problem& p) {
         continue;
       }
       const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-      int8_t* xq = p.xq.data() + b * K + kb * bk;
+      int8_t* xs = p.xs.data() + (b * blocks + kb) * sb;
       for (int64_t i = 0; i < bk; ++i)
-        xq[i] = static_cast<int8_t>(std::nearbyint(x[i] * inv));
+        xs[at[i]] = static_cast<int8_t>(std::nearbyint(x[i] * inv));
       p.xd[b * blocks + kb] = amax / 127.0f;
     }
+  if (!p.transposed) return;
+  p.xdt.assign((p.B + IR - 1) / IR * blocks * IR, 0.0f);
+  for (int64_t b = 0; b < p.B; ++b)
+    for (int64_t kb = 0; kb < blocks; ++kb)
+      p.xdt[(b / IR * blocks + kb) * IR + b % IR] = p.xd[b * blocks + kb];
 }
 
 // Columns per task of the N-last integer path, at most (qmatmul.cc's Run picks the width:
-// N split evenly over the threads). A task reads block kb's bk/2 packed rows w bytes at a
-// time, so the hardware prefetchers follow bk/2 sequential streams (64-column tiles going
-// down the rows read one cache line per row, a new page every few rows: latency-bound).
-constexpr int64_t IW = 1024;
+// N split evenly over the threads). A task reads block kb's rows w bytes at a time, so
+// the hardware prefetchers follow sequential streams (64-column tiles going down the rows
+// read one cache line per row, a new page every few rows: latency-bound).
+constexpr int64_t IW = 512;
 
 #if defined(__AVX2__)
 
-// isum[r][j] = sum over block kb's k of q[k, n0 + j] xq[b0 + r, k] (N-last 4-bit), j < w.
-template <int R>
-void Int4BlockSums(const Problem& p, int64_t b0, int64_t kb, int64_t n0, int64_t w,
-                   int32_t (*isum)[IW]) {
-  const int64_t K = p.K, N = p.N, bk = p.block, half = bk / 2;
-  const uint8_t* q = static_cast<const uint8_t*>(p.q) + kb * half * N + n0;
-  const int8_t* xq = p.xq.data() + b0 * K + kb * bk;
-  const __m256i mask = _mm256_set1_epi8(15);
-  int64_t j = 0;
-  for (; j + 32 <= w; j += 32) {
-    __m256i s32[R][4];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < 4; ++c) s32[r][c] = _mm256_setzero_si256();
-    for (int64_t i0 = 0; i0 < half; i0 += 8) {
-      __m256i s16[R][2];
-      for (int r = 0; r < R; ++r) s16[r][0] = s16[r][1] = _mm256_setzero_si256();
-      const int64_t i1 = std::min(half, i0 + 8);
-      for (int64_t i = i0; i < i1; ++i) {
-        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i * N + j));
-        // the next block's rows, these columns: ahead of the prefetchers' page-bound streams
-        _mm_prefetch(reinterpret_cast<const char*>(q + (half + i) * N + j), _MM_HINT_T0);
-        const __m256i lo = _mm256_and_si256(b, mask);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
-        // bytes (lo, hi) per column: columns 0-7 and 16-23, then 8-15 and 24-31
-        const __m256i wl = _mm256_unpacklo_epi8(lo, hi), wh = _mm256_unpackhi_epi8(lo, hi);
-        for (int r = 0; r < R; ++r) {
-          const uint16_t pair = static_cast<uint8_t>(xq[r * K + i]) |
-                                static_cast<uint16_t>(static_cast<uint8_t>(xq[r * K + half + i]) << 8);
-          const __m256i xv = _mm256_set1_epi16(static_cast<int16_t>(pair));
-          // |lo x + hi x'| <= 2 * 15 * 127: eight rows fit an int16
-          s16[r][0] = _mm256_add_epi16(s16[r][0], _mm256_maddubs_epi16(wl, xv));
-          s16[r][1] = _mm256_add_epi16(s16[r][1], _mm256_maddubs_epi16(wh, xv));
-        }
-      }
-      for (int r = 0; r < R; ++r) {
-        s32[r][0] = _mm256_add_epi32(s32[r][0], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(s16[r][0])));
-        s32[r][1] = _mm256_add_epi32(s32[r][1], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(s16[r][1])));
-        s32[r][2] = _mm256_add_epi32(s32[r][2], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(s16[r][0], 1)));
-        s32[r][3] = _mm256_add_epi32(s32[r][3], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(s16[r][1], 1)));
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < 4; ++c)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(isum[r] + j + 8 * c), s32[r][c]);
-  }
-  for (; j < w; ++j)
-    for (int r = 0; r < R; ++r) {
-      int32_t s = 0;
-      for (int64_t i = 0; i < half; ++i)
-        s += (q[i * N + j] & 15) * xq[r * K + i] + (q[i * N + j] >> 4) * xq[r * K + half + i];
-      isum[r][j] = s;
-    }
+// acc + the 4-product sums of unsigned bytes u and signed bytes s, per int32 lane.
+inline __m256i DotAdd(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s),
+                                                 _mm256_set1_epi16(1)));
+#endif
 }
 
-// isum[r][j] = sum over block kb's k of q[k, n0 + j] xq[b0 + r, k] (N-last int8_block), j < w.
-template <int R>
-void Int8BlockSums(const Problem& p, int64_t b0, int64_t kb, int64_t n0, int64_t w,
-                   int32_t (*isum)[IW]) {
-  const int64_t K = p.K, N = p.N, bk = p.block;
-  const int8_t* q = static_cast<const int8_t*>(p.q) + kb * bk * N + n0;
-  const int8_t* xq = p.xq.data() + b0 * K + kb * bk;
+// The 4 weight vectors of step t of a block, N last, 32 columns from `q` (the block's
+// first row, column n0 + j): lane l of vector v holds column 4 v + l (l < 4) or
+// 16 + 4 v + l - 4 (l >= 4), its 4 bytes the 4 k of the step in stream order.
+// `rows`: the block's stored rows (bk/2 packed, or bk).
+template <Fmt F>
+inline void Quads(const uint8_t* q, int64_t N, int64_t t, int64_t rows, __m256i (&u)[4]) {
+  auto row = [&](int64_t i) {
+    return i < rows ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i * N))
+                    : _mm256_setzero_si256();
+  };
+  __m256i a, b, c, d;
+  if constexpr (F == Fmt::kInt8Block) {
+    a = row(4 * t), b = row(4 * t + 1), c = row(4 * t + 2), d = row(4 * t + 3);
+  } else {  // packed rows 2t, 2t + 1: (low, high) nibbles of each
+    const __m256i m = _mm256_set1_epi8(15), r0 = row(2 * t), r1 = row(2 * t + 1);
+    a = _mm256_and_si256(r0, m), b = _mm256_and_si256(_mm256_srli_epi16(r0, 4), m);
+    c = _mm256_and_si256(r1, m), d = _mm256_and_si256(_mm256_srli_epi16(r1, 4), m);
+  }
+  const __m256i abl = _mm256_unpacklo_epi8(a, b), abh = _mm256_unpackhi_epi8(a, b);
+  const __m256i cdl = _mm256_unpacklo_epi8(c, d), cdh = _mm256_unpackhi_epi8(c, d);
+  u[0] = _mm256_unpacklo_epi16(abl, cdl), u[1] = _mm256_unpackhi_epi16(abl, cdl);
+  u[2] = _mm256_unpacklo_epi16(abh, cdh), u[3] = _mm256_unpackhi_epi16(abh, cdh);
+}
+
+// isum[r][j] = the integer sum of block kb, column n0 + j (j < w), with x row b0 + r, for
+// R <= 4 rows (N last).
+template <int R, Fmt F>
+void BlockSums(const Problem& p, int64_t b0, int64_t kb, int64_t n0, int64_t w,
+               int32_t (*isum)[IW]) {
+  constexpr bool kSigned = F == Fmt::kInt8Block;
+  const int64_t N = p.N, bk = p.block, blocks = p.K / bk, sb = StreamBytes(p);
+  constexpr int64_t kPer = kSigned ? 4 : 2;  // stored rows per step
+  const int64_t rows = kSigned ? bk : bk / 2, steps = sb / 4;
+  const uint8_t* q = static_cast<const uint8_t*>(p.q) + kb * rows * N + n0;
+  const int8_t* xs[R];
+  for (int r = 0; r < R; ++r) xs[r] = p.xs.data() + ((b0 + r) * blocks + kb) * sb;
   int64_t j = 0;
   for (; j + 32 <= w; j += 32) {
-    __m256i s32[R][4];
+    __m256i s[R][4];
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < 4; ++c) s32[r][c] = _mm256_setzero_si256();
-    for (int64_t i = 0; i < bk; i += 2) {
-      const bool pair = i + 1 < bk;  // an odd block's last row pairs with zeros
-      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i * N + j));
-      const __m256i b = pair ? _mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(q + (i + 1) * N + j)) : _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) s[r][c] = _mm256_setzero_si256();
+    for (int64_t t = 0; t < steps; ++t) {
+      __m256i u[4];
+      Quads<F>(q + j, N, t, rows, u);
       // the next block's rows, these columns: ahead of the prefetchers' page-bound streams
-      _mm_prefetch(reinterpret_cast<const char*>(q + (bk + i) * N + j), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(q + (bk + i + 1) * N + j), _MM_HINT_T0);
-      // bytes (q[i], q[i + 1]) per column: columns 0-7 and 16-23, then 8-15 and 24-31
-      const __m256i wl = _mm256_unpacklo_epi8(a, b), wh = _mm256_unpackhi_epi8(a, b);
-      const __m256i al = _mm256_sign_epi8(wl, wl), ah = _mm256_sign_epi8(wh, wh);  // |q|
+      for (int64_t e = 0; e < kPer; ++e)
+        _mm_prefetch(reinterpret_cast<const char*>(q + j + (rows + kPer * t + e) * N),
+                     _MM_HINT_T0);
+      __m256i a[4];
+      for (int c = 0; c < 4; ++c) a[c] = kSigned ? _mm256_sign_epi8(u[c], u[c]) : u[c];
       for (int r = 0; r < R; ++r) {
-        const uint16_t two = static_cast<uint8_t>(xq[r * K + i]) |
-            static_cast<uint16_t>(pair ? static_cast<uint8_t>(xq[r * K + i + 1]) : 0) << 8;
-        const __m256i xv = _mm256_set1_epi16(static_cast<int16_t>(two));
-        // |q x + q' x'| <= 2 * 128 * 127: one pair fits an int16, then int32
-        const __m256i l = _mm256_maddubs_epi16(al, _mm256_sign_epi8(xv, wl));
-        const __m256i h = _mm256_maddubs_epi16(ah, _mm256_sign_epi8(xv, wh));
-        s32[r][0] = _mm256_add_epi32(s32[r][0], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(l)));
-        s32[r][1] = _mm256_add_epi32(s32[r][1], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(h)));
-        s32[r][2] = _mm256_add_epi32(s32[r][2], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(l, 1)));
-        s32[r][3] = _mm256_add_epi32(s32[r][3], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(h, 1)));
+        int32_t four;
+        std::memcpy(&four, xs[r] + 4 * t, 4);
+        const __m256i xv = _mm256_set1_epi32(four);
+        for (int c = 0; c < 4; ++c)
+          s[r][c] = DotAdd(s[r][c], a[c], kSigned ? _mm256_sign_epi8(xv, u[c]) : xv);
       }
     }
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < 4; ++c)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(isum[r] + j + 8 * c), s32[r][c]);
+    for (int r = 0; r < R; ++r) {  // lanes back to column order
+      int32_t* out = isum[r] + j;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                          _mm256_permute2x128_si256(s[r][0], s[r][1], 0x20));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 8),
+                          _mm256_permute2x128_si256(s[r][2], s[r][3], 0x20));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16),
+                          _mm256_permute2x128_si256(s[r][0], s[r][1], 0x31));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 24),
+                          _mm256_permute2x128_si256(s[r][2], s[r][3], 0x31));
+    }
   }
-  for (; j < w; ++j)
+  for (; j < w; ++j)  // the ragged end, one column at a time
     for (int r = 0; r < R; ++r) {
-      int32_t s = 0;
-      for (int64_t i = 0; i < bk; ++i) s += q[i * N + j] * xq[r * K + i];
-      isum[r][j] = s;
+      int32_t sum = 0;
+      for (int64_t i = 0; i < bk; ++i) {
+        const int64_t at = StreamAt(p, i);
+        int32_t wq;
+        if constexpr (kSigned) {
+          wq = static_cast<const int8_t*>(p.q)[(kb * bk + i) * N + n0 + j];
+        } else {
+          const uint8_t byte = q[(i % (bk / 2)) * N + j];
+          wq = i < bk / 2 ? byte & 15 : byte >> 4;
+        }
+        sum += wq * xs[r][at];
+      }
+      isum[r][j] = sum;
     }
 }
 
-// The R rows b0 .. b0 + R of y, columns n0 .. n0 + w (N-last int8_block or 4-bit, integer sums).
-template <int R>
+// The R <= IR rows b0 .. b0 + R of y, columns n0 .. n0 + w (N last, integer sums): each
+// block's weights are read from memory once for all R rows.
+template <int R, Fmt F>
 void IntTile(const Problem& p, int64_t b0, int64_t n0, int64_t w) {
   const int64_t N = p.N, blocks = p.K / p.block;
   const uint16_t* scale = static_cast<const uint16_t*>(p.scale) + n0;
-  float acc[R][IW] = {};
+  alignas(32) float acc[R][IW] = {};
   alignas(32) int32_t isum[R][IW];
-  float d[IW], m[IW];
+  alignas(32) float d[IW], m[IW];
   for (int64_t kb = 0; kb < blocks; ++kb) {
-    if (p.fmt == Fmt::kInt8Block) {
-      Int8BlockSums<R>(p, b0, kb, n0, w, isum);
-    } else {
-      Int4BlockSums<R>(p, b0, kb, n0, w, isum);
-    }
+    BlockSums<(R < 4 ? R : 4), F>(p, b0, kb, n0, w, isum);
+    if constexpr (R > 4) BlockSums<R - 4, F>(p, b0 + 4, kb, n0, w, isum + 4);
     HalvesToFloats(scale + kb * N, d, w);
-    if (p.fmt == Fmt::kInt4) HalvesToFloats(p.offset + n0 + kb * N, m, w);
+    if constexpr (F == Fmt::kInt4) HalvesToFloats(p.offset + n0 + kb * N, m, w);
+    if constexpr (F == Fmt::kInt4Sym)
+      for (int64_t j = 0; j < w; ++j) m[j] = -8.0f * d[j];
     for (int r = 0; r < R; ++r) {
       const float dx = p.xd[(b0 + r) * blocks + kb];
-      if (p.fmt == Fmt::kInt8Block) {
+      if constexpr (F == Fmt::kInt8Block) {
         for (int64_t j = 0; j < w; ++j) acc[r][j] += d[j] * (dx * static_cast<float>(isum[r][j]));
-        continue;
-      }
-      const float xs = p.xsum[(b0 + r) * blocks + kb];
-      if (p.fmt == Fmt::kInt4) {
+      } else {
+        const float xs = p.xsum[(b0 + r) * blocks + kb];
         for (int64_t j = 0; j < w; ++j)
           acc[r][j] += d[j] * (dx * static_cast<float>(isum[r][j])) + m[j] * xs;
-      } else {
-        for (int64_t j = 0; j < w; ++j)
-          acc[r][j] += d[j] * (dx * static_cast<float>(isum[r][j]) - 8.0f * xs);
       }
     }
   }
@@ -203,66 +223,125 @@ void IntTile(const Problem& p, int64_t b0, int64_t n0, int64_t w) {
     for (int64_t j = 0; j < w; ++j) p.y[(b0 + r) * N + n0 + j] = acc[r][j];
 }
 
-// Transposed layout, integer sums: y[b0 .. b0 + R, n] over row n of W^T.
+template <Fmt F>
+void IntTileRows(const Problem& p, int64_t b0, int64_t rows, int64_t n0, int64_t w) {
+  switch (rows) {
+    case 1: return IntTile<1, F>(p, b0, n0, w);
+    case 2: return IntTile<2, F>(p, b0, n0, w);
+    case 3: return IntTile<3, F>(p, b0, n0, w);
+    case 4: return IntTile<4, F>(p, b0, n0, w);
+    case 5: return IntTile<5, F>(p, b0, n0, w);
+    case 6: return IntTile<6, F>(p, b0, n0, w);
+    case 7: return IntTile<7, F>(p, b0, n0, w);
+    default: return IntTile<IR, F>(p, b0, n0, w);
+  }
+}
+
+// [sum of s[0]'s lanes, ..., sum of s[R - 1]'s, 0, ...] (R <= 8).
+template <int R>
+inline __m256i RowSums(const __m256i (&s)[R]) {
+  __m256i v[8];
+  for (int r = 0; r < 8; ++r) v[r] = r < R ? s[r] : _mm256_setzero_si256();
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  // a: rows 0-3 over lanes 0-3 | rows 0-3 over lanes 4-7; b: rows 4-7 likewise
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20),
+                          _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+// Transposed layout, integer sums: y[b0 .. b0 + R, n] over row n of W^T, R <= IR. From 4
+// rows on, the rows' block sums share one vector (RowSums), scaled together by d dx.
 template <int R, Fmt F>
 void IntRowDots(const Problem& p, int64_t b0, int64_t n) {
-  const int64_t K = p.K, bk = p.block, blocks = K / bk, half = bk / 2;
+  constexpr bool kSigned = F == Fmt::kInt8Block;
+  const int64_t K = p.K, bk = p.block, blocks = K / bk;
   const uint16_t* scale = static_cast<const uint16_t*>(p.scale) + n * blocks;
-  const int8_t* xq = p.xq.data() + b0 * K;
-  const __m256i ones = _mm256_set1_epi16(1);
+  const uint8_t* q = static_cast<const uint8_t*>(p.q) + n * (kSigned ? K : K / 2);
+  const int8_t* xs = p.xs.data() + b0 * K;  // stream bytes = bk per block: K per row
+  const __m128i m4 = _mm_set1_epi8(15);
   __m256 acc[R];
-  float extra[R] = {};
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t kb = 0; kb < blocks; ++kb) {
     __m256i s[R];
     for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
-    if constexpr (F == Fmt::kInt8Block) {
-      const int8_t* q = static_cast<const int8_t*>(p.q) + n * K + kb * bk;
-      for (int64_t i = 0; i < bk; i += 32) {
-        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i));
-        const __m256i aw = _mm256_sign_epi8(wv, wv);  // |q| (128 for -128: as unsigned)
-        for (int r = 0; r < R; ++r) {
-          const __m256i xv = _mm256_loadu_si256(
-              reinterpret_cast<const __m256i*>(xq + r * K + kb * bk + i));
-          s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(
-              _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), ones));
-        }
+    for (int64_t i = 0; i < bk; i += 32) {
+      __m256i u;
+      if constexpr (kSigned) {
+        u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + kb * bk + i));
+      } else {
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (kb * bk + i) / 2));
+        u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m4), _mm_and_si128(b, m4));
       }
-    } else {
-      const uint8_t* q = static_cast<const uint8_t*>(p.q) + n * (K / 2) + kb * half;
-      const __m128i m4 = _mm_set1_epi8(15);
-      for (int64_t i = 0; i < half; i += 16) {
-        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i));
-        const __m256i wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m4),
-                                            _mm_and_si128(b, m4));
-        for (int r = 0; r < R; ++r) {
-          const int8_t* xr = xq + r * K + kb * bk;
-          const __m256i xv = _mm256_set_m128i(
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(xr + half + i)),
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(xr + i)));
-          s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones));
-        }
+      const __m256i a = kSigned ? _mm256_sign_epi8(u, u) : u;
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(xs + r * K + kb * bk + i));
+        s[r] = DotAdd(s[r], a, kSigned ? _mm256_sign_epi8(xv, u) : xv);
       }
     }
     const float d = HalfToFloat(scale[kb]);
-    for (int r = 0; r < R; ++r) {
-      const float dx = p.xd[(b0 + r) * blocks + kb];
-      acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(s[r]),
-                                                   _mm256_set1_ps(d * dx)));
-      if constexpr (F == Fmt::kInt4) {
-        extra[r] += HalfToFloat(p.offset[n * blocks + kb]) * p.xsum[(b0 + r) * blocks + kb];
-      } else if constexpr (F == Fmt::kInt4Sym) {
-        extra[r] -= 8.0f * d * p.xsum[(b0 + r) * blocks + kb];
-      }
+    if constexpr (R >= 4) {  // lane r of one vector: row r's block sum, scaled at once
+      acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(RowSums<R>(s)),
+                               _mm256_mul_ps(_mm256_set1_ps(d),
+                                             _mm256_loadu_ps(p.xdt.data() + (b0 / IR * blocks + kb) * IR)),
+                               acc[0]);
+    } else {
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]),
+                                 _mm256_set1_ps(d * p.xd[(b0 + r) * blocks + kb]), acc[r]);
     }
   }
+  float extra[R] = {};
+  if constexpr (F != Fmt::kInt8Block) {  // sum over blocks of c x sum: c = m, or -8 d
+    const uint16_t* c = F == Fmt::kInt4 ? p.offset + n * blocks : scale;
+    const float k = F == Fmt::kInt4 ? 1.0f : -8.0f;
+    __m256 e[R];  // 8 blocks at a time: a scalar chain would wait on each add's latency
+    for (int r = 0; r < R; ++r) e[r] = _mm256_setzero_ps();
+    int64_t kb = 0;
+    for (; kb + 8 <= blocks; kb += 8) {
+      const __m256 cv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + kb)));
+      for (int r = 0; r < R; ++r)
+        e[r] = _mm256_fmadd_ps(cv, _mm256_loadu_ps(p.xsum.data() + (b0 + r) * blocks + kb), e[r]);
+    }
+    for (int r = 0; r < R; ++r) {
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, e[r]);
+      for (int l = 0; l < 8; ++l) extra[r] += lanes[l];
+    }
+    for (; kb < blocks; ++kb) {
+      const float ck = HalfToFloat(c[kb]);
+      for (int r = 0; r < R; ++r) extra[r] += ck * p.xsum[(b0 + r) * blocks + kb];
+    }
+    for (int r = 0; r < R; ++r) extra[r] *= k;
+  }
+  alignas(32) float lanes[R >= 4 ? 1 : R][8];
+  for (int r = 0; r < (R >= 4 ? 1 : R); ++r)
+    _mm256_store_ps(lanes[r], acc[r]);
   for (int r = 0; r < R; ++r) {
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, acc[r]);
-    float sum = 0.0f;
-    for (int l = 0; l < 8; ++l) sum += lanes[l];
+    float sum = lanes[0][r];
+    if constexpr (R < 4) {
+      sum = 0.0f;
+      for (int l = 0; l < 8; ++l) sum += lanes[r][l];
+    }
     p.y[(b0 + r) * p.N + n] = sum + extra[r];
   }
+}
+
+template <Fmt F>
+void IntRowsOf(const Problem& p, int64_t t) {
+  for (int64_t n = t * VT; n < std::min(p.N, (t + 1) * VT); ++n)
+    for (int64_t b0 = 0; b0 < p.B; b0 += IR) {
+      switch (std::min<int64_t>(IR, p.B - b0)) {
+        case 1: IntRowDots<1, F>(p, b0, n); break;
+        case 2: IntRowDots<2, F>(p, b0, n); break;
+        case 3: IntRowDots<3, F>(p, b0, n); break;
+        case 4: IntRowDots<4, F>(p, b0, n); break;
+        case 5: IntRowDots<5, F>(p, b0, n); break;
+        case 6: IntRowDots<6, F>(p, b0, n); break;
+        case 7: IntRowDots<7, F>(p, b0, n); break;
+        default: IntRowDots<IR, F>(p, b0, n); break;
+      }
+    }
 }
 
 #endif  // __AVX2__

@@ -95,10 +95,11 @@ struct Problem {
   const uint16_t* offset;  // int4 only
   float* y;
   std::vector<float> xsum;  // (B, K / block): block sums of x (4-bit layouts)
-  bool integer = false;     // integer dot products (qdot.h): xq, xd below
+  bool integer = false;     // integer dot products (qdot.h): xs, xd below
   int64_t width = NT;       // columns per task (N-last layout)
-  std::vector<int8_t> xq;   // (B, K): x quantized per block
+  std::vector<int8_t> xs;   // (B, K / block, stream bytes): x quantized per block (qdot.h)
   std::vector<float> xd;    // (B, K / block): its block scales
+  std::vector<float> xdt;   // the same by groups of rows (qdot.h, transposed)
 };
 
 #include "qdot.h"
@@ -346,21 +347,6 @@ void RowsOf(const Problem& p, int64_t t) {
     }
 }
 
-#if defined(__AVX2__)
-template <Fmt F>
-void IntRowsOf(const Problem& p, int64_t t) {
-  for (int64_t n = t * VT; n < std::min(p.N, (t + 1) * VT); ++n)
-    for (int64_t b0 = 0; b0 < p.B; b0 += BT) {
-      switch (std::min(BT, p.B - b0)) {
-        case 1: IntRowDots<1, F>(p, b0, n); break;
-        case 2: IntRowDots<2, F>(p, b0, n); break;
-        case 3: IntRowDots<3, F>(p, b0, n); break;
-        default: IntRowDots<BT, F>(p, b0, n); break;
-      }
-    }
-}
-#endif
-
 // Transposed layout, task t: outputs t VT .. min(N, (t + 1) VT), every row of x.
 void RunRows(const Problem& p, int64_t t) {
 #if defined(__AVX2__)
@@ -384,6 +370,19 @@ void RunRows(const Problem& p, int64_t t) {
 // Output tile t: columns t width .. min(N, (t + 1) width), every row of x.
 void RunTile(const Problem& p, int64_t t) {
   const int64_t n0 = t * p.width, nt = std::min(p.width, p.N - n0);
+#if defined(__AVX2__)
+  if (p.integer) {
+    for (int64_t b0 = 0; b0 < p.B; b0 += IR) {
+      const int64_t rows = std::min<int64_t>(IR, p.B - b0);
+      switch (p.fmt) {
+        case Fmt::kInt8Block: IntTileRows<Fmt::kInt8Block>(p, b0, rows, n0, nt); break;
+        case Fmt::kInt4: IntTileRows<Fmt::kInt4>(p, b0, rows, n0, nt); break;
+        default: IntTileRows<Fmt::kInt4Sym>(p, b0, rows, n0, nt); break;
+      }
+    }
+    return;
+  }
+#endif
   for (int64_t b0 = 0; b0 < p.B; b0 += BT) {
     const int64_t rows = std::min(BT, p.B - b0);
     if (p.fmt == Fmt::kInt8) {
@@ -395,17 +394,6 @@ void RunTile(const Problem& p, int64_t t) {
       }
       continue;
     }
-#if defined(__AVX2__)
-    if (p.integer) {
-      switch (rows) {
-        case 1: IntTile<1>(p, b0, n0, nt); break;
-        case 2: IntTile<2>(p, b0, n0, nt); break;
-        case 3: IntTile<3>(p, b0, n0, nt); break;
-        default: IntTile<BT>(p, b0, n0, nt); break;
-      }
-      continue;
-    }
-#endif
     if (nt == NT) {
       Rows<true>(p, b0, rows, n0, nt);
     } else {
@@ -459,7 +447,7 @@ ffi::Error Run(ffi::ThreadPool& pool, Problem& p) {
   }
   p.integer = UsesIntegerDot(p.fmt, p.transposed, p.block);
   if (p.integer) QuantizeX(p);
-  const bool serial = p.K * p.N < SERIAL;
+  const bool serial = p.K * p.N * p.B < SERIAL;  // work, not only weights
   if (p.transposed) {
     ParallelFor(pool, (p.N + VT - 1) / VT, serial, [&p](int64_t t) { RunRows(p, t); });
     return ffi::Error::Success();
