@@ -202,6 +202,13 @@ void IntTile(const Problem& p, int64_t b0, int64_t n0, int64_t w) {
   alignas(32) int32_t isum[R][IW];
   alignas(32) float d[IW], m[IW];
   for (int64_t kb = 0; kb < blocks; ++kb) {
+    // the next block's scales (and offsets): a stream of their own, w halves a row, that
+    // the prefetchers do not follow in time (without this, the B = 1 epilogue waited on them)
+    for (int64_t j = 0; j < w; j += 32) {
+      _mm_prefetch(reinterpret_cast<const char*>(scale + (kb + 1) * N + j), _MM_HINT_T0);
+      if constexpr (F == Fmt::kInt4)
+        _mm_prefetch(reinterpret_cast<const char*>(p.offset + n0 + (kb + 1) * N + j), _MM_HINT_T0);
+    }
     BlockSums<(R < 4 ? R : 4), F>(p, b0, kb, n0, w, isum);
     if constexpr (R > 4) BlockSums<R - 4, F>(p, b0 + 4, kb, n0, w, isum + 4);
     HalvesToFloats(scale + kb * N, d, w);
@@ -253,7 +260,7 @@ inline __m256i RowSums(const __m256i (&s)[R]) {
 // rows on, the rows' block sums share one vector (RowSums), scaled together by d dx.
 template <int R, Fmt F>
 void IntRowDots(const Problem& p, int64_t b0, int64_t n) {
-  constexpr bool kSigned = F == Fmt::kInt8Block;
+  constexpr bool kSigned = F == Fmt::kInt8Block, kShared = R >= 4;
   const int64_t K = p.K, bk = p.block, blocks = K / bk;
   const uint16_t* scale = static_cast<const uint16_t*>(p.scale) + n * blocks;
   const uint8_t* q = static_cast<const uint8_t*>(p.q) + n * (kSigned ? K : K / 2);
@@ -280,7 +287,7 @@ void IntRowDots(const Problem& p, int64_t b0, int64_t n) {
       }
     }
     const float d = HalfToFloat(scale[kb]);
-    if constexpr (R >= 4) {  // lane r of one vector: row r's block sum, scaled at once
+    if constexpr (kShared) {  // lane r of one vector: row r's block sum, scaled at once
       acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(RowSums<R>(s)),
                                _mm256_mul_ps(_mm256_set1_ps(d),
                                              _mm256_loadu_ps(p.xdt.data() + (b0 / IR * blocks + kb) * IR)),
@@ -314,12 +321,12 @@ void IntRowDots(const Problem& p, int64_t b0, int64_t n) {
     }
     for (int r = 0; r < R; ++r) extra[r] *= k;
   }
-  alignas(32) float lanes[R >= 4 ? 1 : R][8];
-  for (int r = 0; r < (R >= 4 ? 1 : R); ++r)
+  alignas(32) float lanes[kShared ? 1 : R][8];
+  for (int r = 0; r < (kShared ? 1 : R); ++r)
     _mm256_store_ps(lanes[r], acc[r]);
   for (int r = 0; r < R; ++r) {
     float sum = lanes[0][r];
-    if constexpr (R < 4) {
+    if constexpr (!kShared) {
       sum = 0.0f;
       for (int l = 0; l < 8; ++l) sum += lanes[r][l];
     }

@@ -41,7 +41,7 @@ namespace {
 
 constexpr int64_t NT = 64;   // output columns per tile
 constexpr int64_t BT = 4;    // rows of x per pass over a tile's weights
-// Below K N weights, no threads: waking the pool costs more than it saves until the
+// Below K N B (weights x rows of x), no threads: waking the pool costs more than it saves until the
 // weights are several MB (measured on 2 shared cores, issue 42, a chain of matmuls on
 // weights out of cache: (1,576)x(576,1536) Q4_1 serial 38 us vs threaded 60 us, Q8_0 45
 // vs 74; (1,1536)x(1536,576) 34 vs 63, 39 vs 66; 576x4608 serial 17-20% faster; still
