@@ -10,6 +10,8 @@ own jitted entry points (decoding, training) check on the host first.
 
 from __future__ import annotations
 
+import weakref
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -124,22 +126,52 @@ def _finite_leaves(tree):
     return jax.tree_util.tree_map(lambda x: jnp.all(jnp.isfinite(x)), tree)
 
 
+# id -> weak reference of a concrete jax.Array already checked (finite, or not floating):
+# jax arrays are immutable, so one stays so. A loop calling `generate` on the same params
+# then skips the pass and its host round trips, one per leaf (SmolLM2's kept tree: 2,400
+# leaves, 20-45 ms a call, 10-20% of a 32-token batch-1 decode). numpy arrays can be
+# written in place: never remembered.
+_CHECKED: dict = {}
+
+
+def _checked(leaf) -> bool:
+    ref = _CHECKED.get(id(leaf))
+    return ref is not None and ref() is leaf
+
+
+def _remember(leaf) -> None:
+    if not isinstance(leaf, jax.Array) or not is_concrete(leaf) or _checked(leaf):
+        return
+    key = id(leaf)
+
+    def forget(ref, key=key):
+        if _CHECKED.get(key) is ref:
+            del _CHECKED[key]
+
+    _CHECKED[key] = weakref.ref(leaf, forget)
+
+
 def check_finite_params(params, what: str = "params") -> None:
     """ValueError naming the parameters that hold NaN or inf (concrete params only).
 
     One pass over the parameters on their devices; only a bool per array comes back
     to the host. NaN weights would otherwise decode to an arbitrary token (argmax of
-    NaN logits) without a word.
+    NaN logits) without a word. jax arrays that passed before are not checked again
+    (they are immutable).
     """
+    if all(_checked(leaf) for leaf in jax.tree_util.tree_leaves(params)):
+        return
     leaves = jax.tree_util.tree_leaves_with_path(params)
     floating = {jax.tree_util.keystr(path): leaf for path, leaf in leaves
-                if is_concrete(leaf) and jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)}
-    if not floating:
-        return
-    with jax.ensure_compile_time_eval():  # concrete even inside a caller's jit/vmap trace
-        finite = jax.device_get(_finite_leaves(floating))
-    bad = [name for name, ok in finite.items() if not ok]
-    if bad:
-        more = f" and {len(bad) - 4} more" if len(bad) > 4 else ""
-        raise ValueError(f"{what} hold NaN or inf values in {', '.join(bad[:4])}{more}: "
-                         "the model diverged or its checkpoint is damaged")
+                if is_concrete(leaf) and not _checked(leaf)
+                and jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)}
+    if floating:
+        with jax.ensure_compile_time_eval():  # concrete even inside a caller's jit/vmap trace
+            finite = jax.device_get(_finite_leaves(floating))
+        bad = [name for name, ok in finite.items() if not ok]
+        if bad:
+            more = f" and {len(bad) - 4} more" if len(bad) > 4 else ""
+            raise ValueError(f"{what} hold NaN or inf values in {', '.join(bad[:4])}{more}: "
+                             "the model diverged or its checkpoint is damaged")
+    for _, leaf in leaves:
+        _remember(leaf)

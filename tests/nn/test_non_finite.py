@@ -51,3 +51,24 @@ def test_a_safetensors_tensor_holding_it_is_refused_unless_asked(tmp_path, value
         checkpoint.array("bad")
     np.testing.assert_array_equal(checkpoint.array("good"), good)
     np.testing.assert_array_equal(checkpoint.array("bad", check_finite=False), bad)
+
+
+def test_jax_arrays_that_passed_are_not_checked_again_but_new_ones_are(monkeypatch):
+    """`generate` checks its params on every call: jax arrays are immutable, so ones that
+    passed once skip the device pass (nothing is fetched to the host); a new NaN array
+    beside them, or a numpy array written in place, is still refused."""
+    import jax  # noqa: PLC0415
+
+    params = {"w": jnp.ones((3,)), "q": jnp.ones((2,), jnp.int8), "n": np.ones(2, np.float32)}
+    check_finite_params({k: params[k] for k in "wq"})
+    fetch = jax.device_get
+    with monkeypatch.context() as m:
+        m.setattr(jax, "device_get", lambda *_: pytest.fail("checked again"))
+        check_finite_params({k: params[k] for k in "wq"})  # known: no pass at all
+    assert jax.device_get is fetch
+    with pytest.raises(ValueError, match=r"\['bad'\]"):
+        check_finite_params({**params, "bad": jnp.asarray([1.0, np.nan])})
+    check_finite_params(params)
+    params["n"][1] = np.inf  # numpy: written in place after passing
+    with pytest.raises(ValueError, match=r"\['n'\]"):
+        check_finite_params(params)
