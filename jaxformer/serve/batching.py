@@ -16,7 +16,15 @@ import numpy as np
 from jaxformer.serve import select
 from jaxformer.serve.slots import Slot
 
-PREFILL_BUDGET = 4  # a prefill call feeds at most this many chunks' tokens (rows x width)
+PREFILL_BUDGET = 4  # a prefill call feeds at most this many chunks (rows of `prefill_chunk`)
+SHORT_CHUNK = 16    # the narrower prefill width, for prompts (or their ends) this short
+
+
+def prefill_sizes(slots: int, chunk: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(widths, row counts) of the prefill calls: two of each, so an engine compiles
+    four prefill shapes per view length (`Engine.warm_up` compiles them all)."""
+    widths = tuple(sorted({min(SHORT_CHUNK, chunk), chunk}))
+    return widths, tuple(sorted({1, min(slots, PREFILL_BUDGET)}))
 
 
 def bucket(value: int, sizes: tuple[int, ...]) -> int:
@@ -57,14 +65,16 @@ def allowed(slots: list[Optional[Slot]], vocab: int) -> Optional[np.ndarray]:
 def prefill_batch(prefilling: list[Slot], chunk: int, chunk_sizes: tuple[int, ...],
                   row_sizes: tuple[int, ...]) -> list[Slot]:
     """The oldest prefilling requests of one adapter whose next chunks (at most `chunk`
-    tokens each) fit one call: at most PREFILL_BUDGET chunks' worth of (padded) tokens."""
+    tokens each) share one call: at most `row_sizes[-1]` rows and PREFILL_BUDGET chunks'
+    worth of (padded) tokens."""
     first = prefilling[0]
     chosen, width = [], 0
     for slot in prefilling:
         count = min(chunk, slot.prompt_len - slot.cached)
         wider = max(width, bucket(count, chunk_sizes))
-        if chosen and (slot.request.adapter != first.request.adapter or
-                       bucket(len(chosen) + 1, row_sizes) * wider > PREFILL_BUDGET * chunk):
+        if chosen and (slot.request.adapter != first.request.adapter
+                       or len(chosen) >= row_sizes[-1]
+                       or bucket(len(chosen) + 1, row_sizes) * wider > PREFILL_BUDGET * chunk):
             break
         chosen.append(slot)
         width = wider

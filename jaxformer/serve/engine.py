@@ -110,9 +110,7 @@ class Engine:
         self.model, self.config, self.tokenizer = model, config, tokenizer
         self.slots, self.max_len, self.page_size = slots, max_len, page_size
         self.prefill_chunk, self.max_queue = prefill_chunk, max_queue
-        self.chunk_sizes = tuple(sorted({c for c in (16, 64, 256) if c < prefill_chunk}
-                                        | {prefill_chunk}))
-        self.row_sizes = tuple(sorted({r for r in (1, 2, 4, 8, 16, 32) if r < slots} | {slots}))
+        self.chunk_sizes, self.row_sizes = batching.prefill_sizes(slots, prefill_chunk)
         self.view_sizes = tuple(sorted({v for v in (128, 256, 512, 1024, 2048) if v < max_len}
                                        | {max_len}))
         self.pool = PagePool(num_pages, page_size, prefix_cache=prefix_cache)
@@ -313,13 +311,10 @@ class Engine:
         padded = slots + [None] * (rows - len(slots))
         echo = any(s.request.params.echo for s in slots)
         allowed = batching.allowed(padded, self.config.tgt_vocab_size)
-        view_len = bucket(int(starts.max()) + width, self.view_sizes)
-        self.note_shape("prefill", rows, width, view_len, echo, allowed is None)
-        picks, extra, self.pools = self.prefill_fn(
-            self.model, self.page_size, self.params[slots[0].request.adapter], self.pools,
-            table, starts, tokens, valid, slot_params(padded), want_top(slots), lasts,
-            targets, np.zeros((1, 1), bool) if allowed is None else allowed,
-            view_len=view_len, echo=echo, masked=allowed is not None)
+        view_len = self.view_length(int(starts.max()) + width)
+        picks, extra = self.run_prefill(self.params[slots[0].request.adapter], table, starts,
+                                        tokens, valid, slot_params(padded), want_top(slots),
+                                        lasts, targets, allowed, view_len, echo)
         picks = jax.device_get(picks)
         extra = None if extra is None else jax.device_get(extra)
         for i, (slot, count) in enumerate(zip(slots, counts)):
@@ -355,12 +350,8 @@ class Engine:
         results = []
         for adapter, members in groups.items():
             valid = np.asarray([s in members for s in self.running])
-            self.note_shape("decode", view_len, allowed is None)
-            picks, self.pools = self.decode_fn(
-                self.model, self.page_size, self.params[adapter], self.pools, table, lengths,
-                tokens, valid, params, want_top(members),
-                np.zeros((1, 1), bool) if allowed is None else allowed, view_len=view_len,
-                masked=allowed is not None)
+            picks = self.run_decode(self.params[adapter], table, lengths, tokens, valid, params,
+                                    want_top(members), allowed, view_len)
             results.append((members, jax.device_get(picks)))
         for members, picks in results:
             for slot in members:
@@ -370,9 +361,41 @@ class Engine:
                 self.accept(slot, picks.token[i], picks.logprob[i], picks.top_ids[i],
                             picks.top_logprobs[i])
 
+    def run_decode(self, params, table, lengths, tokens, valid, slot_params_S, want_top_,
+                   allowed, view_len: int):
+        """The compiled decode step (`programs.decode_program`); the pools updated."""
+        self.note_shape("decode", view_len, allowed is None)
+        picks, self.pools = self.decode_fn(
+            self.model, self.page_size, params, self.pools, table, lengths, tokens, valid,
+            slot_params_S, want_top_, np.zeros((1, 1), bool) if allowed is None else allowed,
+            view_len=view_len, masked=allowed is not None)
+        return picks
+
+    def run_prefill(self, params, table, starts, tokens, valid, slot_params_R, want_top_,
+                    lasts, targets, allowed, view_len: int, echo: bool):
+        """The compiled prefill chunk (`programs.prefill_program`); the pools updated."""
+        rows, width = tokens.shape
+        self.note_shape("prefill", rows, width, view_len, echo, allowed is None)
+        picks, extra, self.pools = self.prefill_fn(
+            self.model, self.page_size, params, self.pools, table, starts, tokens, valid,
+            slot_params_R, want_top_, lasts, targets,
+            np.zeros((1, 1), bool) if allowed is None else allowed,
+            view_len=view_len, echo=echo, masked=allowed is not None)
+        return picks, extra
+
+    def warm_up(self) -> "Engine":
+        """Compile (and run once, on no request: every write goes to the null page) each
+        program the steady state calls: the decode step for every view length, a prefill
+        chunk for every (rows, width) and view length, the speculative step if on; then no
+        request waits for a compile. Echo and structured-output requests use their own
+        programs, compiled at their first use. Call it before `start`."""
+        programs.warm_up(self)
+        return self
+
     def view_length(self, needed: int) -> int:
-        """The compiled view length bucket for rows of up to `needed` positions."""
-        return bucket(needed, self.view_sizes)
+        """The compiled view length bucket for rows of up to `needed` positions (at most
+        `max_len`: a table holds no more pages, so a longer view reads the same)."""
+        return min(bucket(needed, self.view_sizes), self.view_sizes[-1])
 
     def count_drafts(self, drafted: int, accepted: int) -> None:
         with self.lock:

@@ -3,6 +3,7 @@
 Both are jitted once per process and backend (shared by every `Engine`, so a
 second engine on the same model compiles nothing), with the model, the page
 size and the view length static and the KV pools donated (updated in place).
+`warm_up` compiles every shape an engine's steady state calls, before it serves.
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxformer.backends import cpu
-from jaxformer.serve import paged, select
+import numpy as np
+
+from jaxformer.backends import cpu, host_memory
+from jaxformer.serve import batching, paged, select, spec_step
 
 COMPILED: dict = {}
 
@@ -59,3 +62,34 @@ def compiled():
                     static_argnames=("model", "page_size", "view_len", "echo", "masked"),
                     donate_argnums=(3,), compiler_options=options))
     return COMPILED[key]
+
+
+def warm_up(engine) -> None:
+    """Run each of `engine`'s steady-state programs once with every row idle (writes go
+    to the null page), through the engine's own call paths (`Engine.run_decode`,
+    `run_prefill`, so the compiled shapes are the ones its steps look up): the decode
+    step per view length, the prefill chunk per (rows, width) and view length."""
+    max_pages, params = engine.max_pages, engine.params[None]
+    slots = engine.slots
+    for view_len in engine.view_sizes:
+        if engine.speculative:
+            spec_step.warm_up(engine, view_len)
+        else:
+            picks = engine.run_decode(
+                params, np.zeros((slots, max_pages), np.int32), np.zeros((slots,), np.int32),
+                np.zeros((slots,), np.int32), np.zeros((slots,), bool),
+                batching.slot_params([None] * slots), batching.want_top([]), None, view_len)
+            jax.block_until_ready(picks)
+        for rows in engine.row_sizes:
+            for width in engine.chunk_sizes:
+                if width > view_len:
+                    continue
+                ids = np.zeros((rows, width), np.int32)
+                picks, _ = engine.run_prefill(
+                    params, np.zeros((rows, max_pages), np.int32), np.zeros((rows,), np.int32),
+                    ids, np.zeros((rows, width), bool), batching.slot_params([None] * rows),
+                    batching.want_top([]), np.zeros((rows,), np.int32), ids, None, view_len,
+                    False)
+                jax.block_until_ready(picks)
+    engine.compiled_new = False
+    host_memory.release_freed()  # the compiler's freed host memory

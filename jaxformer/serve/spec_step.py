@@ -136,6 +136,27 @@ def compiled_verify():
     return COMPILED[key]
 
 
+def run_verify(engine, params, table, lengths, tokens, valid, counts, slot_params, want_top,
+               allowed, view_len: int):
+    """The compiled verify step (`verify_program`); the engine's pools updated."""
+    engine.note_shape("verify", engine.speculative, view_len, allowed is None)
+    out, engine.pools = compiled_verify()(
+        engine.model, engine.page_size, params, engine.pools, table, lengths, tokens, valid,
+        counts, slot_params, want_top, np.zeros((1, 1), bool) if allowed is None else allowed,
+        view_len=view_len, masked=allowed is not None)
+    return out
+
+
+def warm_up(engine, view_len: int) -> None:
+    """Run the verify step once with every row idle (`programs.warm_up`)."""
+    slots, width = engine.slots, engine.speculative + 1
+    jax.block_until_ready(run_verify(
+        engine, engine.params[None], np.zeros((slots, engine.max_pages), np.int32),
+        np.zeros((slots,), np.int32), np.zeros((slots, width), np.int32),
+        np.zeros((slots, width), bool), np.zeros((slots,), np.int32),
+        batching.slot_params([None] * slots), batching.want_top([]), None, view_len))
+
+
 def speculative_step(engine, decoding) -> None:
     """The engine's decode step with drafts (`Engine.decode_step` when `speculative`)."""
     k = engine.speculative
@@ -161,17 +182,12 @@ def speculative_step(engine, decoding) -> None:
     groups = {}
     for slot in decoding:
         groups.setdefault(slot.request.adapter, []).append(slot)
-    verify = compiled_verify()
     results = []
     for adapter, members in groups.items():
         member = np.asarray([s in members for s in running])
         valid = member[:, None] & (np.arange(k + 1)[None, :] <= counts[:, None])
-        engine.note_shape("verify", k, view_len, allowed is None)
-        out, engine.pools = verify(
-            engine.model, engine.page_size, engine.params[adapter], engine.pools, table,
-            lengths, tokens, valid, counts, params, batching.want_top(members),
-            np.zeros((1, 1), bool) if allowed is None else allowed, view_len=view_len,
-            masked=allowed is not None)
+        out = run_verify(engine, engine.params[adapter], table, lengths, tokens, valid, counts,
+                         params, batching.want_top(members), allowed, view_len)
         results.append((members, jax.device_get(out)))
     for members, out in results:
         for slot in members:

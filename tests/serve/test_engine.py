@@ -373,3 +373,22 @@ def test_idle_after_compiling_releases_host_memory_once(lm, monkeypatch):
             assert len(calls) == expected
     finally:
         eng.stop()
+
+
+def test_warm_up_leaves_nothing_to_compile(lm):
+    """After `warm_up`, a mixed load compiles nothing (issue 43: compiles in the timed
+    window were a third of a served run): six short prompts at once (more rows than a
+    prefill call takes), long ones over several chunks, and a prefix-cached start whose
+    last chunk would run past max_len (its view is capped at max_len)."""
+    eng = engine(lm, slots=6, prefill_chunk=32).warm_up()
+    sizes = (eng.decode_fn._cache_size(), eng.prefill_fn._cache_size())
+    shared = prompts(30, (53,))[0]
+    ps = prompts(31, (5, 14, 1, 16, 9, 12)) + [prompts(32, (40,))[0]]
+    handles = [eng.submit(Request(p, SamplingParams(max_tokens=8))) for p in ps]
+    eng.run_until_idle()
+    for tail in prompts(33, (2, 3)):
+        eng.submit(Request(shared + tail, SamplingParams(max_tokens=4)))
+        eng.run_until_idle()
+    assert eng.pool.hit_rate > 0  # the second long prompt started at a cached page
+    assert [tokens_of(h) for h in handles[:6]] == [alone(*lm, p, 8) for p in ps[:6]]
+    assert (eng.decode_fn._cache_size(), eng.prefill_fn._cache_size()) == sizes
