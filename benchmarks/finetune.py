@@ -103,7 +103,7 @@ def jaxformer_worker(args, lora: bool, mixed: bool = False) -> dict:
                         batch_size=args.batch, steps=1000, warmup_steps=0,
                         learning_rate=1e-4)
     fns = train_functions(config, train)
-    state = fns.init_from(0, params)
+    state = fns.init_from(0, params, donate=True)  # the loaded weights become the state's
     del params
     windows = token_windows(tokenizer, args.batch, args.seq_len)
     batch = LMBatch(inputs=windows[:, :-1], labels=windows[:, 1:],

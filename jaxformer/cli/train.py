@@ -311,7 +311,7 @@ def _train(args, held: contextlib.ExitStack) -> int:
                      progress=not args.no_progress,
                      metrics_file=os.path.join(out, "metrics.jsonl"), mesh=mesh, task=task,
                      eval_every=args.eval_every, fallback=args.fallback,
-                     init_params=init_params)
+                     init_params=init_params, donate_init_params=True)
     except CheckpointError as error:
         raise UsageError(str(error)) from error
     except NonFiniteLossError as error:

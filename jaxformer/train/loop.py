@@ -51,7 +51,8 @@ class TrainFunctions:
     seed (or a resumed run in the same process) reuse the compiled code.
 
       init(seed) -> TrainState             created in `shardings` (jitted, out_shardings)
-      init_from(seed, init_params) -> TrainState   the same from given parameters
+      init_from(seed, init_params, donate=False) -> TrainState   the same from given
+                                                   parameters (donate: take their buffers)
       shardings: TrainState                 of NamedShardings (`train_state_shardings`)
       task: TrainingTask                    what the run trains on (`training_task`, no data)
       model                                 task.model_class(model_config)
@@ -156,7 +157,7 @@ def fit(model_config: TransformerConfig, train_config: TrainConfig, *,
         log_every: int = 25, progress: bool = True, metrics_file: Optional[str] = None,
         on_step: Optional[Callable[[int], None]] = None, mesh=None,
         data: Optional[TextData] = None, eval_every: int = 0,
-        fallback: bool = False, init_params: Any = None,
+        fallback: bool = False, init_params: Any = None, donate_init_params: bool = False,
         task: Optional[TrainingTask] = None) -> FitResult:
     """Train `task.model_class(model_config)` on `task`: by default the task that
     `train_config.task` names (`training_task`): a synthetic seq2seq task, or, for
@@ -191,6 +192,9 @@ def fit(model_config: TransformerConfig, train_config: TrainConfig, *,
         with `model_config.lora_rank > 0` they are the frozen base (which may be
         quantized: QLoRA) and only the adapters (initialised from the seed) train. Ignored on `resume` (the
         checkpoint holds every parameter).
+      donate_init_params: the train state takes `init_params`' buffers (the arrays
+        passed are deleted), so the weights are not held twice: for parameters
+        loaded only to start from (the command line does this).
     Ctrl-C (SIGINT) finishes the current step, saves, and returns with
     `interrupted=True`; a second Ctrl-C aborts at once. A non-finite loss
     raises `NonFiniteLossError` naming the step, without saving.
@@ -227,7 +231,7 @@ def fit(model_config: TransformerConfig, train_config: TrainConfig, *,
             print(f"jaxformer: removed {path}, the unfinished save of a killed run",
                   file=sys.stderr)
     state = (fns.init(tc.seed) if resume or init_params is None else
-             fns.init_from(tc.seed, init_params))
+             fns.init_from(tc.seed, init_params, donate=donate_init_params))
     if resume:
         try:
             state = checkpoints.restore(state, fallback=fallback)

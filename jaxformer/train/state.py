@@ -16,6 +16,7 @@ adapters), `TrainState.opt_state` is the optimizer state of the adapters alone
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any, Callable, Optional
 
 import flax
@@ -130,19 +131,28 @@ def make_init(model, tx: optax.GradientTransformation, input_shapes: tuple, mesh
 
 def make_init_from(model, tx: optax.GradientTransformation, input_shapes: tuple, mesh,
                    shardings: Optional[TrainState] = None) -> Callable:
-    """init_from(seed, init_params) -> TrainState starting from `init_params` (fine-tuning;
-    `init_train_state`), checked (`check_init_params`), created in its shardings."""
+    """init_from(seed, init_params, donate=False) -> TrainState starting from
+    `init_params` (fine-tuning; `init_train_state`), checked (`check_init_params`),
+    created in its shardings. `donate=True` hands `init_params`' buffers to the state
+    (no second copy of the weights; the arrays passed are deleted): for parameters
+    loaded only to start training from."""
     if shardings is None:
         shardings = train_state_shardings(model, tx, input_shapes, mesh)
-    start_from = jax.jit(functools.partial(init_train_state, model, tx, input_shapes),
-                         out_shardings=shardings)
+    start = functools.partial(init_train_state, model, tx, input_shapes)
+    start_from = jax.jit(start, out_shardings=shardings)
+    start_donating = jax.jit(start, out_shardings=shardings, donate_argnums=1)
     base_shardings = lora.split_adapters(shardings.params)[1]
 
-    def init_from(seed, init_params):
+    def init_from(seed, init_params, donate: bool = False):
         init_params = check_init_params(model, init_params, input_shapes)
         # In the shardings of the state (a no-op if already there): jit takes no
         # committed arguments on other devices.
-        return start_from(seed, jax.device_put(init_params, base_shardings))
+        init_params = jax.device_put(init_params, base_shardings)
+        if not donate:
+            return start_from(seed, init_params)
+        with warnings.catch_warnings():  # buffers of another dtype than the state's: copied
+            warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+            return start_donating(seed, init_params)
 
     return init_from
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -168,6 +169,26 @@ def test_train_step_donates_the_state(one_device_run):
     assert int(new.step) == 1 and np.isfinite(metrics["loss"])
     np.testing.assert_allclose(metrics["loss"], one_device_run.history[0]["loss"], rtol=0)
     assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(state.params))
+
+
+def test_init_from_with_donation_takes_the_buffers_and_equals_the_copy():
+    fns = train_functions(MODEL, TRAIN)
+    start = fns.init(3).params
+
+    def fresh():  # new buffers holding `start`
+        return jax.tree_util.tree_map(lambda x: x + 0, start)
+
+    copied = fns.init_from(0, fresh())
+    given = fresh()
+    pointers = [x.unsafe_buffer_pointer() for x in jax.tree_util.tree_leaves(given)]
+    donated = fns.init_from(0, given, donate=True)
+    chex.assert_trees_all_equal(donated, copied)
+    assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(given))
+    assert [x.unsafe_buffer_pointer() for x in jax.tree_util.tree_leaves(donated.params)] \
+        == pointers  # the state holds the very buffers passed: no second copy
+    kept = fresh()
+    fns.init_from(0, kept)  # without donation the caller's arrays stay usable
+    assert not any(x.is_deleted() for x in jax.tree_util.tree_leaves(kept))
 
 
 @pytest.mark.parametrize("kwargs", [dict(save_every=float("nan")), dict(log_every=0),
