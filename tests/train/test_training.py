@@ -22,7 +22,7 @@ from jaxformer.train import (evaluate, fit, loss_and_metrics, make_optimizer, tr
                              TrainConfig)
 from jaxformer.train.loop import NonFiniteLossError
 from jaxformer.train.task import training_task
-from jaxformer.train.optimizer import decay_mask, learning_rate_schedule
+from jaxformer.train.optimizer import clip_by_global_norm, decay_mask, learning_rate_schedule
 from jaxformer.train.state import create_train_state
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -169,6 +169,31 @@ def test_train_step_donates_the_state(one_device_run):
     assert int(new.step) == 1 and np.isfinite(metrics["loss"])
     np.testing.assert_allclose(metrics["loss"], one_device_run.history[0]["loss"], rtol=0)
     assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(state.params))
+
+
+def test_clipping_equals_optax_and_stores_no_clipped_gradients():
+    rng = np.random.default_rng(0)
+    grads = {"w": jnp.asarray(rng.normal(size=(64, 48)), jnp.float32),
+             "b": jnp.asarray(rng.normal(size=(48,)), jnp.float32)}
+    norm = float(optax.global_norm(grads))
+    for max_norm in (2 * norm, norm / 3):  # unclipped: bit-identical; clipped: rounding
+        got = clip_by_global_norm(max_norm).update(grads, optax.EmptyState())[0]
+        want = optax.clip_by_global_norm(max_norm).update(grads, optax.EmptyState())[0]
+        chex.assert_trees_all_close(got, want, rtol=0 if max_norm > norm else 3e-7, atol=0)  # 2 roundings
+    nan = {"w": grads["w"].at[0, 0].set(jnp.nan), "b": grads["b"]}
+    assert np.isnan(clip_by_global_norm(1.0).update(nan, optax.EmptyState())[0]["b"]).all()
+    # Clipping then AdamW, compiled with the state donated: no temporaries at all (optax's
+    # clipping stored the clipped gradients: a temporary the size of the parameters).
+    tx = make_optimizer(TRAIN)
+    params = {"w": jax.ShapeDtypeStruct((256, 1024), jnp.float32)}
+
+    def update(params, opt_state, grads):
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    compiled = jax.jit(update, donate_argnums=(0, 1)).lower(
+        params, jax.eval_shape(tx.init, params), params).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes < 256 * 1024 * 4 / 4
 
 
 def test_init_from_with_donation_takes_the_buffers_and_equals_the_copy():
