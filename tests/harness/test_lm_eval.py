@@ -210,8 +210,11 @@ def test_the_servers_completions_route_as_local_completions_gives_the_same_numbe
     c = model.config
     tokenizer = JSONTokenizer.wrap(raw_tokenizer, pad_id=c.pad_id, bos_id=c.bos_id,
                                    eos_id=c.eos_id, vocab_size=c.tgt_vocab_size)
-    engine = Engine(model, params, tokenizer, slots=4, max_len=c.decoder_len, page_size=16,
-                    prefill_chunk=64, max_queue=64)
+    # One slot, 16-token prefill chunks: every request is prefilled in one program shape
+    # (echo or not) and decoded in one; 4 slots and 64-token chunks compiled 6 prefill
+    # shapes (rows x width x echo). Batched rows and echo: tests/serve/test_engine.py.
+    engine = Engine(model, params, tokenizer, slots=1, max_len=c.decoder_len, page_size=16,
+                    prefill_chunk=16, max_queue=64)
     served = ServedModel(engine, tokenizer, name="smollm2", max_len=c.decoder_len)
     with running(create_app(served)) as url:
         api = LocalCompletionsAPI(base_url=f"{url}/v1/completions", model="smollm2",
