@@ -41,11 +41,13 @@ namespace {
 
 constexpr int64_t NT = 64;   // output columns per tile
 constexpr int64_t BT = 4;    // rows of x per pass over a tile's weights
-// Below K N B (weights x rows of x), no threads: waking the pool costs more than it saves until the
+// Below K N weights, no threads: waking the pool costs more than it saves until the
 // weights are several MB (measured on 2 shared cores, issue 42, a chain of matmuls on
 // weights out of cache: (1,576)x(576,1536) Q4_1 serial 38 us vs threaded 60 us, Q8_0 45
 // vs 74; (1,1536)x(1536,576) 34 vs 63, 39 vs 66; 576x4608 serial 17-20% faster; still
-// at B 16 and 64; but (1,1536)x(1536,6144) threaded 251 vs 523 us, Q8_0 803 vs 1574).
+// at B 16 and 64; but (1,1536)x(1536,6144) threaded 251 vs 523 us, Q8_0 803 vs 1574;
+// the integer paths at B 8, 576x1536 and 1536x576 out of cache, threaded 1.0-1.19x the
+// serial time, so K N B did not pay as the bound either).
 constexpr int64_t SERIAL = 1 << 22;
 constexpr int64_t VT = 16;   // weight rows per task (transposed layout)
 
@@ -447,7 +449,7 @@ ffi::Error Run(ffi::ThreadPool& pool, Problem& p) {
   }
   p.integer = UsesIntegerDot(p.fmt, p.transposed, p.block);
   if (p.integer) QuantizeX(p);
-  const bool serial = p.K * p.N * p.B < SERIAL;  // work, not only weights
+  const bool serial = p.K * p.N < SERIAL;
   if (p.transposed) {
     ParallelFor(pool, (p.N + VT - 1) / VT, serial, [&p](int64_t t) { RunRows(p, t); });
     return ffi::Error::Success();
