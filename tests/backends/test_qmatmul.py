@@ -142,6 +142,23 @@ def test_int8_block_odd_blocks(built):
             _check(got, x, parts, "int8_block", False, block, f"B={batch} block {block}")
 
 
+@pytest.mark.parametrize("transposed", [False, True], ids=["kn", "nk"])
+@pytest.mark.parametrize("fmt", qmatmul.FORMATS)
+def test_a_non_finite_x_gives_nan_rows_as_the_float_product_does(built, fmt, transposed):
+    """NaN, inf or -inf in one block of a row of x: that row's outputs are NaN where the
+    float product's are not finite (the integer path rounds x per block: a NaN scale),
+    and the other rows are untouched."""
+    for bad in (np.nan, np.inf, -np.inf):
+        x, parts = _case(fmt, 3, 96, 70, transposed, seed=5)
+        x = x.at[1, 40].set(bad)
+        got = np.asarray(qmatmul.matmul(x, parts, fmt, 32, transposed))
+        want = _reference(x, parts, fmt, transposed)
+        assert not np.isfinite(got[1]).any() and not np.isfinite(want[1]).any()
+        if qmatmul.integer_dot(fmt, transposed, 32):
+            assert np.isnan(got[1]).all(), f"{fmt} {bad}"
+        _check(got[::2], x[::2], parts, fmt, transposed, msg=f"{fmt} {bad}")
+
+
 # -- a tuned process: the model's layers call it on the CPU only ---------------------------
 
 # GQA, RoPE, a tied output embedding: the layers' kernels and the table's transpose.

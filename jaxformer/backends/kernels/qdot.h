@@ -50,6 +50,33 @@ inline int64_t StreamAt(const Problem& p, int64_t i) {
   return r / 2 * 4 + (hi ? 1 : 0) + (r % 2) * 2;
 }
 
+#if defined(__AVX2__)
+// x[0 .. bk) (bk % 8 == 0) rounded as QuantizeX states into q[0 .. bk), in k order, 8
+// lanes at a time (cvtps rounds to nearest, ties to even, as nearbyint does): its amax,
+// or NaN where x holds a NaN or an infinity (q then unwritten).
+inline float RoundBlock(const float* x, int64_t bk, int8_t* q) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 big = _mm256_set1_ps(std::numeric_limits<float>::max());
+  __m256 m = _mm256_setzero_ps(), ok = _mm256_cmp_ps(m, m, _CMP_EQ_OQ);
+  for (int64_t i = 0; i < bk; i += 8) {
+    const __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i));
+    m = _mm256_max_ps(m, a);
+    ok = _mm256_and_ps(ok, _mm256_cmp_ps(a, big, _CMP_LE_OQ));  // false for NaN and inf
+  }
+  if (_mm256_movemask_ps(ok) != 0xff) return std::numeric_limits<float>::quiet_NaN();
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+  const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+  for (int64_t i = 0; i < bk; i += 8) {
+    const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), inv));
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i), _mm_packs_epi16(w, w));
+  }
+  return amax;
+}
+#endif
+
 // p.xs (B, K / block, StreamBytes) and p.xd (B, K / block) from p.x: quantized once;
 // transposed also p.xdt (B / IR rounded up, K / block, IR): xd by row group.
 inline void QuantizeX(Problem& p) {
@@ -57,10 +84,25 @@ inline void QuantizeX(Problem& p) {
   p.xs.assign(p.B * blocks * sb, 0);
   p.xd.assign(p.B * blocks, 0.0f);
   std::vector<int64_t> at(bk);
-  for (int64_t i = 0; i < bk; ++i) at[i] = StreamAt(p, i);
+  bool in_order = true;  // int8_block, and the transposed 4-bit layouts of 32-blocks
+  for (int64_t i = 0; i < bk; ++i) {
+    at[i] = StreamAt(p, i);
+    in_order = in_order && at[i] == i;
+  }
+  std::vector<int8_t> q(bk);
   for (int64_t b = 0; b < p.B; ++b)
     for (int64_t kb = 0; kb < blocks; ++kb) {
       const float* x = p.x + b * K + kb * bk;
+#if defined(__AVX2__)
+      if (bk % 8 == 0) {
+        int8_t* xs = p.xs.data() + (b * blocks + kb) * sb;
+        const float amax = RoundBlock(x, bk, in_order ? xs : q.data());
+        if (!in_order && amax == amax)
+          for (int64_t i = 0; i < bk; ++i) xs[at[i]] = q[i];
+        p.xd[b * blocks + kb] = amax / 127.0f;  // NaN stays NaN
+        continue;
+      }
+#endif
       float amax = 0.0f;
       bool finite = true;
       for (int64_t i = 0; i < bk; ++i) {
