@@ -9,10 +9,10 @@ train --task lm`. Each --lora NAME=RUN_DIR is a fine-tuned run of that model,
 served beside it: a request whose `model` is NAME uses it (its LoRA merged in).
 Routes, errors and limits: `jaxformer.serve.http`; metrics at /metrics. Once
 the socket listens, one line `serving NAME on http://HOST:PORT` goes to stdout.
-The engine's decode and prefill programs are compiled before it listens
-(`Engine.warm_up`; through the compile cache, quick from the second start on;
---no-warm-up skips it). SIGTERM or Ctrl-C: no new connections, running requests
-finish for at most --drain-timeout seconds, exit 0.
+--warm-up compiles every program the engine's steps use before it listens
+(`Engine.warm_up`); without it each is compiled at its first use. SIGTERM or
+Ctrl-C: no new connections, running requests finish for at most --drain-timeout
+seconds, exit 0.
 """
 
 from __future__ import annotations
@@ -81,9 +81,10 @@ def add_parser(commands, add_common_flags) -> None:
                         help="prompt-lookup speculation: draft up to K tokens per request "
                              "and step from its prompt and output, verified in the step's "
                              "one pass (greedy output unchanged; default 0 = off)")
-    parser.add_argument("--no-warm-up", action="store_true",
-                        help="listen at once instead of first compiling the engine's decode "
-                             "and prefill programs (then the first requests wait for them)")
+    parser.add_argument("--warm-up", action="store_true",
+                        help="compile every decode and prefill program before listening, so "
+                             "no request waits for a compile (one per view length: minutes "
+                             "and ~50 MB of memory each for a 30-layer model on a CPU)")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ routes")
     parser.add_argument("--lora", action="append", type=lora_spec, default=[],
                         metavar="NAME=RUN_DIR",
@@ -184,7 +185,7 @@ def run(args) -> int:
                         adapters=adapters, speculative=args.speculative)
     except ValueError as error:
         raise UsageError(str(error)) from error
-    if not args.no_warm_up:
+    if args.warm_up:
         engine.warm_up()  # every steady-state program compiled before the socket listens
     served = ServedModel(engine, tokenizer, name=name, max_len=max_len,
                          adapters=tuple(adapters), chat_template=template,
