@@ -413,12 +413,25 @@ def memory_cache(model, params, src, src_mask, max_len: int, *,
                  repeats: int = 1) -> DecodeCache:
     """An empty decoder cache of `max_len` slots holding the encoded source.
 
-    The source is encoded once and its cross-attention keys/values projected
-    once (`with_memory`); `repeats` > 1 repeats each example's memory
-    that many times (row b * repeats + r: beam r of example b).
+    The source is encoded once (`encode_memory`) and its cross-attention
+    keys/values projected once (`encoded_cache`); `repeats` > 1 repeats each
+    example's keys/values that many times (row b * repeats + r: beam r of example b).
     """
     memory_BSD, mask_B11S = encode_memory(model, params, src, src_mask)
-    if repeats > 1:
-        memory_BSD, mask_B11S = (jnp.repeat(x, repeats, axis=0) for x in (memory_BSD, mask_B11S))
-    cache = init_cache(model.config, memory_BSD.shape[0], max_len)
-    return with_memory(model, params, cache, memory_BSD, mask_B11S)
+    return encoded_cache(model, params, memory_BSD, mask_B11S, max_len, repeats=repeats)
+
+
+def encoded_cache(model, params, memory_BSD: jnp.ndarray, mask_B11S: Optional[jnp.ndarray],
+                  max_len: int, *, repeats: int = 1) -> DecodeCache:
+    """An empty decoder cache of `max_len` slots over an encoder output (B, S, D)
+    (`encode_memory`, or one the caller kept: a window decoded several times is
+    encoded once). The cross-attention keys/values are projected once per
+    example, then repeated `repeats` times (row b * repeats + r), with the mask.
+    """
+    cache = init_cache(model.config, memory_BSD.shape[0] * repeats, max_len)
+    if repeats == 1:
+        return with_memory(model, params, cache, memory_BSD, mask_B11S)
+    repeat = lambda x: jnp.repeat(x, repeats, axis=0)  # noqa: E731
+    cross_kv = model.apply({"params": params}, memory_BSD, method=type(model).cross_kv)
+    return cache.replace(cross_kv=tuple(jax.tree.map(repeat, tuple(cross_kv))),
+                         cross_mask=None if mask_B11S is None else repeat(mask_B11S))

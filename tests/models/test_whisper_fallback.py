@@ -61,16 +61,29 @@ class Scripted:
     """A `generate` that answers per window (the first feature value) and temperature."""
 
     def __init__(self, script):
-        self.script, self.calls = script, []
+        self.script, self.calls, self.windows = script, [], []
 
     def __call__(self, model, params, vocab, features_BTM, prompts, *, temperature, seed,
-                 **options):
-        self.calls.append((temperature, features_BTM.shape[0]))
+                 copies=1, **options):
+        self.calls.append((temperature, features_BTM.shape[0] * copies))
+        self.windows.append([int(row[0, 0]) for row in features_BTM])
         out = []
-        for row in features_BTM:
+        for row in np.repeat(features_BTM, copies, axis=0):
             text, logprob, no_speech = self.script(int(row[0, 0]), temperature)
             out.append(whisper.Generated(ids(text), no_speech, logprob))
         return out
+
+
+class Encoder:
+    """An `encode` that counts its calls and passes the features on (the scripted
+    generate reads each window's number from them)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, model, params, features_BTM):
+        self.calls += 1
+        return features_BTM
 
 
 def windows_with(script, **safeguards):
@@ -78,7 +91,7 @@ def windows_with(script, **safeguards):
                         (), (), False)
     prompt = whisper.prompt_ids(list(VOCAB), None)
     return whisper.Windows(w, [None] * 4, [prompt] * 4, 16,
-                           whisper.Safeguards(**safeguards), Scripted(script))
+                           whisper.Safeguards(**safeguards), Scripted(script), Encoder())
 
 
 def script(window, temperature):
@@ -108,6 +121,10 @@ def test_a_batch_of_scripted_windows_falls_back_as_openai_whisper_would():
     # in a batch of rows * best_of.
     assert windows.generate.calls == [(0.0, 4), (0.2, 20), (0.4, 20), (0.6, 20), (0.8, 20),
                                       (1.0, 20)]
+    # The batch is encoded once: the later temperatures decode the failing windows'
+    # encoder output (0 and 2, padded with the last), each sampled 5 times from it.
+    assert windows.encode.calls == 1
+    assert windows.generate.windows == [[0, 1, 2, 3]] + [[0, 2, 2, 2]] + [[2, 2, 2, 2]] * 4
 
 
 def test_greedy_only_and_thresholds_off():
@@ -134,3 +151,29 @@ def test_greedy_only_and_thresholds_off():
 def test_settings_out_of_range_are_named(settings, message):
     with pytest.raises(ValueError, match=message):
         whisper.Safeguards(**settings)
+
+
+def test_sampled_copies_of_one_encoded_window_equal_repeated_windows():
+    """`generate(encoded, copies=3)` (the fallback's best_of: the window encoded once,
+    its cross-attention keys/values projected once and repeated) samples exactly what
+    three copies of the window's features would (same seed, same tokens), and
+    `Windows.decode` takes that path."""
+    from conftest import REPO, whisper_model_dir  # noqa: PLC0415
+
+    w = whisper.load(whisper_model_dir())
+    vocab = list(w.vocab)
+    features = whisper.features_of(whisper.read_wav(f"{REPO}/tests/data/fox_espeak.wav"))[None]
+    prompt = whisper.prompt_ids(vocab, None, timestamps=True)
+    options = dict(suppress_ids=w.suppress_ids, suppress_ids_begin=w.suppress_ids_begin,
+                   max_text_tokens=24, temperature=0.8, seed=3)
+    rows = whisper.generate(w.model, w.params, vocab, np.repeat(features, 3, axis=0),
+                            [prompt] * 3, **options)
+    copies = whisper.generate(w.model, w.params, vocab,
+                              whisper.encode_windows(w.model, w.params, features), [prompt],
+                              copies=3, **options)
+    assert [g.ids for g in copies] == [g.ids for g in rows]
+    assert len({tuple(g.ids) for g in rows}) > 1  # sampled: the copies differ
+    np.testing.assert_allclose([g.avg_logprob for g in copies],
+                               [g.avg_logprob for g in rows], atol=1e-5)
+    with pytest.raises(ValueError, match="copies must be an int >= 1"):
+        whisper.generate(w.model, w.params, vocab, features, [prompt], copies=0, **options)

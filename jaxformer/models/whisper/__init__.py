@@ -32,9 +32,9 @@ from jaxformer.models.whisper.checkpoint import Whisper, load, load_hf
 from jaxformer.models.whisper.config import (MEL_BINS, N_FRAMES, N_MELS, config_from_ct2, load_ct2,
                                              map_ct2, mel_bins, read_vocabulary, special_ids,
                                              whisper_config)
-from jaxformer.models.whisper.decoding import (Generated, detect_language, encode, generate,
-                                               generate_ids, language_probabilities,
-                                               transcribe_ids)
+from jaxformer.models.whisper.decoding import (Encoded, Generated, detect_language, encode,
+                                               encode_windows, generate, generate_ids,
+                                               language_probabilities, transcribe_ids)
 from jaxformer.models.whisper.media import MediaFile, open_media, read_media
 from jaxformer.models.whisper.fallback import (TEMPERATURES, Safeguards, compression_ratio,
                                                final_choice, is_no_speech, needs_fallback)
@@ -78,7 +78,7 @@ __all__ = [
     "APPEND_PUNCTUATIONS", "PREPEND_PUNCTUATIONS", "Word", "alignment_heads", "dtw",
     "find_alignment", "median_filter", "merge_punctuations", "split_words", "window_words",
     "MAX_LENGTH", "RESET_TEMPERATURE", "Context", "PromptInput", "conditioned", "encode_text",
-    "Generated", "detect_language", "encode",
+    "Generated", "detect_language", "encode", "Encoded", "encode_windows",
     "generate", "generate_ids", "language_probabilities", "transcribe_ids",
     "beam_program", "beam_replacements", "check_beam", "max_candidates",
     # transcription

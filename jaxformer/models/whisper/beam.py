@@ -2,7 +2,7 @@
 faster-whisper calls at temperature 0), in one compiled program per shape.
 
     tokens, lengths, logprob, no_speech = beam_program(
-        model, params, features_BTM, prefix_BP, beam_size=5, max_candidates=5,
+        model, params, memory_BSD, prefix_BP, beam_size=5, max_candidates=5,
         length_penalty=1.0, ...)
 
 The W beams of each window are rows of one batch (row b * W + w; the memory is
@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.decode import processors as processors_lib
-from jaxformer.decode.cache import memory_cache
+from jaxformer.decode.cache import encoded_cache
 from jaxformer.decode.loop import TRACE_COUNTS, cached_logits_fn, decode_jit
 
 
@@ -98,16 +98,17 @@ def beam_replacements(eos_BK, finished_BW, width: int):
 
 @decode_jit(static_argnames=("model", "max_new_tokens", "processors", "no_speech_id", "sot_step",
                              "beam_size", "max_candidates", "length_penalty"))
-def beam_program(model, params, features_BTM, prefix_BP, *, max_new_tokens, processors,
+def beam_program(model, params, memory_BSD, prefix_BP, *, max_new_tokens, processors,
                  no_speech_id, beam_size, max_candidates, length_penalty, sot_step=0):
     """(tokens (B, N), lengths (B,), summed log-probability (B,), no-speech
     probability (B,), read at step `sot_step`: where <|startoftranscript|> is fed) of
-    each window's chosen hypothesis (module docstring).
+    each window's chosen hypothesis (module docstring), from the windows' encoder
+    output `memory_BSD` (B, 1500, D) (`decoding.encode_windows`).
     `tokens` hold the prompt after BOS, then the hypothesis (EOS excluded, PAD after);
     `lengths` count the hypothesis only."""
     TRACE_COUNTS["whisper_beam"] += 1
     c = model.config
-    batch, width, n = features_BTM.shape[0], beam_size, max_new_tokens
+    batch, width, n = memory_BSD.shape[0], beam_size, max_new_tokens
     rows = batch * width
     begin = 0 if prefix_BP is None else prefix_BP.shape[1]
     prefix_RP = None if prefix_BP is None else jnp.repeat(prefix_BP, width, axis=0)
@@ -115,7 +116,8 @@ def beam_program(model, params, features_BTM, prefix_BP, *, max_new_tokens, proc
     neg_inf = jnp.float32(-jnp.inf)
     state = Beams(
         step=jnp.zeros((), jnp.int32), token_R=jnp.full((rows,), c.bos_id, jnp.int32),
-        cache=memory_cache(model, params, features_BTM, None, n, repeats=width),
+        cache=encoded_cache(model, params, memory_BSD, jnp.ones(
+            (batch, 1, 1, memory_BSD.shape[1]), bool), n, repeats=width),
         tokens_RN=jnp.full((rows, n), c.pad_id, jnp.int32),
         # All beams start equal: only beam 0 expands at the first free step.
         score_BW=jnp.where(jnp.arange(width) == 0, 0.0, neg_inf)[None].repeat(batch, 0),

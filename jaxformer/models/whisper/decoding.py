@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer.decode import cache as cache_lib, sampling
-from jaxformer.decode.cache import memory_cache
+from jaxformer.decode.cache import encoded_cache
 from jaxformer.decode.inputs import check_encdec, decodable
-from jaxformer.decode.loop import (cached_logits_fn, decode_jit, decode_loop, init_state,
-                                   segment_lengths, segments_for)
+from jaxformer.decode.loop import (TRACE_COUNTS, cached_logits_fn, decode_jit, decode_loop,
+                                   init_state, segment_lengths, segments_for)
 from jaxformer.models.whisper.beam import beam_program, check_beam, max_candidates
 from jaxformer.models.whisper.config import special_ids
 from jaxformer.models.whisper.rules import whisper_processors
@@ -38,6 +38,42 @@ def _encode(model, params, features_BTM):
 PROMPT_COLUMNS = 64  # previous-text prompts are padded to a multiple of this many tokens
 
 _encode_jit = decode_jit(static_argnames=("model",))(_encode)
+
+
+@dataclasses.dataclass(frozen=True)
+class Encoded:
+    """Windows already through the encoder (`encode_windows`): `generate` takes it in
+    place of their features and does not run the encoder again (the temperature
+    fallback decodes a window up to six times, and the encoder is most of a
+    sampled pass's cost). `encoded[rows]` picks rows (a list of indices).
+
+    memory_BSD: (B, 1500, D) encoder output.
+    """
+
+    memory_BSD: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.memory_BSD.shape)
+
+    def __len__(self) -> int:
+        return int(self.memory_BSD.shape[0])
+
+    def __getitem__(self, rows) -> "Encoded":
+        return Encoded(self.memory_BSD[jnp.asarray(rows, jnp.int32)])
+
+
+def encode_windows(model, params, features_BTM) -> Encoded:
+    """The encoder output of log-mel features (B, 3000, M), for `generate`."""
+    return Encoded(encode(model, params, jnp.asarray(features_BTM, jnp.float32)))
+
+
+def window_cache(model, params, memory_BSD, max_len: int, repeats: int = 1):
+    """The decode cache over encoder output (B, 1500, D), every memory position
+    visible: its cross-attention keys/values projected once per window, repeated
+    `repeats` times (row b * repeats + r: beams, or sampled candidates)."""
+    mask_B11S = jnp.ones((memory_BSD.shape[0], 1, 1, memory_BSD.shape[1]), bool)
+    return encoded_cache(model, params, memory_BSD, mask_B11S, max_len, repeats=repeats)
 
 
 def _first_logits(model, params, features_BTM, sot_id):
@@ -95,18 +131,23 @@ class Generated:
 
 
 @decode_jit(static_argnames=("model", "max_new_tokens", "processors", "no_speech_id", "loop",
-                             "segments", "sample"))
-def _generate_program(model, params, features_BTM, prefix_BP, rng, temperature, first_B,
+                             "segments", "sample", "copies"))
+def _generate_program(model, params, memory_BSD, prefix_BP, rng, temperature, first_B,
                       prefix_len_B, sot_step_B, *, max_new_tokens, processors, no_speech_id,
-                      loop, segments, sample):
+                      loop, segments, sample, copies):
     """Greedy (or sampled) decode that also records the no-speech probability of the step fed
     <|startoftranscript|> (`sot_step_B`, 0 unless a previous-text prompt comes first) and
-    the summed log-probabilities: (tokens (B, N), lengths (B,), logprob (B,), no_speech (B,)).
-    `first_B`: each row's first token; `prefix_len_B`: each row's forced prefix length
-    (None: all of `prefix_BP`)."""
-    batch = features_BTM.shape[0]
-    cache = memory_cache(model, params, features_BTM, None,
-                         segment_lengths(max_new_tokens, segments)[0])
+    the summed log-probabilities: (tokens (R, N), lengths (R,), logprob (R,), no_speech (R,)),
+    R = B * copies (row b * copies + r: copy r of window b).
+    `first_B`: each window's first token; `prefix_len_B`: each window's forced prefix
+    length (None: all of `prefix_BP`)."""
+    TRACE_COUNTS["whisper_generate"] += 1
+    batch = memory_BSD.shape[0] * copies
+    cache = window_cache(model, params, memory_BSD,
+                         segment_lengths(max_new_tokens, segments)[0], copies)
+    repeat = lambda x: None if x is None else jnp.repeat(x, copies, axis=0)  # noqa: E731
+    prefix_BP, first_B, prefix_len_B, sot_step_B = (
+        repeat(x) for x in (prefix_BP, first_B, prefix_len_B, sot_step_B))
     if prefix_len_B is None and prefix_BP is not None:
         prefix_len_B = jnp.full((batch,), prefix_BP.shape[1], jnp.int32)
     c = model.config
@@ -139,7 +180,7 @@ def generate(model, params, vocab: list[str], features_BTM, prompts: list[list[i
              suppress_ids, suppress_ids_begin, max_text_tokens: int = 224,
              loop: str = "while", temperature: float = 0.0, seed: int = 0,
              beam_size: int = 1, patience: float = 1.0, length_penalty: float = 1.0,
-             check_params: bool = True) -> list[Generated]:
+             check_params: bool = True, copies: int = 1) -> list[Generated]:
     """Greedy decoding of each row after its prompt, with `whisper_processors`, in one
     compiled program. A prompt is <|startoftranscript|> and the same number of tokens
     after it in every row (language, task, <|notimestamps|>), optionally after
@@ -160,8 +201,19 @@ def generate(model, params, vocab: list[str], features_BTM, prompts: list[list[i
     (faster-whisper's). The temperature > 0 ignores the beam (faster-whisper
     samples then). `check_params=False` skips the pass over the parameters that
     refuses NaN or inf (`decode.inputs.decodable`), for a caller that checked them
-    once (`windows.Windows`: not once per window)."""
+    once (`windows.Windows`: not once per window).
+
+    `features_BTM`: log-mel features (B, 3000, M), or the windows' `Encoded` output
+    (`encode_windows`: a caller decoding a window several times encodes it once).
+    `copies` > 1 (sampling, temperature > 0): each row is decoded that many times
+    from one projection of its memory (row b * copies + r of the B * copies
+    results; the best of `best_of` samples)."""
     check_beam(beam_size, patience, length_penalty)
+    if isinstance(copies, bool) or not isinstance(copies, int) or copies < 1:
+        raise ValueError(f"copies must be an int >= 1, got {copies!r}")
+    if copies > 1 and beam_size > 1 and float(temperature) == 0:
+        raise ValueError("copies > 1 samples a row several times: it needs temperature > 0 "
+                         "or beam_size=1")
     model, params = decodable(model, params) if check_params else (model, params)
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
             np.isfinite(temperature) and temperature >= 0):
@@ -192,33 +244,37 @@ def generate(model, params, vocab: list[str], features_BTM, prompts: list[list[i
         prefix = np.full((len(prompts), width - 1), t.eot, np.int32)
         for row, p in zip(prefix, prompts):
             row[:len(p) - 1] = p[1:]
+    source = features_BTM.memory_BSD if isinstance(features_BTM, Encoded) else features_BTM
     procs, prefix_BP, _ = check_encdec(
-        model, features_BTM, None, max_new_tokens=max_new_tokens, loop=loop,
+        model, source, None, max_new_tokens=max_new_tokens, loop=loop,
         processors=whisper_processors(vocab, prompts[0][starts[0]:], suppress_ids,
                                       suppress_ids_begin, ragged=ragged,
                                       max_text=int(max_text_tokens)),
         prefix=prefix)
     no_speech = t.no_speech if t.no_speech is not None else t.eot
+    encoded = (features_BTM if isinstance(features_BTM, Encoded)
+               else encode_windows(model, params, features_BTM))  # after every check
     if beam_size > 1 and float(temperature) == 0 and ragged:
         # Beam search after previous text: one row at a time, its whole prompt forced
         # (BOS <|startofprev|>); a program per prompt length.
-        return [beam_one(model, params, vocab, features_BTM[i:i + 1], p, suppress_ids,
+        return [beam_one(model, params, vocab, encoded[[i]], p, suppress_ids,
                          suppress_ids_begin, max_text_tokens, loop, beam_size, patience,
                          length_penalty) for i, p in enumerate(prompts)]
     if beam_size > 1 and float(temperature) == 0:
-        return beam_rows(model, params, features_BTM, prefix_BP, procs, no_speech, t, width,
+        return beam_rows(model, params, encoded, prefix_BP, procs, no_speech, t, width,
                          max_new_tokens, beam_size, patience, length_penalty)
     tokens, lengths, logprob, no_speech_p = (np.asarray(x) for x in _generate_program(
-        model, params, jnp.asarray(features_BTM), prefix_BP,
+        model, params, encoded.memory_BSD, prefix_BP,
         jax.random.PRNGKey(int(seed)), jnp.float32(max(float(temperature), 1e-6)),
         jnp.asarray([p[0] for p in prompts], jnp.int32),
         jnp.asarray([w - 1 for w in widths], jnp.int32) if ragged else None,
         jnp.asarray(starts, jnp.int32),
         max_new_tokens=max_new_tokens, processors=procs, no_speech_id=no_speech, loop=loop,
-        segments=segments_for(max_new_tokens), sample=float(temperature) > 0))
+        segments=segments_for(max_new_tokens), sample=float(temperature) > 0, copies=copies))
     eos = model.config.eos_id
     rows = []
-    for row, length, total, p, w in zip(tokens, lengths, logprob, no_speech_p, widths):
+    for row, length, total, p, w in zip(tokens, lengths, logprob, no_speech_p,
+                                        np.repeat(widths, copies)):
         text = row[w - 1:int(length)].tolist()
         ids = text[:-1] if text and text[-1] == eos else text
         rows.append(Generated(ids, None if t.no_speech is None else float(p),
@@ -226,27 +282,27 @@ def generate(model, params, vocab: list[str], features_BTM, prompts: list[list[i
     return rows
 
 
-def beam_one(model, params, vocab, features_1TM, prompt, suppress_ids, suppress_ids_begin,
+def beam_one(model, params, vocab, encoded: Encoded, prompt, suppress_ids, suppress_ids_begin,
              max_text_tokens, loop, beam_size, patience, length_penalty) -> Generated:
     """Beam search of one row after a previous-text prompt (`generate`)."""
     t = tokens_of(vocab)
     model = model.clone(config=dataclasses.replace(model.config, bos_id=int(prompt[0])))
     max_new_tokens = min(len(prompt) - 1 + int(max_text_tokens), model.config.decoder_len)
     procs, prefix_BP, _ = check_encdec(
-        model, features_1TM, None, max_new_tokens=max_new_tokens, loop=loop,
+        model, encoded.memory_BSD, None, max_new_tokens=max_new_tokens, loop=loop,
         processors=whisper_processors(vocab, prompt, suppress_ids, suppress_ids_begin),
         prefix=np.asarray([prompt[1:]], np.int32))
     no_speech = t.no_speech if t.no_speech is not None else t.eot
-    return beam_rows(model, params, features_1TM, prefix_BP, procs, no_speech, t, len(prompt),
+    return beam_rows(model, params, encoded, prefix_BP, procs, no_speech, t, len(prompt),
                      max_new_tokens, beam_size, patience, length_penalty,
                      sot_step=prompt.index(t.sot))[0]
 
 
-def beam_rows(model, params, features_BTM, prefix_BP, procs, no_speech, t, width,
+def beam_rows(model, params, encoded: Encoded, prefix_BP, procs, no_speech, t, width,
               max_new_tokens, beam_size, patience, length_penalty,
               sot_step: int = 0) -> list[Generated]:
     tokens, lengths, total, no_speech_p = (np.asarray(x) for x in beam_program(
-        model, params, jnp.asarray(features_BTM), prefix_BP,
+        model, params, encoded.memory_BSD, prefix_BP,
         max_new_tokens=max_new_tokens, processors=procs, no_speech_id=no_speech,
         beam_size=int(beam_size), max_candidates=max_candidates(beam_size, patience),
         length_penalty=float(length_penalty), sot_step=int(sot_step)))

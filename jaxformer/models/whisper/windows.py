@@ -110,8 +110,9 @@ class Windows:
     with the temperature fallback (`fallback`; at temperature 0, beam search when
     `beam_size` > 1, with `patience` and `length_penalty`: `decoding.generate`),
     and returns each one's ids, or None where the no-speech rule drops it. `log` records, per decoded window, (file,
-    temperatures tried, dropped). `generate` is `decoding.generate` (a test may
-    script it). With a `context` (`prompt.Context`), each window's prompt is its
+    temperatures tried, dropped). A batch is encoded once (`encode`:
+    `decoding.encode_windows`), whatever the temperatures tried; `generate` is
+    `decoding.generate` (a test may script both). With a `context` (`prompt.Context`), each window's prompt is its
     file's prompt after the file's text so far (`seek_windows` feeds it).
     """
 
@@ -121,6 +122,7 @@ class Windows:
     max_text_tokens: int
     safeguards: Safeguards = dataclasses.field(default_factory=Safeguards)
     generate: Optional[Callable[..., list[Generated]]] = None  # None: decoding.generate
+    encode: Optional[Callable] = None  # None: decoding.encode_windows
     beam_size: int = 1
     patience: float = 1.0
     length_penalty: float = 1.0
@@ -134,6 +136,7 @@ class Windows:
     def __post_init__(self):
         self.n_mels = self.w.n_mels
         self.generate = self.generate or decoding.generate
+        self.encode = self.encode or decoding.encode_windows
         check_finite_params(self.w.params)  # NaN/inf refused once, not once per window
         self.log: list[tuple[int, tuple[float, ...], bool]] = []
 
@@ -166,13 +169,14 @@ class Windows:
         tried: list[list[tuple[Generated, str]]] = [[] for _ in batch]
         todo = list(range(len(batch)))
         prompts = [self.prompt(f) for f, _ in batch]
+        encoded = self.encode(self.w.model, self.w.params, np.stack(
+            [x for _, x in batch] + [batch[-1][1]] * (rows - len(batch))))
         for k, temperature in enumerate(s.temperatures):
             copies = 1 if temperature == 0 else s.best_of  # sampled: best of `copies`
-            rows_in = [i for i in todo for _ in range(copies)]
-            padded = rows_in + [rows_in[-1]] * (rows * copies - len(rows_in))
+            padded = todo + [todo[-1]] * (rows - len(todo))
             out = self.generate(self.w.model, self.w.params, vocab,
-                                np.stack([batch[i][1] for i in padded]),
-                                [prompts[i] for i in padded],
+                                encoded if padded == list(range(rows)) else encoded[padded],
+                                [prompts[i] for i in padded], copies=copies,
                                 suppress_ids=self.w.suppress_ids,
                                 suppress_ids_begin=self.w.suppress_ids_begin,
                                 max_text_tokens=self.max_text_tokens,
