@@ -234,8 +234,10 @@ def test_deep_model_flags_are_recorded_and_resumed(tmp_path):
     checkpoint holds stacked layers, and --resume refuses a different layout."""
     out = str(tmp_path / "deep")
     flags = ["--scan-layers", "--remat", "save_proj", "--precision", "mixed"]
-    assert main(TINY + ["--steps", "2", "--warmup", "1", "--save-every", "1", "--out", out]
-                + flags) == 0
+    # --show 0: no example decode of this model (a program of its own); test_train_prints_
+    # examples_then_one_json_line checks the examples
+    assert main(TINY + ["--steps", "2", "--warmup", "1", "--save-every", "1", "--show", "0",
+                        "--out", out] + flags) == 0
     model_config, _, state = saved_run(out)
     assert (model_config.scan_layers, model_config.remat, model_config.precision) == (
         True, "save_proj", "mixed")
