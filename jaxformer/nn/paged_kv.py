@@ -16,11 +16,16 @@ attends over [those pages, its C new keys] as two parts
 keys/values are written into their pages (`write`, a scatter of C slots per row;
 the pool is updated in place when the caller donates it). No contiguous copy of
 the whole context is built before the call and none is scattered back after it.
+
+A scanned layer stack (the serving engine's default for deep models) hands
+every layer the pools of all L layers stacked, (L, 1, ...) in the same layout,
+and the layer's index `layer` (traced): reads and writes index the layer inside
+the one gather / scatter, so no layer's pool is sliced out (copied) first.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Union
+from typing import NamedTuple, Optional, Union
 
 import jax.numpy as jnp
 
@@ -37,7 +42,9 @@ class PagedKV(NamedTuple):
       slots_BC: (B, C) int32 pool slots the C new keys/values go to (0 = the null page's
         first slot, for padding or idle rows).
       page_size: Z (static in shape: the pool's slots are a multiple of it).
-      axis: the slot axis of the pool (`attention.kv_length_axis`).
+      axis: the slot axis of one layer's pool (`attention.kv_length_axis`).
+      layer: None, or the index (int32 scalar, may be traced) of this layer in a
+        pool of all layers stacked on a leading axis L (module docstring).
     """
 
     pool: Union[KV, QuantKV]
@@ -45,6 +52,7 @@ class PagedKV(NamedTuple):
     slots_BC: jnp.ndarray
     page_size: int
     axis: int
+    layer: Optional[jnp.ndarray] = None
 
     def with_pool(self, pool: Union[KV, QuantKV]) -> "PagedKV":
         return self._replace(pool=pool)
@@ -55,6 +63,16 @@ def read(cache: PagedKV) -> Union[KV, QuantKV]:
     (scales without K): slot i of row b holds position i."""
     table_BM, size, axis = cache.table_BM, cache.page_size, cache.axis
     batch, pages = table_BM.shape
+
+    def gather_stacked(x):  # (L, 1, .., P @ axis, ..): one gather at (layer, pages)
+        inner = x[:, 0]
+        paged = inner.reshape(inner.shape[:axis] + (-1, size) + inner.shape[axis + 1:])
+        index = (cache.layer,) + (slice(None),) * (axis - 1) + (table_BM,)
+        taken = jnp.moveaxis(paged[index], 1, axis)         # (B, .., M, Z, ..)
+        return taken.reshape(taken.shape[:axis] + (pages * size,) + taken.shape[axis + 2:])
+
+    if cache.layer is not None:
+        return type(cache.pool)(*(gather_stacked(x) for x in cache.pool))
 
     def gather(x):  # (1, .., P @ axis, ..) -> (B, .., M*Z @ axis, ..)
         inner = x[0]
@@ -70,6 +88,11 @@ def write(cache: PagedKV, new: Union[KV, QuantKV]) -> Union[KV, QuantKV]:
     """The pool with `new` (B, G, C, K) or (B, C, G, K) (scales without K; the
     pool's type and dtypes) stored at `cache.slots_BC`."""
     axis = cache.axis
+    if cache.layer is not None:  # (L, 1, .., P @ axis, ..): one scatter at (layer, 0, slots)
+        index = (cache.layer, 0) + (slice(None),) * (axis - 1) + (cache.slots_BC,)
+        return type(cache.pool)(*(
+            jnp.asarray(pool).at[index].set(jnp.moveaxis(x.astype(pool.dtype), axis, 1))
+            for pool, x in zip(cache.pool, new)))
     index = (slice(None),) * (axis - 1) + (cache.slots_BC,)
 
     def scatter(pool, x):

@@ -77,6 +77,11 @@ class Engine:
         verifies them in the step's one pass (`spec_step`); 0 = off. Greedy tokens are
         the same; `metrics()["acceptance_rate"]` reports accepted / drafted.
       ngram: (n_min, n_max), the n-gram sizes prompt lookup tries (longest first).
+      scan_layers: run the decoder layers as one `lax.scan` over stacked parameters and
+        one stacked KV pool (`paged.scanned_forward`): each compiled program holds one
+        layer's kernels, so it compiles faster and holds a fraction of the memory of
+        the unrolled program, for a slower step (XLA:CPU copies each layer's weights
+        out of the stack per step; figures in docs/serving.md). Same tokens either way.
     """
 
     def __init__(self, model, params, tokenizer=None, *, slots: int = 8,
@@ -84,7 +89,7 @@ class Engine:
                  num_pages: Optional[int] = None, prefill_chunk: int = 128,
                  prefix_cache: bool = True, max_queue: int = 64,
                  adapters: Optional[dict[str, Any]] = None, speculative: int = 0,
-                 ngram: tuple[int, int] = (1, 3)):
+                 ngram: tuple[int, int] = (1, 3), scan_layers: bool = False):
         if not isinstance(model, DecoderOnlyLM):
             raise TypeError(f"model must be a jaxformer DecoderOnlyLM, got {type(model).__name__}")
         config = model.config
@@ -101,12 +106,20 @@ class Engine:
                              f"got {ngram!r}")
         self.max_pages = -(-max_len // page_size)
         num_pages = slots * self.max_pages if num_pages is None else num_pages
+        if not isinstance(scan_layers, bool):
+            raise TypeError(f"scan_layers must be a bool, got {scan_layers!r}")
+        self.scan_layers = scan_layers
+
+        def layout(tree):  # per-layer, or stacked for `paged.scanned_forward`
+            return stacking.stack_layers(tree) if scan_layers else tree
+
         model, base = stacking.for_decoding(*decodable(model, params))
-        self.params = {None: base}
+        self.params = {None: layout(base)}
         for name, tree in (adapters or {}).items():
             if not isinstance(name, str) or not name:
                 raise ValueError(f"adapter names must be non-empty strings, got {name!r}")
-            self.params[name] = stacking.for_decoding(*decodable(type(model)(config), tree))[1]
+            self.params[name] = layout(
+                stacking.for_decoding(*decodable(type(model)(config), tree))[1])
         self.model, self.config, self.tokenizer = model, config, tokenizer
         self.slots, self.max_len, self.page_size = slots, max_len, page_size
         self.prefill_chunk, self.max_queue = prefill_chunk, max_queue
@@ -114,7 +127,7 @@ class Engine:
         self.view_sizes = tuple(sorted({v for v in (128, 256, 512, 1024, 2048) if v < max_len}
                                        | {max_len}))
         self.pool = PagePool(num_pages, page_size, prefix_cache=prefix_cache)
-        self.pools = paged.init_pools(config, num_pages, page_size)
+        self.pools = paged.init_pools(config, num_pages, page_size, stacked=scan_layers)
         self.running: list[Optional[Slot]] = [None] * slots
         self.queue: collections.deque[Handle] = collections.deque()
         self.cancelled: set[str] = set()
@@ -255,7 +268,8 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - one request's failure never stops the engine
             log.exception("engine step failed")
             if any(x.is_deleted() for kv in self.pools for x in kv):
-                self.pools = paged.init_pools(self.config, self.pool.num_pages, self.page_size)
+                self.pools = paged.init_pools(self.config, self.pool.num_pages, self.page_size,
+                                              stacked=self.scan_layers)
                 slots = [s for s in self.running if s is not None]
             for slot in slots:
                 if self.running[self.running.index(slot)] is slot:

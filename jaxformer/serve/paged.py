@@ -23,11 +23,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from jaxformer.config import TransformerConfig
 from jaxformer.decode.cache import kv_shape
-from jaxformer.nn import kv_quant
+from jaxformer.nn import kv_quant, stacking
+from jaxformer.nn.layers import DecoderLayer
 from jaxformer.nn.attention import kv_length_axis
 from jaxformer.nn.paged_kv import PagedKV
 
@@ -35,10 +37,15 @@ Pools = tuple  # per decoder layer, a KV or QuantKV of one row of (N + 1) * Z sl
 
 
 def init_pools(config: TransformerConfig, num_pages: int, page_size: int,
-               dtype: Any = None) -> Pools:
-    """Zero keys/values for `num_pages` pages of `page_size` tokens, plus the null page."""
+               dtype: Any = None, stacked: bool = False) -> Pools:
+    """Zero keys/values for `num_pages` pages of `page_size` tokens, plus the null page;
+    `stacked`: one pool of every layer on a leading axis L (for `scanned_forward`)."""
     dtype = config.compute_dtype if dtype is None else jnp.dtype(dtype)
     shape = kv_shape(config, 1, (num_pages + 1) * page_size)
+    if stacked:
+        kv = kv_quant.empty(shape, config.kv_cache_quant == "int8", dtype)
+        return (type(kv)(*(jnp.zeros((config.num_decoder_layers,) + x.shape, x.dtype)
+                           for x in kv)),)
     # Every array its own buffer (`kv_quant.empty` shares one zero array between the
     # two scales): the engine donates the pools to each step.
     return tuple(type(kv)(*(jnp.zeros(x.shape, x.dtype) for x in kv))
@@ -89,6 +96,9 @@ def paged_forward(model, params, pools: Pools, table_SM: jnp.ndarray, lengths_S:
     Returns:
       (logits (S, C, V) float32, the updated pools).
     """
+    if stacking.layout(params) == "stacked":
+        return scanned_forward(model, params, pools, table_SM, lengths_S, tokens_SC, valid_SC,
+                               page_size=page_size, view_len=view_len)
     new = tokens_SC.shape[1]
     axis = kv_length_axis(model.config)
     pages = min(table_SM.shape[1], -(-view_len // page_size))
@@ -101,3 +111,50 @@ def paged_forward(model, params, pools: Pools, table_SM: jnp.ndarray, lengths_S:
         None, None, positions_BT=positions_SC, caches=caches, deterministic=True,
         method=call_decoder)
     return logits_SCV, tuple(c.pool for c in caches)
+
+
+def embed_inputs(module, tokens_SC, positions_SC):
+    decoder = module.decoder
+    return decoder.positions(decoder.embed(tokens_SC), positions_SC, deterministic=True)
+
+
+def final_logits(module, y_SCD):
+    decoder = module.decoder
+    if module.config.use_final_norm:
+        y_SCD = decoder.final_norm(y_SCD)
+    return decoder.output_logits(y_SCD)
+
+
+def scanned_forward(model, params, pools: Pools, table_SM: jnp.ndarray,
+                    lengths_S: jnp.ndarray, tokens_SC: jnp.ndarray, valid_SC: jnp.ndarray, *,
+                    page_size: int, view_len: int) -> tuple[jnp.ndarray, Pools]:
+    """`paged_forward` with the decoder layers run as one `lax.scan` (the program holds
+    one layer's kernels whatever the depth): `params` stacked (``decoder/layers/...``
+    with a leading axis L, `stacking.stack_layers`) and `pools` one stacked pool
+    (`init_pools(stacked=True)`); `model` the unrolled model (`stacking.for_decoding`),
+    all of whose layers are of one kind."""
+    config = model.config
+    new = tokens_SC.shape[1]
+    axis = kv_length_axis(config)
+    pages = min(table_SM.shape[1], -(-view_len // page_size))
+    table_SP = jnp.asarray(table_SM)[:, :pages]
+    positions_SC = lengths_S[:, None] + jnp.arange(new)[None, :]
+    slots_SC = pool_slots(table_SM, positions_SC, valid_SC, page_size)
+    mask = paged_mask(lengths_S, pages * page_size, new)
+    decoder = dict(params["decoder"])
+    layers = decoder.pop(stacking.STACKED)
+    rest = {"params": {**params, "decoder": decoder}}
+    layer = DecoderLayer(config, cross_attention=False, local=config.layer_is_local(0))
+
+    def body(carry, xs):
+        y_SCD, pool = carry
+        layer_params, index = xs
+        cache = PagedKV(pool, table_SP, slots_SC, page_size, axis, index)
+        y_SCD, cache = layer.apply({"params": layer_params}, y_SCD, mask, None, None,
+                                   cache=cache, positions_BT=positions_SC, deterministic=True)
+        return (y_SCD, cache.pool), None
+
+    y_SCD = model.apply(rest, tokens_SC, positions_SC, method=embed_inputs)
+    (y_SCD, pool), _ = jax.lax.scan(body, (y_SCD, pools[0]),
+                                    (layers, jnp.arange(config.num_decoder_layers)))
+    return model.apply(rest, y_SCD, method=final_logits), (pool,)

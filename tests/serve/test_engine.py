@@ -12,6 +12,7 @@ import pytest
 
 import jaxformer as jf
 from jaxformer.decode import sampling
+from jaxformer.nn.quant_params import quantize_params
 from jaxformer.serve import (Engine, FinishReason, QueueFull, Request, SamplingParams)
 from jaxformer.serve.select import SlotParams, filtered_logits
 
@@ -319,6 +320,39 @@ def test_quantized_and_layouts_equal_generate(make_lm, change):
     handles = [eng.submit(Request(p, SamplingParams(max_tokens=7))) for p in ps]
     eng.run_until_idle()
     assert [tokens_of(h) for h in handles] == [alone(*lm, p, 7) for p in ps]
+
+
+@pytest.mark.parametrize("change,kwargs", [
+    ({}, {}), ({"attention_impl": "jax"}, {"speculative": 2}),
+    ({"kv_cache_quant": "int8", "weight_quant": "int8"}, {"prefix_cache": False})],
+    ids=["default", "jax_layout_speculative", "int8"])
+def test_scanned_layers_equal_unrolled_and_generate(make_lm, change, kwargs):
+    """`scan_layers=True` (one scan over stacked layers and one stacked pool, each layer
+    reading and writing its own slice): the unrolled engine's tokens and generate's,
+    with queueing, chunked prefill, the prefix cache, an adapter, int8 weights and cache
+    (quantized from float weights: random int8 leaves give a model that only says PAD)."""
+    config = CONFIG.replace(num_decoder_layers=3, **change)
+    float_config = config.replace(weight_quant=None)
+    (model, params), (_, other) = (make_lm(float_config, seed=s) for s in (3, 11))
+    if config.weight_quant:
+        model = jf.DecoderOnlyLM(config)
+        params, other = (quantize_params(float_config, p, "int8")[1] for p in (params, other))
+    ps = prompts(13, (5, 30, 1, 17, 9)) + prompts(14, (9,))
+    news = (12, 6, 20, 9, 15, 8)
+    got = {}
+    for scan in (False, True):
+        eng = engine((model, params), scan_layers=scan, adapters={"tuned": other}, **kwargs)
+        handles = [eng.submit(Request(p, SamplingParams(max_tokens=n),
+                                      adapter="tuned" if i == 5 else None))
+                   for i, (p, n) in enumerate(zip(ps, news))]
+        eng.run_until_idle()
+        got[scan] = [tokens_of(h) for h in handles]
+        assert len(eng.pools) == (1 if scan else 3)
+    want = [alone(model, params, p, n) for p, n in zip(ps[:5], news)]
+    want.append(alone(model, other, ps[5], 8))
+    assert got[True] == got[False] == want
+    assert len({tuple(w) for w in want}) == len(want)  # not degenerate
+    assert want[5] != alone(model, params, ps[5], 8)  # the adapter's tokens are its own
 
 
 class OnlyTokens:
