@@ -17,6 +17,11 @@ layer's attention), attends over [those pages, the C new keys] with the mask
 "page slot i < L_s, new key j <= query i", and writes only the C new
 keys/values into their pages. Rows or tokens marked invalid write to the null
 page. No per-step copy of every layer's context is assembled or scattered back.
+
+`scanned_forward` (`Engine(scan_layers=True)`) runs the same step as one scan
+over stacked layer parameters and one pool of every layer stacked (L, ...):
+each layer reads and writes its own slice inside the one gather / scatter.
+`paged_forward` takes that path when the parameters are stacked.
 """
 
 from __future__ import annotations

@@ -5,24 +5,31 @@ import functools
 
 import jax
 import numpy as np
+import pytest
 
 import jaxformer as jf
+from jaxformer.nn import stacking
 from jaxformer.serve import paged
 
 
-def test_serving_step_updates_the_pool_in_place(make_lm):
+@pytest.mark.parametrize("stacked", [False, True], ids=["unrolled", "scanned"])
+def test_serving_step_updates_the_pool_in_place(make_lm, stacked):
     """The step donates the pool; each layer writes its new slots before it reads its
     pages, so XLA needs no copy of the pool (with the read first, it copies every
-    layer's pool to keep the read's input: a temporary of the pools' size)."""
+    layer's pool to keep the read's input: a temporary of the pools' size). Scanned
+    (stacked params and one stacked pool carried through the scan): the same."""
     config = jf.llama(tgt_vocab_size=32, src_vocab_size=32, max_len=64, num_kv_heads=2)
     model, params = make_lm(config)
+    if stacked:
+        params = stacking.stack_layers(params)
     pages, size, rows = 256, 8, 2
-    pools = paged.init_pools(config, pages, size)
+    pools = paged.init_pools(config, pages, size, stacked=stacked)
     table = np.arange(rows * 8, dtype=np.int32).reshape(rows, 8) + 1
     step = jax.jit(functools.partial(paged.paged_forward, model, page_size=size, view_len=32),
                    donate_argnums=(1,))
     compiled = step.lower(params, pools, table, np.asarray([5, 9], np.int32),
                           np.ones((rows, 1), np.int32), np.ones((rows, 1), bool)).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes
-    one_layer = sum(x.size * x.dtype.itemsize for x in pools[0])
+    one_layer = sum(x.size * x.dtype.itemsize for x in pools[0]) // (
+        config.num_decoder_layers if stacked else 1)
     assert temp < one_layer / 2, (temp, one_layer)

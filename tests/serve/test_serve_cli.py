@@ -61,12 +61,13 @@ def runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(runs):
-    """(process, base URL) of `jaxformer serve --model BASE --lora tuned=TUNED --warm-up`."""
+    """(process, base URL) of `jaxformer serve --model BASE --lora tuned=TUNED --warm-up
+    --scan-layers` (the layers scanned: the LoRA test below checks its tokens)."""
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "jaxformer", "serve", "--model", runs[0], "--name", "base",
          "--lora", f"tuned={runs[1]}", "--port", str(port), "--max-len", "128", "--slots", "2",
-         "--page-size", "8", "--drain-timeout", "60", "--warm-up"],
+         "--page-size", "8", "--drain-timeout", "60", "--warm-up", "--scan-layers"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
         env={**os.environ, "PYTHONPATH": REPO})
     line = process.stdout.readline()
