@@ -26,6 +26,7 @@ target `llama-server`, and never committed):
   LLAMA_SERVER=/path/to/llama-server python benchmarks/serve.py
   python benchmarks/serve.py --concurrency 1,8 --requests 8 --skip-hf --skip-spec  # shorter
   python benchmarks/serve.py --concurrency ""      # only the baseline, prefix cache, speculation
+  python benchmarks/serve.py --scan-layers         # the server's layers scanned
 Prints a table, then one JSON line: throughput_ratio_vs_llamacpp_c1/_c8/_c32,
 ttft_p50_ms, ttft_p99_ms, itl_p50_ms, prefix_cache_ttft_ratio, spec_decode_speedup,
 acceptance_rate, idle_rss_mb, rss_budget_mb, and each run's figures (`runs`).
@@ -179,6 +180,8 @@ def jaxformer_server(args, slots: int, max_len: int, *, prefix_cache: bool = Tru
         command += ["--warm-up"]
     if args.quantize:
         command += ["--quantize", args.quantize]
+    if args.scan_layers:
+        command += ["--scan-layers"]
     return Server(command, port, "jaxformer serve")
 
 
@@ -277,6 +280,8 @@ def main() -> None:
                         help="requests per concurrency (default: 2 at 1, else N)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--quantize", help="jaxformer serve --quantize (default: float32)")
+    parser.add_argument("--scan-layers", action="store_true",
+                        help="jaxformer serve --scan-layers (the decoder layers as one scan)")
     parser.add_argument("--hf-requests", type=int, default=1)
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-prefix", action="store_true")
