@@ -284,7 +284,7 @@ class Engine:
                 handle = self.queue[0]
             request = handle.request
             prompt = [int(t) for t in request.prompt_ids]
-            table = PageTable(self.pool, self.max_pages)
+            table = PageTable(self.pool, self.max_pages, request.adapter)
             cached = 0 if request.params.echo else table.reuse_prefix(prompt, len(prompt) - 1)
             context = min(len(prompt) + request.params.max_tokens - 1, self.max_len)
             need = -(-context // self.page_size) - len(table.pages)

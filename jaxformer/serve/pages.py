@@ -42,9 +42,11 @@ def chain_hash(parent: Optional[bytes], tokens: Sequence[int]) -> bytes:
     return digest.digest()
 
 
-def page_keys(tokens: Sequence[int], page_size: int) -> list[bytes]:
-    """The chain keys of the full pages of `tokens` (a trailing partial page has none)."""
-    keys, parent = [], None
+def page_keys(tokens: Sequence[int], page_size: int,
+              root: Optional[bytes] = None) -> list[bytes]:
+    """The chain keys of the full pages of `tokens` (a trailing partial page has none);
+    `root`: the first page's parent (`PageTable.root`)."""
+    keys, parent = [], root
     for start in range(0, len(tokens) - page_size + 1, page_size):
         parent = chain_hash(parent, tokens[start:start + page_size])
         keys.append(parent)
@@ -135,10 +137,15 @@ class PagePool:
 
 
 class PageTable:
-    """One request's pages in order, and its full pages' chain keys."""
+    """One request's pages in order, and its full pages' chain keys.
 
-    def __init__(self, pool: PagePool, max_pages: int):
+    `adapter`: the parameter set the pages are computed with (`Request.adapter`, None =
+    the base): it roots the hash chain, so requests share pages only within one set
+    (the same tokens give other keys and values under an adapter's weights)."""
+
+    def __init__(self, pool: PagePool, max_pages: int, adapter: Optional[str] = None):
         self.pool, self.max_pages = pool, max_pages
+        self.root = None if adapter is None else b"adapter\0" + adapter.encode()
         self.pages: list[int] = []
         self.keys: list[bytes] = []   # chain keys of pages[0..len(keys)-1] (registered)
 
@@ -146,7 +153,7 @@ class PageTable:
         """Take the cached full pages that start `tokens`, at most `limit` tokens'
         worth; returns the number of tokens they hold."""
         size = self.pool.page_size
-        keys = page_keys(tokens[:limit - limit % size], size)
+        keys = page_keys(tokens[:limit - limit % size], size, self.root)
         pages = self.pool.match(keys)
         self.pages.extend(pages)
         self.keys.extend(keys[:len(pages)])
@@ -166,7 +173,8 @@ class PageTable:
         size = self.pool.page_size
         while (len(self.keys) + 1) * size <= len(tokens):
             i = len(self.keys)
-            key = chain_hash(self.keys[-1] if self.keys else None, tokens[i * size:(i + 1) * size])
+            key = chain_hash(self.keys[-1] if self.keys else self.root,
+                             tokens[i * size:(i + 1) * size])
             self.pool.register(self.pages[i], key)
             self.keys.append(key)
 

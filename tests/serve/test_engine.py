@@ -311,6 +311,20 @@ def test_adapters_choose_their_parameters(lm, make_lm):
     assert tokens_of(b) == alone(model, other, prompt, 8) != tokens_of(a)
 
 
+def test_an_adapter_never_reuses_the_base_models_cached_pages(lm, make_lm):
+    """The prefix cache is per parameter set: the same prompt, cached by a base request
+    first, is computed again under the adapter (its keys and values differ)."""
+    model, base = lm
+    _, other = make_lm(CONFIG, seed=11)
+    eng = engine(lm, adapters={"tuned": other})
+    prompt = prompts(15, (13,))[0]
+    for adapter in (None, "tuned", "tuned", None):
+        handle = eng.submit(Request(prompt, SamplingParams(max_tokens=8), adapter=adapter))
+        eng.run_until_idle()
+        assert tokens_of(handle) == alone(model, base if adapter is None else other, prompt, 8)
+    assert eng.metrics()["prefix_hit_rate"] > 0.3  # the repeats found their own pages
+
+
 @pytest.mark.parametrize("change", [{"kv_cache_quant": "int8", "weight_quant": "int8"},
                                     {"attention_impl": "jax"}], ids=["int8", "jax_layout"])
 def test_quantized_and_layouts_equal_generate(make_lm, change):
