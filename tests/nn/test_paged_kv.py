@@ -68,3 +68,44 @@ def test_int8_pool_pages_its_scales():
     np.testing.assert_array_equal(pages.key[0, :, Z + 3], 7)      # position 7 = the new slot
     np.testing.assert_array_equal(pages.value_scale[0, :, Z + 3], 0.25)
     np.testing.assert_array_equal(pages.value[0, :, Z:Z + 3], arrays[1][0, :, 4 * Z:4 * Z + 3])
+
+
+@pytest.mark.parametrize("axis,int8", [(2, False), (1, False), (2, True)],
+                         ids=["heads_major", "jax_layout", "int8"])
+def test_a_stacked_pool_reads_and_writes_its_layer_only(axis, int8):
+    """A pool of L layers stacked (L, 1, ...) with `layer=i` (a scanned stack) reads and
+    writes what layer i's own pool would; the other layers are untouched."""
+    rng = np.random.default_rng(2)
+    layers = 3
+    per_layer = []
+    for _ in range(layers):
+        if int8:
+            per_layer.append(QuantKV(*(rng.integers(-127, 128, (1, G, P, K)).astype(np.int8)
+                                       for _ in range(2)),
+                                     *(rng.random((1, G, P)).astype(np.float32)
+                                       for _ in range(2))))
+        else:
+            per_layer.append(KV(*(layout(rng.normal(size=(G, P, K)).astype(np.float32), axis)
+                                  for _ in range(2))))
+    stacked = type(per_layer[0])(*(np.stack(xs) for xs in zip(*per_layer)))
+    table = np.asarray([[3, 1, 0], [5, 2, 6]], np.int32)
+    slots = np.asarray([[1 * Z + 2, 0], [6 * Z + 0, 6 * Z + 1]], np.int32)
+    shape = (2, G, 2, K) if axis == 2 else (2, 2, G, K)
+    if int8:
+        new = QuantKV(*(rng.integers(-127, 128, shape).astype(np.int8) for _ in range(2)),
+                      *(rng.random(shape[:3]).astype(np.float32) for _ in range(2)))
+    else:
+        new = KV(*(rng.normal(size=shape).astype(np.float32) for _ in range(2)))
+    for i in range(layers):
+        own = PagedKV(per_layer[i], table, slots, Z, axis)
+        want_pool = write(own, new)
+        want_pages = read(own.with_pool(want_pool))
+        cache = PagedKV(stacked, table, slots, Z, axis, np.int32(i))
+        pool = write(cache, new)
+        pages = read(cache.with_pool(pool))
+        for got, want in zip(pages, want_pages):
+            np.testing.assert_array_equal(got, want)
+        for got, want, before in zip(pool, want_pool, stacked):
+            np.testing.assert_array_equal(np.asarray(got)[i], want)
+            others = [j for j in range(layers) if j != i]
+            np.testing.assert_array_equal(np.asarray(got)[others], before[others])
