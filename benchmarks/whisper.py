@@ -33,7 +33,9 @@ synthetic signals, repeated to fill the batch):
               (`WhisperModel.transcribe` vs `whisper.transcribe(timestamps=True)`);
               batched = several 30 s windows of the file decoded together
               (`BatchedInferencePipeline`, batch 8, its VAD chunks, vs
-              `whisper.transcribe(batch_size=8)`: consecutive windows).
+              `whisper.transcribe(batch_size=8)`: consecutive windows), each
+              decoded once at temperature 0 on both sides (the batched pipeline
+              has no temperature fallback; `temperature=0.0` for jaxformer).
               `text_identical`: unbatched texts and segment boundaries equal.
               `jf_first_call`: XLA programs compiled, their compile seconds and
               the wall time of jaxformer's first transcription (the warm-up),
@@ -238,9 +240,13 @@ def peer_runs(model_dir, beam_size):
     batched = faster_whisper.BatchedInferencePipeline(fw)
 
     def jf(path, batch, words=False):
+        # As the peer's options. BatchedInferencePipeline decodes each chunk once, at
+        # its first temperature (faster-whisper's generate_segment_batched: no
+        # fallback), so the batched run does too.
         r = whisper.transcribe(w, path, timestamps=not batch, batch_size=8 if batch else 1,
                                beam_size=beam_size, word_timestamps=words,
-                               condition_on_previous_text=False)  # as the peer's options
+                               condition_on_previous_text=False,
+                               **({"temperature": 0.0} if batch else {}))
         if words:
             return [(x.word, x.start, x.end) for s in r.segments for x in s.words]
         return r.text, [(round(s.start, 2), round(s.end, 2)) for s in r.segments]
