@@ -182,6 +182,8 @@ def jaxformer_server(args, slots: int, max_len: int, *, prefix_cache: bool = Tru
         command += ["--quantize", args.quantize]
     if args.scan_layers:
         command += ["--scan-layers"]
+    if args.cpu_tuning:
+        command += ["--cpu-tuning"]
     return Server(command, port, "jaxformer serve")
 
 
@@ -289,6 +291,9 @@ def main() -> None:
     parser.add_argument("--quantize", help="jaxformer serve --quantize (default: float32)")
     parser.add_argument("--scan-layers", action="store_true",
                         help="jaxformer serve --scan-layers (the decoder layers as one scan)")
+    parser.add_argument("--cpu-tuning", action="store_true",
+                        help="jaxformer serve --cpu-tuning (with --quantize keep: the C++ "
+                             "integer kernel)")
     parser.add_argument("--hf-requests", type=int, default=1)
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-prefix", action="store_true")
@@ -368,11 +373,12 @@ def main() -> None:
 
 
 def rss_budget_mb(args) -> float:
-    """The model's parameter bytes (float32 as served) + the c=1 server's KV pool + 300 MB."""
+    """The model's parameter bytes (as served: float32, or --quantize's) + the c=1
+    server's KV pool + 300 MB."""
     from jaxformer.models import load as load_model  # noqa: PLC0415
     from jaxformer.nn import param_bytes  # noqa: PLC0415
 
-    model, params, _ = load_model(args.gguf)
+    model, params, _ = load_model(args.gguf, quantize=args.quantize)
     c = model.config
     head_dim = c.head_dim or c.d_model // c.num_heads
     kv = 2 * c.num_decoder_layers * (c.num_kv_heads or c.num_heads) * head_dim * 1024 * 4

@@ -58,6 +58,21 @@ def add_quantize_flag(parser, what: str = "") -> None:
                              "Q8_0/Q4_0/Q4_1 blocks as they are")
 
 
+def cpu_tuning(wanted: bool) -> bool:
+    """Ask for CPU tuning (`backends.cpu.tune_process`: its allocator and dispatch
+    settings; quantized weights then run through its C++ kernel) if `wanted` and JAX
+    will run on the CPU; True if it is on. Call it before JAX starts."""
+    from jaxformer.backends import cpu  # noqa: PLC0415
+
+    if not wanted or not cpu.cpu_is_the_backend():
+        return False
+    try:
+        cpu.tune_process()
+    except cpu.CPUTuningError:  # JAX started already (a caller of main() in-process)
+        return False
+    return True
+
+
 def load_pretrained(model_path, flag: str = "--model", quantize=None):
     """(DecoderOnlyLM, params, `tokenizers.Tokenizer`) of a Hugging Face directory or a
     GGUF file (`jaxformer.models.load`, `quantize` as it takes it), with UsageErrors

@@ -24,7 +24,8 @@ import os
 import socket
 
 from jaxformer.cli.args import non_negative_float, non_negative_int, positive_int
-from jaxformer.cli.runs import add_quantize_flag, language_model, load_run, open_run
+from jaxformer.cli.runs import (add_quantize_flag, cpu_tuning, language_model, load_run,
+                                open_run)
 from jaxformer.cli.usage import UsageError
 
 DEFAULT_MAX_LEN = 2048  # --max-len when not given (capped by the model's context)
@@ -91,6 +92,10 @@ def add_parser(commands, add_common_flags) -> None:
                         help="run the decoder layers as one scan over stacked weights: each "
                              "program compiles ~2x faster and holds ~10 MB instead of ~50-100 "
                              "(SmolLM2, CPU), for a decode step ~1.15-1.26x slower")
+    parser.add_argument("--cpu-tuning", action="store_true",
+                        help="on a CPU, jaxformer.backends.cpu's tuning: quantized weights "
+                             "(--quantize keep on a GGUF file) run through its C++ integer "
+                             "kernel; glibc then keeps freed memory (more resident memory)")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ routes")
     parser.add_argument("--lora", action="append", type=lora_spec, default=[],
                         metavar="NAME=RUN_DIR",
@@ -177,6 +182,7 @@ def lora_adapters(args, model, params) -> dict:
 
 
 def run(args) -> int:
+    tuned = cpu_tuning(args.cpu_tuning)  # before JAX starts
     from jaxformer.serve import ServedModel, create_app, run_server  # noqa: PLC0415
     from jaxformer.serve.http import structured_output  # noqa: PLC0415
     from jaxformer.serve.engine import Engine  # noqa: PLC0415
@@ -212,5 +218,6 @@ def run(args) -> int:
     host = f"[{args.host}]" if ":" in args.host else args.host
     run_server(create_app(served, api_key=args.api_key), host=args.host, port=args.port,
                drain_timeout=args.drain_timeout,
-               ready_line=f"serving {name} on http://{host}:{args.port}")
+               ready_line=f"serving {name} on http://{host}:{args.port}"
+               + (" (CPU tuning on)" if tuned else ""))
     return 0

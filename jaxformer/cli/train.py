@@ -60,7 +60,7 @@ from jaxformer.cli import train_report
 from jaxformer.cli import train_setup as setup
 from jaxformer.cli.args import non_negative_int, positive_int
 from jaxformer.cli.export import source_chat_template
-from jaxformer.cli.runs import add_quantize_flag, open_run
+from jaxformer.cli.runs import add_quantize_flag, cpu_tuning as tune_cpu, open_run
 from jaxformer.cli.usage import UsageError
 
 
@@ -245,7 +245,7 @@ def _train(args, held: contextlib.ExitStack) -> int:
         raise UsageError(f"run directory {out} already exists and is not empty: pass "
                          f"--resume to continue it, or choose another --out")
 
-    cpu_tuning = setup.cpu_tuning(args)  # before JAX starts
+    cpu_tuning = tune_cpu(not args.no_cpu_tuning)  # before JAX starts
     # After the checks of --out: no process wrote yet. Giving up on the others releases
     # the lock (and the directory it made) first: that exit skips every `with` block.
     setup.start_processes(args, processes, on_give_up=held.close)

@@ -126,18 +126,6 @@ def check_mesh_fits(model, mesh) -> None:
     param_shardings(model, abstract, mesh, *inputs)
 
 
-def cpu_tuning(args) -> bool:
-    """Ask for CPU tuning (`backends.cpu`) when JAX will run on the CPU, unless
-    --no-cpu-tuning; True if it is on."""
-    from jaxformer.backends import cpu  # noqa: PLC0415
-
-    if args.no_cpu_tuning or not cpu.cpu_is_the_backend():
-        return False
-    try:
-        cpu.tune_process()
-    except cpu.CPUTuningError:  # JAX started already (a caller of main() in-process)
-        return False
-    return True
 
 
 def start_processes(args, processes, on_give_up=None) -> None:

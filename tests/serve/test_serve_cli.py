@@ -62,16 +62,19 @@ def runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(runs):
     """(process, base URL) of `jaxformer serve --model BASE --lora tuned=TUNED --warm-up
-    --scan-layers` (the layers scanned: the LoRA test below checks its tokens)."""
+    --scan-layers --cpu-tuning` (the layers scanned, the process tuned: the LoRA test
+    below checks its tokens against an untuned `generate --run`)."""
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "jaxformer", "serve", "--model", runs[0], "--name", "base",
          "--lora", f"tuned={runs[1]}", "--port", str(port), "--max-len", "128", "--slots", "2",
-         "--page-size", "8", "--drain-timeout", "60", "--warm-up", "--scan-layers"],
+         "--page-size", "8", "--drain-timeout", "60", "--warm-up", "--scan-layers",
+         "--cpu-tuning"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
         env={**os.environ, "PYTHONPATH": REPO})
     line = process.stdout.readline()
-    if not line.startswith("serving base on http://127.0.0.1:"):
+    if not (line.startswith("serving base on http://127.0.0.1:")
+            and line.rstrip().endswith("(CPU tuning on)")):
         process.kill()
         raise RuntimeError(f"the server did not start: {line}{process.stderr.read()}")
     yield process, f"http://127.0.0.1:{port}"
