@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.decode import processors as processors_lib
+from jaxformer.decode.beam import top_candidates
 from jaxformer.decode.cache import encoded_cache
 from jaxformer.decode.loop import TRACE_COUNTS, cached_logits_fn, decode_jit
 
@@ -82,21 +83,6 @@ class Beams:
     top_done_B: jax.Array
     done_B: jax.Array
     no_speech_B: jax.Array
-
-
-def top_candidates(logp_BWV, k: int):
-    """(values (B, k), flat indices w * V + token (B, k)) of the k best of each window's
-    W * V candidates, best first: `lax.top_k` of the flattened candidates, ties
-    included (the lower beam, then the lower token, first), in two steps: each
-    beam's k best, then the k best of those W * k. One `top_k` over W * V whose
-    results are then sliced is compiled by XLA:CPU as a sort of all of them
-    (259,320 for Whisper at W = 5: 55 ms a step, most of a beam step's time);
-    the per-beam `top_k` stays XLA's TopK and the second sorts W * k values."""
-    batch, width, vocab = logp_BWV.shape
-    value_BWk, token_BWk = jax.lax.top_k(logp_BWV, k)
-    value_BK, pick_BK = jax.lax.top_k(value_BWk.reshape(batch, width * k), k)
-    flat_BWk = token_BWk + (jnp.arange(width) * vocab)[None, :, None]
-    return value_BK, jnp.take_along_axis(flat_BWk.reshape(batch, width * k), pick_BK, axis=1)
 
 
 def beam_replacements(eos_BK, finished_BW, width: int):
