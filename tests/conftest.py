@@ -23,10 +23,9 @@ os.environ["JAXFORMER_COMPILE_CACHE"] = "off"
 FIRST_REAL_ID = 3  # ids 0, 1, 2 are pad, bos, eos in every config here
 
 
-# The longest files first. `-n 2 --dist loadfile --no-loadscope-reorder` (pyproject.toml)
-# hands each worker whole files in collection order, one more whenever it is down to its
-# last tests (without the flag xdist hands out the files with the most tests first, and
-# this order is lost); a long file collected last runs alone while the other worker idles. Longest first keeps both busy to the end (the
+# The longest files first. `-n 2 --dist loadfile` hands each worker whole files in
+# collection order, one more whenever it finishes one; a long file collected last runs
+# alone while the other worker idles. Longest first keeps both busy to the end (the
 # order inside a file is kept: module fixtures and "last in this file" tests need it).
 LONGEST_FIRST = ("harness/test_lm_eval.py", "cli/test_cli.py", "test_docs.py",
                  "parallel/test_partitioning.py",
