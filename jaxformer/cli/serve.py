@@ -186,6 +186,8 @@ def run(args) -> int:
     from jaxformer.serve import ServedModel, create_app, run_server  # noqa: PLC0415
     from jaxformer.serve.http import structured_output  # noqa: PLC0415
     from jaxformer.serve.engine import Engine  # noqa: PLC0415
+    import jax  # noqa: PLC0415
+    from jaxformer.backends import host_memory  # noqa: PLC0415
 
     check_first(args)
     name = args.name or os.path.basename(os.path.normpath(args.model))
@@ -207,6 +209,10 @@ def run(args) -> int:
         raise UsageError(str(error)) from error
     adapter_names = tuple(adapters)
     del params, adapters  # the engine holds its own (stacked, with --scan-layers) copies
+    # The eager programs of loading and of the engine's layout never run again: ~50 MB
+    # of compiled code on SmolLM2 (benchmarks/NOTES.md, the served model's memory).
+    jax.clear_caches()
+    host_memory.release_freed()
     if args.warm_up:
         engine.warm_up()  # every steady-state program compiled before the socket listens
     served = ServedModel(engine, tokenizer, name=name, max_len=max_len,
