@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import NamedTuple, Optional, Union
 
 import jax.numpy as jnp
+from jax import lax
 
 from jaxformer.nn.attention import KV
 from jaxformer.nn.kv_quant import QuantKV
@@ -86,7 +87,12 @@ def read(cache: PagedKV) -> Union[KV, QuantKV]:
 
 def write(cache: PagedKV, new: Union[KV, QuantKV]) -> Union[KV, QuantKV]:
     """The pool with `new` (B, G, C, K) or (B, C, G, K) (scales without K; the
-    pool's type and dtypes) stored at `cache.slots_BC`."""
+    pool's type and dtypes) stored at `cache.slots_BC`.
+
+    One new slot (B = C = 1: a 1-slot decode step) is a `dynamic_update_slice`, not a
+    scatter: XLA:CPU rewrites a one-index scatter into a bounds-checked update that
+    reads the old slot from the pool, and then copies the whole pool (three times) to
+    update it; the update slice stays in place."""
     axis = cache.axis
     if cache.layer is not None:  # (L, 1, .., P @ axis, ..): one scatter at (layer, 0, slots)
         index = (cache.layer, 0) + (slice(None),) * (axis - 1) + (cache.slots_BC,)
@@ -96,6 +102,10 @@ def write(cache: PagedKV, new: Union[KV, QuantKV]) -> Union[KV, QuantKV]:
     index = (slice(None),) * (axis - 1) + (cache.slots_BC,)
 
     def scatter(pool, x):
+        if cache.slots_BC.size == 1:  # one new key: in place (docstring)
+            start = [0] * pool.ndim
+            start[axis] = cache.slots_BC.reshape(())
+            return lax.dynamic_update_slice(jnp.asarray(pool), x.astype(pool.dtype), start)
         fresh = jnp.moveaxis(x.astype(pool.dtype), 0, axis - 1)
         return jnp.asarray(pool)[0].at[index].set(fresh)[None]
 

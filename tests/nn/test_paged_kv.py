@@ -52,6 +52,25 @@ def test_write_then_read_match_numpy(axis):
                 np.testing.assert_array_equal(g[b, :, p], w[:, table[b, p // Z] * Z + p % Z])
 
 
+@pytest.mark.parametrize("axis", [2, 1], ids=["heads_major", "jax_layout"])
+def test_one_new_key_lands_in_its_slot_only(axis):
+    """One row, one new token (a 1-slot decode step, written as a dynamic update slice):
+    the slot gets it, every other slot of the pool is unchanged."""
+    rng = np.random.default_rng(3)
+    keys, values = (rng.normal(size=(G, P, K)).astype(np.float32) for _ in range(2))
+    slot = 5 * Z + 3
+    cache = PagedKV(KV(layout(keys, axis), layout(values, axis)), np.asarray([[5]], np.int32),
+                    np.asarray([[slot]], np.int32), Z, axis)
+    new_GK = rng.normal(size=(G, K)).astype(np.float32)
+    shape = (1, G, 1, K) if axis == 2 else (1, 1, G, K)
+    pool = write(cache, KV(new_GK.reshape(shape), (new_GK + 1).reshape(shape)))
+    for got, before, x in zip(pool, (keys, values), (new_GK, new_GK + 1)):
+        want = before.copy()
+        want[:, slot] = x
+        got = np.asarray(got)[0] if axis == 2 else np.swapaxes(np.asarray(got)[0], 0, 1)
+        np.testing.assert_array_equal(got, want)
+
+
 def test_int8_pool_pages_its_scales():
     rng = np.random.default_rng(1)
     arrays = [rng.integers(-127, 128, (1, G, P, K)).astype(np.int8) for _ in range(2)]

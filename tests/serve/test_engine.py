@@ -325,17 +325,21 @@ def test_an_adapter_never_reuses_the_base_models_cached_pages(lm, make_lm):
     assert eng.metrics()["prefix_hit_rate"] > 0.3  # the repeats found their own pages
 
 
-@pytest.mark.parametrize("change", [{"kv_cache_quant": "int8", "weight_quant": "int8"},
-                                    {"attention_impl": "jax"}], ids=["int8", "jax_layout"])
-def test_quantized_and_layouts_equal_generate(make_lm, change):
-    """int8 weights quantized from float ones (random int8 leaves give a model that only
-    says PAD, which would pass anything)."""
+@pytest.mark.parametrize("change", [{}, {"kv_cache_quant": "int8", "weight_quant": "int8"},
+                                    {"attention_impl": "jax"}],
+                         ids=["default", "int8", "jax_layout"])
+def test_one_slot_quantized_and_layouts_equal_generate(make_lm, change):
+    """One slot (its decode step writes its one new key with a dynamic update slice, not
+    the scatter of several rows: `nn.paged_kv.write`), the prompts queued behind each
+    other; int8 weights quantized from float ones (random int8 leaves give a model that
+    only says PAD, which would pass anything). Several slots with these layouts:
+    `test_scanned_layers_equal_unrolled_and_generate`."""
     config = CONFIG.replace(**change)
     model, params = make_lm(config.replace(weight_quant=None), seed=3)
     if config.weight_quant:
         model = jf.DecoderOnlyLM(config)
         params = quantize_params(config.replace(weight_quant=None), params, "int8")[1]
-    eng = engine((model, params))
+    eng = engine((model, params), slots=1)
     ps = prompts(11, (6, 14, 3))
     handles = [eng.submit(Request(p, SamplingParams(max_tokens=7))) for p in ps]
     eng.run_until_idle()
