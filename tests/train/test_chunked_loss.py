@@ -10,7 +10,7 @@ import pytest
 
 import jaxformer as jf
 from jaxformer.train import TrainConfig, make_optimizer
-from jaxformer.train.chunked_loss import chunk_length
+from jaxformer.train.chunked_loss import chunk_length, chunked_loss_and_metrics
 from jaxformer.train.data import LMBatch
 from jaxformer.train.loss import (chunked_lm_loss, label_pad_id, loss_and_metrics,
                                   model_logits)
@@ -196,3 +196,28 @@ def test_forward_over_reverse_through_the_chunked_loss_equals_the_plain_loss():
     assert scale > 0.1  # a curvature worth comparing
     for w, g in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got)):
         np.testing.assert_allclose(g, w, atol=2e-5 * scale)
+
+
+def test_chunked_accuracy_is_argmax_among_ties_and_infinities():
+    """token_accuracy counts argmax == label, argmax the first of tied maxima: the chunked
+    loss finds it without jnp.argmax's (value, index) reduction, slow on XLA:CPU. Every
+    (row, label) pair of these logits alone, against numpy's argmax."""
+    logits = np.array([[0.0, 0.0, 0.0, 0.0, 0.0, 0.0],        # all tied: argmax 0
+                       [1.0, 3.0, 3.0, -1.0, 3.0, 0.0],       # tied at 1, 2, 4
+                       [-np.inf] * 6,                          # all -inf: argmax 0
+                       [0.0, np.inf, 2.0, np.inf, 1.0, 0.0],  # +inf at 1 and 3
+                       [0.5, -2.0, 0.25, 4.0, 1.0, 4.5]], np.float32)  # a plain maximum
+
+    def project(table, h_BcD):  # h holds a row number: that row's logits
+        return jnp.take(table, h_BcD[..., 0].astype(jnp.int32), axis=0)
+
+    @jax.jit
+    def accuracy(row, label):
+        return chunked_loss_and_metrics(
+            project, jnp.asarray(logits), jnp.full((1, 1, 1), row, jnp.float32),
+            jnp.full((1, 1), label, jnp.int32), jnp.ones((1, 1), jnp.float32), 1,
+            project_grads=False)[1]["token_accuracy"]
+
+    got = [[float(accuracy(r, v)) for v in range(logits.shape[1])] for r in range(len(logits))]
+    want = (logits.argmax(-1)[:, None] == np.arange(logits.shape[1])).astype(float)
+    np.testing.assert_array_equal(got, want)
