@@ -16,7 +16,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jaxformer.decode.sampling import NEG
+from jaxformer.decode.sampling import NEG, first_argmax
 
 MAX_LOGPROBS = 20  # top-n logprobs a request may ask for (OpenAI's bound)
 
@@ -70,7 +70,7 @@ def pick(logits_SV: jnp.ndarray, params: SlotParams, positions_S: jnp.ndarray,
     """
     logits_SV = logits_SV.astype(jnp.float32)
     greedy_S = params.temperature <= 0
-    argmax_S = jnp.argmax(logits_SV, axis=-1).astype(jnp.int32)
+    argmax_S = first_argmax(logits_SV)
     temperature_S1 = jnp.where(greedy_S, 1.0, params.temperature)[:, None]
 
     def draw(_):

@@ -15,6 +15,23 @@ V = 8
 EOS, PAD = 2, 0
 
 
+def test_first_argmax_equals_numpy_argmax_ties_and_nans_included():
+    """Random rows, rows of ties (the lowest id wins), -inf, NaNs (the first NaN, as
+    argmax), bfloat16: numpy's argmax exactly."""
+    rng = np.random.default_rng(0)
+    rows = rng.normal(size=(6, 300)).astype(np.float32)
+    rows[1, [7, 40, 299]] = 9.0                     # a three-way tie
+    rows[2] = 1.0                                   # all equal
+    rows[3, :50] = -np.inf
+    rows[4, [10, 20]] = np.nan                      # argmax: the first NaN
+    rows[5, 299] = np.inf
+    np.testing.assert_array_equal(sampling.first_argmax(jnp.asarray(rows)),
+                                  np.argmax(rows, axis=-1))
+    low = jnp.asarray(rows).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(sampling.first_argmax(low), jnp.argmax(low, axis=-1))
+    assert sampling.first_argmax(jnp.asarray(rows)).dtype == jnp.int32
+
+
 def test_top_k_filter_keeps_the_k_largest():
     logits = jnp.array([[0.0, 5.0, 1.0, 3.0, -2.0]])
     kept = sampling.top_k_filter(logits, 2) > sampling.NEG
