@@ -28,7 +28,10 @@ synthetic signals, repeated to fill the batch):
               fallback and no-speech rule at their defaults; no conditioning on
               previous text, `condition_on_previous_text=False` on both), on a 60 s and a
               10 min WAV file (`--files 60 600`, seconds; a smoke run: `--files 12`) made
-              from the committed clip and silence:
+              by concatenating and mixing the committed clips with silence (`clip_samples`:
+              at most two sentences a 30 s window, so that neither side falls back to
+              sampling; `fallback_windows`: faster-whisper's windows decoded again above
+              temperature 0, from its DEBUG log, over all files and runs):
               unbatched = segment timestamps, windows in sequence
               (`WhisperModel.transcribe` vs `whisper.transcribe(timestamps=True)`);
               batched = several 30 s windows of the file decoded together
@@ -57,6 +60,7 @@ faster), batch 1. Prints a table, then one JSON line.
 import argparse
 import functools
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -218,15 +222,41 @@ def file_seconds(model_dir, runtime, rounds):
             texts["jf"] == texts["ct"])
 
 
+CLIP_GAPS_S = (19.0, 21.5, 20.0, 23.0)  # from one sentence's start to the next's
+CLIP_GAINS = (1.0, 0.8, 0.9, 0.7)
+NOISE_FLOOR = 1e-4  # -80 dBFS: no window is digitally silent (jaxformer skips those)
+
+
+def clip_samples(seconds):
+    """`seconds` of 16 kHz audio made by concatenating and mixing the committed clips
+    with silence: the two committed recordings of the sentence (`fox_espeak.wav`, and
+    `fox_espeak_44k_stereo.wav` read through `read_wav`: mixed to mono, resampled)
+    in turn, at the gains `CLIP_GAINS`, starting `CLIP_GAPS_S` apart (from 0.5 s), over
+    seeded noise at `NOISE_FLOOR`. The gaps keep at most two sentences in any 30 s
+    window: each window's text compresses as speech does (gzip ratio about 1.6, under
+    the fallback's 2.4), so neither side falls back to sampling and the texts can be
+    compared (the clip every 6 s gave five sentences a window, ratio 3.1 to 5.2: every
+    window was sampled again, and faster-whisper's own text varied between runs)."""
+    clips = [whisper.read_wav(os.path.join(TESTS, "data", name))
+             for name in ("fox_espeak.wav", "fox_espeak_44k_stereo.wav")]
+    out = np.random.default_rng(0).normal(0, NOISE_FLOOR, seconds * whisper.SAMPLE_RATE)
+    start, k = 0.5, 0
+    while True:
+        clip = CLIP_GAINS[k % len(CLIP_GAINS)] * clips[k % len(clips)]
+        first = int(start * whisper.SAMPLE_RATE)
+        if first + len(clip) > len(out):
+            return out.astype(np.float32)
+        out[first:first + len(clip)] += clip
+        start, k = start + CLIP_GAPS_S[k % len(CLIP_GAPS_S)], k + 1
+
+
 def clip_file(folder, seconds):
-    """A 16 kHz WAV of `seconds`: the committed clip, then 2.6 s of silence, repeated."""
-    clip = whisper.read_wav(os.path.join(TESTS, "data", "fox_espeak.wav"))
-    period = np.concatenate([clip, np.zeros(6 * whisper.SAMPLE_RATE - len(clip), np.float32)])
-    samples = np.tile(period, -(-seconds // 6))[:seconds * whisper.SAMPLE_RATE]
+    """A 16 kHz WAV of `seconds` (`clip_samples`)."""
+    samples = clip_samples(seconds)
     path = os.path.join(folder, f"clip_{seconds}s.wav")
     with wave.open(path, "wb") as f:
         f.setnchannels(1), f.setsampwidth(2), f.setframerate(whisper.SAMPLE_RATE)
-        f.writeframes(np.round(samples * 32767).astype("<i2").tobytes())
+        f.writeframes(np.round(np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes())
     return path
 
 
@@ -275,6 +305,18 @@ def word_timing(runs, path) -> dict:
             "max_abs_diff_s": max(max(abs(a[1] - b[1]), abs(a[2] - b[2])) for a, b in pairs)}
 
 
+class FallbackCount(logging.Handler):
+    """Counts faster-whisper's DEBUG lines "... threshold is not met with temperature
+    ...": a window decoded again at the next temperature."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.count = 0
+
+    def emit(self, record):
+        self.count += "threshold is not met" in record.getMessage()
+
+
 def faster_whisper_peer(model_dir, rounds, beam_size, seconds_list):
     """Table rows and JSON figures of jaxformer against faster-whisper."""
     import subprocess  # noqa: PLC0415
@@ -283,6 +325,9 @@ def faster_whisper_peer(model_dir, rounds, beam_size, seconds_list):
     files = {seconds: clip_file(folder, seconds) for seconds in sorted(seconds_list)}
     first, longest = min(files), max(files)
     runs = peer_runs(model_dir, beam_size)
+    fallbacks = FallbackCount()
+    logging.getLogger("faster_whisper").addHandler(fallbacks)
+    logging.getLogger("faster_whisper").setLevel(logging.DEBUG)
     compiles = []  # XLA compile seconds, one entry a program
     jax.monitoring.register_event_duration_secs_listener(
         lambda name, secs, **kw: name == "/jax/core/compile/backend_compile_duration"
@@ -328,7 +373,7 @@ def faster_whisper_peer(model_dir, rounds, beam_size, seconds_list):
         "transcribe_10min_ratio_vs_faster_whisper": round(ratios[longest, False], 3),
         "transcribe_10min_ratio_vs_faster_whisper_batched": round(ratios[longest, True], 3),
         "files_s": sorted(files), "jf_first_call": first_call,
-        "text_identical": bool(identical),
+        "text_identical": bool(identical), "fallback_windows": fallbacks.count,
         "word_timestamps_max_abs_diff_s": round(words["max_abs_diff_s"], 3),
         "words_identical": words["identical"],
         "peak_rss_ratio_vs_faster_whisper": round(rss["jf"] / rss["fw"], 3),
