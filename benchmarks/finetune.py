@@ -25,11 +25,17 @@ state's bytes. Ratios are peer time / jaxformer time (> 1: jaxformer faster).
 The bf16 row, jaxformer-mixed: full fine-tuning under precision="mixed" (bfloat16
 matmuls, float32 master weights and optimizer state) against the float32 peer.
 
+The tuned rows, jaxformer-full-tuned and jaxformer-lora-tuned: the same runs with
+`jaxformer.backends.cpu`'s opt-in tuning (`tune_process()` before JAX starts, and
+`TransformerConfig(cpu_tuning=True)`), as `jaxformer train` runs on a CPU; the
+default rows stay jaxformer as it is, backend-neutral.
+
 Prints a table, then one JSON line: ratio_vs_hf_full, ratio_vs_hf_lora,
-ratio_vs_hf_full_mixed (peer time over jaxformer's: > 1 = jaxformer faster),
-peak_rss_ratio_vs_hf_full / _lora / _full_mixed (jaxformer's peak RSS over the
-peer's: <= 1 = jaxformer holds no more), lora_state_bytes_ratio (jaxformer's LoRA
-optimizer state over its full one), and the per-run figures.
+ratio_vs_hf_full_mixed, ratio_vs_hf_full_tuned, ratio_vs_hf_lora_tuned (peer time
+over jaxformer's: > 1 = jaxformer faster), peak_rss_ratio_vs_hf_full / _lora /
+_full_mixed / _full_tuned / _lora_tuned (jaxformer's peak RSS over the peer's: <= 1 =
+jaxformer holds no more), lora_state_bytes_ratio (jaxformer's LoRA optimizer state
+over its full one), and the per-run figures.
 """
 
 from __future__ import annotations
@@ -84,7 +90,11 @@ def timed_steps(step, steps: int) -> list[float]:
     return times
 
 
-def jaxformer_worker(args, lora: bool, mixed: bool = False) -> dict:
+def jaxformer_worker(args, lora: bool, mixed: bool = False, tuned: bool = False) -> dict:
+    if tuned:  # before JAX's backend starts
+        from jaxformer.backends import cpu  # noqa: PLC0415
+
+        cpu.tune_process()
     import jax  # noqa: PLC0415
 
     from jaxformer import models  # noqa: PLC0415
@@ -96,6 +106,8 @@ def jaxformer_worker(args, lora: bool, mixed: bool = False) -> dict:
     config = model.config.replace(remat=args.remat)
     if mixed:
         config = config.replace(precision="mixed")
+    if tuned:
+        config = config.replace(cpu_tuning=True)
     if lora:
         config = config.replace(lora_rank=args.rank, lora_alpha=2.0 * args.rank,
                                 lora_targets=tuple(args.targets.split(",")))
@@ -193,13 +205,16 @@ def peer_worker(args, lora: bool) -> dict:
     return {"step_s": statistics.median(times), "opt_state_bytes": int(opt_bytes)}
 
 
-RUNS = ("jaxformer-full", "jaxformer-lora", "hf-full", "hf-lora", "jaxformer-mixed")
+RUNS = ("jaxformer-full", "jaxformer-lora", "hf-full", "hf-lora", "jaxformer-mixed",
+        "jaxformer-full-tuned", "jaxformer-lora-tuned")
 
 
 def run_worker(args) -> None:
-    lora = args.worker.endswith("lora")
+    lora = "lora" in args.worker
     if args.worker == "jaxformer-mixed":
         figures = jaxformer_worker(args, False, mixed=True)
+    elif args.worker.endswith("-tuned"):
+        figures = jaxformer_worker(args, lora, tuned=True)
     else:
         worker = jaxformer_worker if args.worker.startswith("jaxformer") else peer_worker
         figures = worker(args, lora)
@@ -251,9 +266,9 @@ def main() -> None:
         print(f"{name}: {results[name]}", flush=True)
     print(f"\nSmolLM2-135M fine-tuning, batch {args.batch} x {args.seq_len} tokens, float32, "
           f"LoRA rank {args.rank} on {args.targets}")
-    print(f"{'run':<16}{'s/step':>10}{'peak RSS MiB':>14}{'opt state MiB':>15}")
+    print(f"{'run':<22}{'s/step':>10}{'peak RSS MiB':>14}{'opt state MiB':>15}")
     for name, r in results.items():
-        print(f"{name:<16}{r['step_s']:>10.2f}{r['peak_rss_mib']:>14.0f}"
+        print(f"{name:<22}{r['step_s']:>10.2f}{r['peak_rss_mib']:>14.0f}"
               f"{r['opt_state_bytes'] / 2**20:>15.2f}")
 
     def ratio(peer, ours, key="step_s"):
@@ -275,6 +290,10 @@ def main() -> None:
         "peak_rss_ratio_vs_hf_lora": memory_ratio("jaxformer-lora", "hf-lora"),
         "ratio_vs_hf_full_mixed": ratio("hf-full", "jaxformer-mixed"),
         "peak_rss_ratio_vs_hf_full_mixed": memory_ratio("jaxformer-mixed", "hf-full"),
+        "ratio_vs_hf_full_tuned": ratio("hf-full", "jaxformer-full-tuned"),
+        "ratio_vs_hf_lora_tuned": ratio("hf-lora", "jaxformer-lora-tuned"),
+        "peak_rss_ratio_vs_hf_full_tuned": memory_ratio("jaxformer-full-tuned", "hf-full"),
+        "peak_rss_ratio_vs_hf_lora_tuned": memory_ratio("jaxformer-lora-tuned", "hf-lora"),
         "remat": args.remat,
         "batch": args.batch, "seq_len": args.seq_len, "runs": results}
     print(json.dumps(summary))
