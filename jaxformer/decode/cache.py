@@ -71,9 +71,10 @@ class DecodeCache:
         keys already rotated (RoPE) by their positions.
       index: () int32, the next slot to write (= tokens already cached).
       start_B: (B,) int32, first valid slot of each row (left padding); 0 if none.
-      cross_kv: per decoder layer, cross-attention keys/values (B, G, S, K), or None
-        (decoder-only LM).
-      cross_mask: (B, 1, 1, S) bool, True = memory position may be attended, or None.
+      cross_kv: per decoder layer, cross-attention keys/values (B', G, S, K), or None
+        (decoder-only LM); B' = B, or B / r where r consecutive rows (beams, samples)
+        share one source's keys (`encoded_cache`).
+      cross_mask: (B', 1, 1, S) bool, True = memory position may be attended, or None.
       past_kv: per decoder layer, keys and values (B, G, P, K) of slots 0..P-1 when the
         cache is kept in chunks (`self_kv` then holds slots P..), or None.
       length_axis: the slot axis of every key/value array (static;
@@ -203,10 +204,14 @@ def check_cache(cache: DecodeCache, config: TransformerConfig) -> None:
         if len(cache.cross_kv) != config.num_decoder_layers:
             raise ValueError("cache.cross_kv must have one KV per decoder layer")
         memory_len = cache.cross_kv[0].key.shape[kv_length_axis(config)]
+        sources = cache.cross_kv[0].key.shape[0]  # rows share a source (`encoded_cache`)
+        if sources < 1 or batch % sources:
+            raise ValueError(f"cache.cross_kv has {sources} rows: the cache's {batch} rows "
+                             "must be a multiple of them")
         chex.assert_shape([x for kv in cache.cross_kv for x in kv],
-                          kv_shape(config, batch, memory_len))
+                          kv_shape(config, sources, memory_len))
         if cache.cross_mask is not None:
-            chex.assert_shape(cache.cross_mask, (batch, 1, 1, memory_len))
+            chex.assert_shape(cache.cross_mask, (sources, 1, 1, memory_len))
 
 
 def check_tokens_for(cache: DecodeCache, config: TransformerConfig, tokens_BT,
@@ -426,12 +431,13 @@ def encoded_cache(model, params, memory_BSD: jnp.ndarray, mask_B11S: Optional[jn
     """An empty decoder cache of `max_len` slots over an encoder output (B, S, D)
     (`encode_memory`, or one the caller kept: a window decoded several times is
     encoded once). The cross-attention keys/values are projected once per
-    example, then repeated `repeats` times (row b * repeats + r), with the mask.
+    example and shared by its `repeats` rows (row b * repeats + r): `cross_kv` and
+    `cross_mask` keep B rows, each read once per step for all of its rows.
     """
     cache = init_cache(model.config, memory_BSD.shape[0] * repeats, max_len)
     if repeats == 1:
         return with_memory(model, params, cache, memory_BSD, mask_B11S)
-    repeat = lambda x: jnp.repeat(x, repeats, axis=0)  # noqa: E731
+    # Not repeated in memory: the `repeats` rows of an example share its keys and
+    # values (`attention.MultiHeadAttention`: their queries are attended together).
     cross_kv = model.apply({"params": params}, memory_BSD, method=type(model).cross_kv)
-    return cache.replace(cross_kv=tuple(jax.tree.map(repeat, tuple(cross_kv))),
-                         cross_mask=None if mask_B11S is None else repeat(mask_B11S))
+    return cache.replace(cross_kv=tuple(cross_kv), cross_mask=mask_B11S)

@@ -87,6 +87,21 @@ def structured_attention(query_BHTK: jnp.ndarray, key_BGSK: jnp.ndarray,
     return run(mask)
 
 
+def shared_rows(batch: int, kv_batch: int, mask) -> int:
+    """r = batch / kv_batch, the query rows that share each row of keys and values
+    (`MultiHeadAttention.__call__`); ValueError unless kv_batch divides batch and
+    `mask` is None or (1|kv_batch, 1, 1, S) (one mask row per source, the same for
+    every query)."""
+    if kv_batch < 1 or batch % kv_batch:
+        raise ValueError(f"keys and values have {kv_batch} rows: the queries' {batch} rows "
+                         "must be a multiple of them (rows that share a source's keys)")
+    if mask is not None and (isinstance(mask, (MaskSpec, LayerKindMask)) or mask.ndim != 4
+                             or mask.shape[0] not in (1, kv_batch) or mask.shape[2] != 1):
+        raise ValueError(f"queries that share keys take a mask of shape (1|{kv_batch}, 1, 1, "
+                         f"S) or None, got {getattr(mask, 'shape', type(mask).__name__)}")
+    return batch // kv_batch
+
+
 def densified(mask, num_queries: int, num_keys: int) -> Optional[jnp.ndarray]:
     """`mask` as a dense boolean (B|1, 1, T, S) (None and dense arrays as they are)."""
     if isinstance(mask, LayerKindMask):
@@ -310,11 +325,31 @@ class MultiHeadAttention(nn.Module):
         The (B, H, T, S) attention weights are sown into the `intermediates`
         collection as `attention_weights`: pass `mutable="intermediates"` to
         `apply` to get them (see `model.attention_weights`).
+
+        Shared keys: `kv` may have fewer rows than the queries, B / r (the beams
+        or samples of one source share its memory: query rows b * r .. b * r + r - 1
+        read kv row b). The r rows' queries are then attended as r * T queries
+        of one row, so each key and value is read once for all of them (a
+        matrix product, not r vector products over r copies); `mask` must then
+        be None or (1|B/r, 1, 1, S).
         """
         query_BTHK = checkpoint_name(lora.apply(self, "query", inputs_q_BTD), "query_proj")
         if self.config.qk_norm:
             query_BTHK = self._head_norm(self.query_norm, query_BTHK)
         query_BTHK = self._rotate(query_BTHK, positions_BT, inv_freq)
+        batch, num_queries = query_BTHK.shape[:2]
+        kv_batch = (kv.key[0] if isinstance(kv.key, tuple) else kv.key).shape[0]
+        if kv_batch == batch:
+            return self._attend(query_BTHK, kv, mask, deterministic, 1)
+        rows = shared_rows(batch, kv_batch, mask)
+        out_BTD = self._attend(query_BTHK.reshape((kv_batch, rows * num_queries)
+                                                  + query_BTHK.shape[2:]),
+                               kv, mask, deterministic, rows)
+        return out_BTD.reshape((batch, num_queries) + out_BTD.shape[2:])
+
+    def _attend(self, query_BTHK, kv: KV, mask, deterministic: bool, rows: int) -> jnp.ndarray:
+        """`__call__` after the query projection (`rows` > 1: queries of shared keys
+        folded into the T axis; the sown weights are unfolded)."""
         c = self.config
         axis = kv_length_axis(c)
         num_keys = sum(k.shape[axis] for k in (kv.key if isinstance(kv.key, tuple) else (kv.key,)))
@@ -356,5 +391,9 @@ class MultiHeadAttention(nn.Module):
             densified(mask, num_queries, num_keys), dropout_rate=rate,
             dropout_rng=dropout_rng, dropout_mask=tuning.dropout_mask(c),
             scale=c.query_scale, softcap=c.attn_logit_softcapping)
+        if rows > 1:  # (B/r, H, r*T, S) -> (B, H, T, S)
+            b, h, rt, keys = weights_BHTS.shape
+            weights_BHTS = weights_BHTS.reshape(b, h, rows, rt // rows, keys).transpose(
+                0, 2, 1, 3, 4).reshape(b * rows, h, rt // rows, keys)
         self.sow("intermediates", "attention_weights", weights_BHTS)
         return checkpoint_name(lora.apply(self, "out", _heads_major(out_BHTK)), "out_proj")

@@ -166,17 +166,20 @@ def test_cpu_tuned_decode_compiler_options_keep_the_tokens(encdec_post):
 
 
 def test_memory_cache_repeats_each_example_for_its_beams(encdec_post):
-    """`memory_cache(repeats=W)` (beam search's start) holds example b's encoded source
-    in rows b*W..b*W+W-1: the repeats=1 cache with every row repeated W times."""
+    """`memory_cache(repeats=W)` (beam search's start) has B * W rows of self-attention
+    keys and values, and example b's encoded source once, shared by rows
+    b*W..b*W+W-1 (not repeated in memory: each step reads it once for the W beams)."""
     config, model, params, src = encdec_post
     once = memory_cache(model, params, src, None, N_NEW)
     thrice = memory_cache(model, params, src, None, N_NEW, repeats=3)
     assert thrice.max_len == once.max_len == N_NEW and int(thrice.index) == 0
-    np.testing.assert_array_equal(thrice.cross_mask, np.repeat(once.cross_mask, 3, axis=0))
+    assert thrice.batch == 3 * once.batch
+    np.testing.assert_array_equal(thrice.cross_mask, once.cross_mask)
     assert not np.all(once.cross_mask)  # the padded sources are hidden
-    for ours, ref in zip(jax.tree.leaves((thrice.cross_kv, thrice.self_kv)),
-                         jax.tree.leaves((once.cross_kv, once.self_kv))):
-        np.testing.assert_allclose(ours, np.repeat(ref, 3, axis=0), rtol=1e-5, atol=1e-6)
+    for ours, ref in zip(jax.tree.leaves(thrice.cross_kv), jax.tree.leaves(once.cross_kv)):
+        np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-6)
+    for ours, ref in zip(jax.tree.leaves(thrice.self_kv), jax.tree.leaves(once.self_kv)):
+        np.testing.assert_array_equal(ours, np.repeat(ref, 3, axis=0))
 
 
 def test_init_wrapper_params_are_accepted(encdec_post):

@@ -217,6 +217,38 @@ def test_multi_head_attention_sows_weights_of_cross_attention_shape():
     assert float(jnp.abs(weights[0, :, :, 3:]).max()) == 0.0
 
 
+@pytest.mark.parametrize("impl", ["einsum", "jax"])
+def test_queries_sharing_keys_equal_the_keys_repeated(impl):
+    """Keys and values of B sources read by B * 3 query rows (the beams of each
+    source, issue 45): the outputs and sown weights of the keys repeated 3 times in
+    memory (the layout beam search used before), with a padding mask per source."""
+    mha, call, params, x, m = mha_setup(jf.tiny(attention_impl=impl), t=1)
+    x_RTD = jnp.asarray(np.random.default_rng(1).normal(size=(B * 3, 1, 32)), jnp.float32)
+    mask_B11S = jf.padding_mask(jnp.array([[4, 4, 4, 0, 0], [4, 4, 4, 4, 0]]))
+    kv = mha.apply({"params": params}, m, method=lambda module, m: module.kv(m))
+    repeated = type(kv)(*(jnp.repeat(a, 3, axis=0) for a in kv))
+
+    def attend(module, x, kv, mask):
+        return module(x, kv, mask)
+
+    shared, state = mha.apply({"params": params}, x_RTD, kv, mask_B11S, method=attend,
+                              mutable="intermediates")
+    want, want_state = mha.apply({"params": params}, x_RTD, repeated,
+                                 jnp.repeat(mask_B11S, 3, axis=0), method=attend,
+                                 mutable="intermediates")
+    np.testing.assert_allclose(shared, want, rtol=1e-6, atol=1e-6)
+    if impl == "einsum":  # the jax path sows no weights
+        (weights,), (want_weights,) = (st["intermediates"]["attention_weights"]
+                                       for st in (state, want_state))
+        assert weights.shape == (B * 3, 4, 1, S)
+        np.testing.assert_allclose(weights, want_weights, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="must be a multiple of them"):
+        mha.apply({"params": params}, x_RTD[:5], kv, None, method=attend)
+    with pytest.raises(ValueError, match=r"a mask of shape \(1\|2, 1, 1, S\)"):
+        mha.apply({"params": params}, x_RTD, kv, jnp.repeat(mask_B11S, 3, axis=0),
+                  method=attend)
+
+
 def test_multi_head_attention_dropout_only_when_not_deterministic():
     config = jf.tiny(attention_dropout=0.5)
     mha, call, params, x, m = mha_setup(config)
