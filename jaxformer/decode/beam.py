@@ -2,7 +2,7 @@
 
 Same cache and same step as greedy decoding: the B * W beams are rows of one
 `DecodeCache` (the memory's cross keys/values are projected once for B rows
-and repeated W times). After each step every batch element keeps the W best
+and shared by each row's W beams, read once a step for all of them). After each step every batch element keeps the W best
 of its W * V candidates and the cache rows are gathered from their parent
 beams.
 
@@ -140,8 +140,8 @@ def _beam_jit(model, params, src, src_mask, prefix_BP=None, prefix_len_B=None, *
     TRACE_COUNTS["beam"] += 1
     c = model.config
     batch, width = src.shape[0], beam_size
-    # Row b * W + w is beam w of example b. Repeating the memory costs W times
-    # one cross projection, once; the loop never re-projects it.
+    # Row b * W + w is beam w of example b. The memory is projected once and
+    # shared by the W beams (not repeated); the loop never re-projects it.
     cache = memory_cache(model, params, src, src_mask,
                          segment_lengths(max_new_tokens, segments)[0], repeats=width)
     state = BeamState(

@@ -6,7 +6,7 @@ faster-whisper calls at temperature 0), in one compiled program per shape.
         length_penalty=1.0, ...)
 
 The W beams of each window are rows of one batch (row b * W + w; the memory is
-projected once per window and repeated). The prompt (`prefix_BP`) is fed to
+projected once per window and shared by its beams, read once a step for all W). The prompt (`prefix_BP`) is fed to
 every beam, forced. After it, each step:
 
 1. the logits of every beam go through Whisper's processors (suppressed

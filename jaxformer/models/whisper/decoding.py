@@ -70,8 +70,8 @@ def encode_windows(model, params, features_BTM) -> Encoded:
 
 def window_cache(model, params, memory_BSD, max_len: int, repeats: int = 1):
     """The decode cache over encoder output (B, 1500, D), every memory position
-    visible: its cross-attention keys/values projected once per window, repeated
-    `repeats` times (row b * repeats + r: beams, or sampled candidates)."""
+    visible: its cross-attention keys/values projected once per window and shared by
+    its `repeats` rows (row b * repeats + r: beams, or sampled candidates)."""
     mask_B11S = jnp.ones((memory_BSD.shape[0], 1, 1, memory_BSD.shape[1]), bool)
     return encoded_cache(model, params, memory_BSD, mask_B11S, max_len, repeats=repeats)
 
