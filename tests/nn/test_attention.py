@@ -264,3 +264,26 @@ def test_multi_head_attention_dropout_only_when_not_deterministic():
     np.testing.assert_array_equal(noisy(0), noisy(0))
     assert not np.allclose(noisy(0), reference)
     assert not np.allclose(noisy(0), noisy(1))
+
+
+def test_softmax_with_the_output_only_derivative_equals_the_plain_formula():
+    """`attention.softmax_last` (its derivative keeps only the output, issue 44): the values
+    of jax.nn.softmax, and reverse and forward mode equal the plain formula's (exp / sum
+    differentiated by JAX), masked logits included."""
+    from jaxformer.nn.attention import softmax_last
+
+    r = np.random.default_rng(0)
+    x = jnp.asarray(r.normal(size=(2, 3, 4, 6)) * 3, jnp.float32)
+    x = x.at[0, 0, 0, :3].set(jnp.finfo(jnp.float32).min)  # masked logits, as attention has
+    w = jnp.asarray(r.normal(size=x.shape), jnp.float32)
+
+    def plain(z):
+        e = jnp.exp(z - jax.lax.stop_gradient(z.max(-1, keepdims=True)))
+        return e / e.sum(-1, keepdims=True)
+
+    np.testing.assert_array_equal(softmax_last(x), jax.nn.softmax(x, axis=-1))
+    want = jax.grad(lambda z: (plain(z) * w).sum())(x)
+    np.testing.assert_allclose(jax.grad(lambda z: (softmax_last(z) * w).sum())(x), want,
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(jax.jvp(softmax_last, (x,), (w,))[1],
+                               jax.jvp(plain, (x,), (w,))[1], rtol=1e-5, atol=1e-6)
