@@ -12,7 +12,8 @@ the socket listens, one line `serving NAME on http://HOST:PORT` goes to stdout.
 --warm-up compiles every program the engine's steps use before it listens
 (`Engine.warm_up`); without it each is compiled at its first use. --scan-layers
 runs the decoder layers as one scan (`Engine(scan_layers=True)`): each program
-compiles faster and holds a fraction of the memory, for a slower step. SIGTERM or
+compiles faster and holds a fraction of the memory, for a slower step with float
+weights; it is the default with --quantize (--no-scan-layers to unroll). SIGTERM or
 Ctrl-C: no new connections, running requests finish for at most --drain-timeout
 seconds, exit 0.
 """
@@ -88,10 +89,12 @@ def add_parser(commands, add_common_flags) -> None:
                         help="compile every decode and prefill program before listening, so "
                              "no request waits for a compile (one per view length: minutes "
                              "and ~50 MB of memory each for a 30-layer model on a CPU)")
-    parser.add_argument("--scan-layers", action="store_true",
+    parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
                         help="run the decoder layers as one scan over stacked weights: each "
                              "program compiles ~2x faster and holds ~10 MB instead of ~50-100 "
-                             "(SmolLM2, CPU), for a decode step ~1.15-1.26x slower")
+                             "(SmolLM2, CPU); the step copies each layer's weights out of the "
+                             "stack, ~1.4x slower at 8 slots for float weights, even for "
+                             "quantized ones (default: scanned with --quantize, else unrolled)")
     parser.add_argument("--cpu-tuning", action="store_true",
                         help="on a CPU, jaxformer.backends.cpu's tuning: quantized weights "
                              "(--quantize keep on a GGUF file) run through its C++ integer "
@@ -181,6 +184,14 @@ def lora_adapters(args, model, params) -> dict:
     return adapters
 
 
+def scan_layers(args) -> bool:
+    """--scan-layers as given, else scanned when the weights are quantized: their
+    per-layer slice is then small enough that the scan costs nothing per step, and it
+    halves the idle memory (benchmarks/NOTES.md, fifth session: SmolLM2 Q4_1 tuned,
+    c1 88.6 against 63.0 tokens/s, c32 122.9 against 126.8, idle 512 against 800 MB)."""
+    return bool(args.quantize) if args.scan_layers is None else args.scan_layers
+
+
 def run(args) -> int:
     tuned = cpu_tuning(args.cpu_tuning)  # before JAX starts
     from jaxformer.serve import ServedModel, create_app, run_server  # noqa: PLC0415
@@ -204,7 +215,7 @@ def run(args) -> int:
                         prefill_chunk=args.prefill_chunk,
                         prefix_cache=not args.no_prefix_cache, max_queue=args.max_queue,
                         adapters=adapters, speculative=args.speculative,
-                        scan_layers=args.scan_layers)
+                        scan_layers=scan_layers(args))
     except ValueError as error:
         raise UsageError(str(error)) from error
     adapter_names = tuple(adapters)

@@ -160,3 +160,15 @@ def test_sigterm_drains_the_stream_in_flight_and_exits_0(server):
     with pytest.raises(OSError):  # no longer listening
         urllib.request.urlopen(url + "/health", timeout=5)
     assert "Traceback" not in process.stderr.read()
+
+
+@pytest.mark.parametrize("flags, scanned", [
+    ([], False), (["--quantize", "int8"], True), (["--quantize", "int8", "--no-scan-layers"], False),
+    (["--scan-layers"], True)])
+def test_layers_are_scanned_by_default_with_quantized_weights(flags, scanned):
+    """--scan-layers: as given; unset, scanned exactly when the weights are quantized."""
+    from jaxformer.cli.main import build_parser  # noqa: PLC0415
+    from jaxformer.cli.serve import scan_layers  # noqa: PLC0415
+
+    args = build_parser().parse_args(["serve", "--model", "m.gguf"] + flags)
+    assert scan_layers(args) is scanned
