@@ -79,7 +79,8 @@ import jaxformer as jf
 from jaxformer.backends import cpu
 from jaxformer.cli import compilation_cache
 from jaxformer.text import ByteTokenizer
-from jaxformer.train import TextData, TrainConfig, segment_mask, train_functions
+from jaxformer.train import (TextData, TrainConfig, compile_train_step, segment_mask,
+                             train_functions)
 
 import hf_peer  # Hugging Face transformers' MarianMTModel (optional)
 from seed001 import Transformer as SeedTransformer  # the peer, verbatim from seed 001
@@ -145,10 +146,10 @@ class JaxSide:
         part of compile_s.)"""
         with tempfile.TemporaryDirectory() as cache_dir, compilation_cache(cache_dir):
             jax.clear_caches()
-            self.fns.step.lower(self.state, self.batch).compile()  # writes the cache
+            compile_train_step(self.fns.step, self.state, self.batch)  # writes the cache
             jax.clear_caches()
             start = time.perf_counter()
-            self.fns.step.lower(self.state, self.batch).compile()
+            compile_train_step(self.fns.step, self.state, self.batch)
             return time.perf_counter() - start
 
     def run(self, steps: int) -> float:

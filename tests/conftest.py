@@ -46,6 +46,7 @@ LONGEST_FIRST = ("harness/test_lm_eval.py", "cli/test_cli.py", "test_docs.py",
                  "models/test_llamacpp_logits.py",
                  "cli/test_damaged_checkpoint.py", "serve/test_serve_model.py",
                  "serve/test_serve_cli.py", "train/test_bf16.py", "train/test_chunked_loss.py",
+                 "train/test_step_heaps.py",
                  "backends/test_qmatmul.py")
 
 

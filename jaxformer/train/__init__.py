@@ -9,7 +9,8 @@ Modules, one job each::
     loss          loss_and_metrics (cross-entropy ignoring PAD), label_pad_id, model_logits
     optimizer     make_optimizer: clipping + AdamW on the warmup/cosine schedule
     state         TrainState(step, params, opt_state, rng), created in its shardings
-    step          make_train_step: jitted, donates the state
+    step          make_train_step: jitted, donates the state; compile_train_step: its
+                  temporaries in small heaps (kept mapped between steps on a host)
     evaluation    evaluate (teacher-forced + greedy exact match), evaluate_lm (bits per byte)
     loop          fit: data, mesh, checkpoints, progress; TrainFunctions, train_functions
     checkpoint    Checkpoints: Orbax save / restore / resume
@@ -28,7 +29,7 @@ from jaxformer.train.loss import loss_and_metrics, model_logits
 from jaxformer.train.optimizer import make_optimizer
 from jaxformer.train.run import Run, RunError
 from jaxformer.train.state import TrainState, init_train_state
-from jaxformer.train.step import make_train_step
+from jaxformer.train.step import compile_train_step, make_train_step
 from jaxformer.train.task import SyntheticTask, TextTask, TrainingTask, training_task
 from jaxformer.train.tasks import Batch
 from jaxformer.train.train_config import TrainConfig
@@ -37,5 +38,5 @@ __all__ = ["CheckpointError", "Checkpoints", "LMBatch", "TextData",
            "segment_mask", "Batch", "FitResult", "NonFiniteLossError", "TrainConfig",
            "TrainFunctions", "TrainState", "evaluate", "evaluate_lm", "make_lm_eval_step", "fit",
            "init_train_state",
-           "loss_and_metrics", "make_optimizer", "make_train_step", "model_logits",
+           "loss_and_metrics", "make_optimizer", "make_train_step", "compile_train_step", "model_logits",
            "train_functions", "SyntheticTask", "TextTask", "TrainingTask", "training_task", "Run", "RunError"]
