@@ -9,7 +9,8 @@ from an iota to the mask (figures in benchmarks/NOTES.md).
 `fold_in`, `split` and `random_bits` equal JAX's partitionable threefry exactly
 (each element's bits depend only on the key and its global index). The
 unrolled hash is behind `lax.platform_dependent`: other backends run JAX's own
-threefry.
+threefry. `UNROLLED_THREEFRY` (`unrolled(key)`) is the same without the branch: the
+unrolled hash on every platform, as JAX itself lowers threefry off the CPU.
 
     key = fused(jax.random.PRNGKey(0))   # a typed key; same bits
     jax.random.bernoulli(key, 0.9, (32, 33, 1024))
@@ -69,7 +70,14 @@ def _jax_key(key):
     return jax.random.wrap_key_data(key, impl="threefry2x32")
 
 
-def _random_bits(key, bit_width: int, shape: tuple):
+def _where(everywhere: bool, key, unrolled, jax_own):
+    """`unrolled(key)` on every platform, or on the CPU only (JAX's own elsewhere)."""
+    if everywhere:
+        return unrolled(key)
+    return lax.platform_dependent(key, cpu=unrolled, default=jax_own)
+
+
+def _random_bits(key, bit_width: int, shape: tuple, everywhere: bool = False):
     shape = tuple(shape)
 
     def jax_bits(k):
@@ -82,10 +90,10 @@ def _random_bits(key, bit_width: int, shape: tuple):
         bits1, bits2 = _counter_hash(k, shape)
         return (bits1 ^ bits2).astype(_UINT[bit_width])
 
-    return lax.platform_dependent(key, cpu=fused_bits, default=jax_bits)
+    return _where(everywhere, key, fused_bits, jax_bits)
 
 
-def _split(key, shape: tuple):
+def _split(key, shape: tuple, everywhere: bool = False):
     shape = tuple(shape)
 
     def jax_split(k):
@@ -98,10 +106,10 @@ def _split(key, shape: tuple):
         bits1, bits2 = _counter_hash(k, shape)
         return jnp.stack([bits1, bits2], axis=-1)
 
-    return lax.platform_dependent(key, cpu=fused_split, default=jax_split)
+    return _where(everywhere, key, fused_split, jax_split)
 
 
-def _fold_in(key, data):
+def _fold_in(key, data, everywhere: bool = False):
     def fused_fold_in(k):
         # Both words from one elementwise (2,) kernel: stacking two scalars instead
         # becomes a concatenate that XLA emits with the whole hash once per word.
@@ -112,7 +120,7 @@ def _fold_in(key, data):
     def jax_fold_in(k):
         return jax.random.key_data(jax.random.fold_in(_jax_key(k), data))
 
-    return lax.platform_dependent(key, cpu=fused_fold_in, default=jax_fold_in)
+    return _where(everywhere, key, fused_fold_in, jax_fold_in)
 
 
 def _seed(seed):
@@ -122,6 +130,25 @@ def _seed(seed):
 FUSED_THREEFRY = jex.define_prng_impl(key_shape=(2,), seed=_seed, split=_split,
                                       random_bits=_random_bits, fold_in=_fold_in,
                                       name="threefry2x32_fused", tag="fyf")
+
+
+# The same hash unrolled on every platform: what JAX itself lowers on a GPU or TPU (its
+# threefry is a rolled loop on the CPU only), so no platform branch is needed. The train
+# step's default dropout key (`train.step.dropout_key`): on the CPU the rolled loops of
+# ~40 masks kept ~130 MiB of hash words alive at once in the bench step's temporaries.
+UNROLLED_THREEFRY = jex.define_prng_impl(
+    key_shape=(2,), seed=_seed,
+    split=lambda key, shape: _split(key, shape, everywhere=True),
+    random_bits=lambda key, bit_width, shape: _random_bits(key, bit_width, shape,
+                                                           everywhere=True),
+    fold_in=lambda key, data: _fold_in(key, data, everywhere=True),
+    name="threefry2x32_unrolled", tag="fyu")
+
+
+def unrolled(raw_key: jax.Array) -> jax.Array:
+    """A raw threefry key (uint32 (2,)) as a typed key of `UNROLLED_THREEFRY`: the same
+    bits as the raw key draws, from the unrolled hash on every platform."""
+    return jax.random.wrap_key_data(raw_key, impl=UNROLLED_THREEFRY)
 
 
 def fused(raw_key: jax.Array) -> jax.Array:
