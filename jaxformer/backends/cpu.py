@@ -12,8 +12,9 @@ Two switches, both off by default:
 - `TransformerConfig(cpu_tuning=True)`: in-graph tricks, each behind
   `lax.platform_dependent`, so a GPU or TPU lowering never contains them:
   `dot_general` (Dense kernel gradients in the kernel's own layout, a custom
-  VJP), `Dropout` (masks drawn once, in a conditional XLA does not fuse), and
-  `dropout_key` (the fused threefry of `backends.threefry`).
+  VJP) and `Dropout` (masks drawn once, in a conditional XLA does not fuse).
+  `dropout_key` (the fused threefry of `backends.threefry`) is no longer the
+  train step's: that one draws the unrolled threefry on every platform.
 
 Each trick computes the same values as the default path up to float rounding
 (the tests check it); why each one pays on XLA:CPU, with figures, is in
