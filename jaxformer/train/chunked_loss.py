@@ -28,6 +28,8 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 
+from jaxformer.decode.sampling import first_argmax
+
 # Auto chunking: chunk when the batch's float32 logits would exceed AUTO_MIN_BYTES, in
 # chunks whose logits hold about CHUNK_BYTES. A chunk's step holds about 4 such arrays
 # (logits, their softmax gradient, the pieces of the reductions), so the loss's
@@ -59,22 +61,11 @@ def _target_terms(logits, labels, label_smoothing: float):
     xent = lse - target_logit."""
     lse = jax.nn.logsumexp(logits, axis=-1)
     label_logit = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
-    correct = _argmax_is(logits, labels, label_logit)
+    correct = first_argmax(logits) == labels  # not jnp.argmax: slow on XLA:CPU (5 % of a step)
     if label_smoothing:  # target (1 - a) one_hot + a / V
         label_logit = (1.0 - label_smoothing) * label_logit + \
             label_smoothing * logits.mean(-1)
     return lse, label_logit, correct
-
-
-def _argmax_is(logits, labels, label_logit):
-    """`logits.argmax(-1) == labels` without the (value, index) reduction that XLA:CPU
-    runs an order of magnitude slower than a max (it was 5 % of the SmolLM2 step): the
-    label's logit is the largest and no earlier logit equals it (argmax takes the first
-    of ties)."""
-    earlier = jnp.arange(logits.shape[-1]) < labels[..., None]
-    first_before = jnp.max(jnp.where(earlier, logits, -jnp.inf), axis=-1)
-    none_before = (first_before < label_logit) | (labels == 0)  # label 0: nothing before
-    return (label_logit >= logits.max(-1)) & none_before
 
 
 def _chunks(x, tc: int):
