@@ -6,6 +6,7 @@ puts them in on purpose, so "PAD" in a test always means a deliberate PAD.
 
 import importlib.util
 import os
+import resource
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,17 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # of the default sets its own XDG_CACHE_HOME and unsets this.
 os.environ["JAXFORMER_COMPILE_CACHE"] = "off"
 FIRST_REAL_ID = 3  # ids 0, 1, 2 are pad, bos, eos in every config here
+
+# Two clean-clone runs lost an xdist worker to a segfault inside XLA:CPU's compile of a
+# deep unrolled program (tests/nn/test_stacking.py; the 30-layer SmolLM2 engine step),
+# on the main thread, under pytest's and xdist's frames; never reproduced alone. The
+# suspect is the compiler's recursion meeting the 8 MiB main-thread stack: the workers
+# get 64 MiB (the main thread's stack grows up to the soft limit read at fault time).
+_soft, _hard = resource.getrlimit(resource.RLIMIT_STACK)
+_want = 64 * 2**20
+if _soft != resource.RLIM_INFINITY and _soft < _want and (
+        _hard == resource.RLIM_INFINITY or _hard >= _want):
+    resource.setrlimit(resource.RLIMIT_STACK, (_want, _hard))
 
 
 # The longest files first. `-n 2 --dist loadfile` hands each worker whole files in
