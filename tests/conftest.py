@@ -23,11 +23,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ["JAXFORMER_COMPILE_CACHE"] = "off"
 FIRST_REAL_ID = 3  # ids 0, 1, 2 are pad, bos, eos in every config here
 
-# Two clean-clone runs lost an xdist worker to a segfault inside XLA:CPU's compile of a
-# deep unrolled program (tests/nn/test_stacking.py; the 30-layer SmolLM2 engine step),
-# on the main thread, under pytest's and xdist's frames; never reproduced alone. The
-# suspect is the compiler's recursion meeting the 8 MiB main-thread stack: the workers
-# get 64 MiB (the main thread's stack grows up to the soft limit read at fault time).
+# A precaution, not a proven fix: two clean-clone runs lost an xdist worker to a segfault
+# inside XLA:CPU's compile of a deep unrolled program (tests/nn/test_stacking.py; the
+# 30-layer SmolLM2 engine step), never reproduced alone (the test passes with a 2 MiB
+# stack) and seen only while this machine's disk was full. Deep recursion in the compiler
+# is the one suspect a test can guard against: the workers' main thread may grow to
+# 64 MiB (it grows up to the soft limit read at fault time).
 _soft, _hard = resource.getrlimit(resource.RLIMIT_STACK)
 _want = 64 * 2**20
 if _soft != resource.RLIM_INFINITY and _soft < _want and (
