@@ -34,6 +34,7 @@ import numpy as np
 from jaxformer.errors import FileFormatError
 from jaxformer.models.whisper import audio as audio_lib
 from jaxformer.models.whisper import media
+from jaxformer.models.whisper import speech
 from jaxformer.models.whisper.checkpoint import Whisper
 from jaxformer.models.whisper.beam import check_beam
 from jaxformer.models.whisper.fallback import TEMPERATURES, Safeguards
@@ -45,8 +46,8 @@ from jaxformer.models.whisper.prompt import Context, PromptInput, encode_text
 from jaxformer.models.whisper.words import alignment_heads
 from jaxformer.models.whisper.tokens import TASKS, Tokens, decode_text, prompt_ids, tokens_of
 from jaxformer.models.whisper.windows import (FRAMES_PER_SECOND, WINDOW_FRAMES, Windows,
-                                              consecutive_windows, padded_rows, seek_windows,
-                                              window_features)
+                                              consecutive_windows, packed_windows, padded_rows,
+                                              seek_windows, window_features)
 
 AudioInput = Union[str, os.PathLike, np.ndarray, audio_lib.WavFile, audio_lib.Samples,
                    media.MediaFile]
@@ -106,6 +107,7 @@ def transcribe(w: Whisper, audio: Union[AudioInput, Sequence[AudioInput]], *,
                word_timestamps: bool = False,
                hallucination_silence_threshold: Optional[float] = None,
                clip_timestamps: Union[str, Sequence[float], None] = None,
+               vad_filter: Optional[bool] = None,
                progress: Optional[Callable[[float, float], None]] = None
                ) -> Union[Transcript, list[Transcript]]:
     """Transcribe (or translate to English) one audio input or a list of them.
@@ -169,6 +171,20 @@ def transcribe(w: Whisper, audio: Union[AudioInput, Sequence[AudioInput]], *,
         in seconds (a string or numbers; the last end may be left out: the file's
         end), as openai-whisper's and faster-whisper's `clip_timestamps`: windows
         start inside a clip and their audio stops at its end (`parse_clips`).
+      vad_filter: speech packing, as faster-whisper's `BatchedInferencePipeline`
+        (`vad_filter`): each file's speech is found (`speech.speech_regions`, an
+        energy detector with silero's rules, not silero's network), joined into
+        chunks of at most 30 s (`speech.pack`), and the chunks of every file are
+        decoded once each, together, `batch_size` at a time; segment (and word)
+        times are mapped back to the file (`windows.packed_windows`). Chunks are
+        independent: no conditioning on the previous text (an initial prompt is
+        given to every chunk), no seeking (with timestamps, a segment cut by the
+        chunk's end is left out, as faster-whisper's batched pipeline does). None
+        (the default): on for a file over 30 s whose windows are decoded together
+        anyway (no timestamps, no conditioning on the previous text, no clips:
+        where faster-whisper's batched pipeline runs it by default), off
+        otherwise; True: on for every file (not with `clip_timestamps` or
+        `hallucination_silence_threshold`); False: off.
       progress: called as `progress(seconds done, seconds in total)` after each
         window skipped and each batch decoded.
     Raises:
@@ -198,6 +214,14 @@ def transcribe(w: Whisper, audio: Union[AudioInput, Sequence[AudioInput]], *,
         raise ValueError("hallucination_silence_threshold needs word_timestamps=True (the "
                          "rule reads the words' timing and probability)")
     clips = parse_clips(clip_timestamps)
+    if vad_filter not in (None, True, False):
+        raise ValueError(f"vad_filter must be None, True or False, got {vad_filter!r}")
+    if vad_filter and clips is not None:
+        raise ValueError("vad_filter=True finds the stretches to decode itself: give "
+                         "clip_timestamps or vad_filter, not both")
+    if vad_filter and hallucination_silence_threshold is not None:
+        raise ValueError("hallucination_silence_threshold re-seeks windows, and vad_filter=True "
+                         "decodes each chunk once: use one or the other")
     timestamps = timestamps or word_timestamps
     sources = [read_audio(item) for item in items]  # every file is checked first
     frames = [s.num_samples // HOP for s in sources]
@@ -216,7 +240,19 @@ def transcribe(w: Whisper, audio: Union[AudioInput, Sequence[AudioInput]], *,
                       patience=patience, length_penalty=length_penalty)
     total = sum(frames) / FRAMES_PER_SECOND
     report = (lambda done: progress(done / FRAMES_PER_SECOND, total)) if progress else None
-    if timestamps or context or clips:
+    sequential = bool(timestamps or context or clips)
+    packed = [vad_filter if vad_filter is not None else (not sequential and n > WINDOW_FRAMES)
+              for n in frames]
+    if any(packed):
+        if context is not None:  # chunks are independent: the initial prompt for each
+            windows.context = Context(w.vocab, [initial] * len(sources), False)
+        chunks = [speech.pack(speech.speech_regions(s)) if on else whole_windows(s.num_samples)
+                  for s, on in zip(sources, packed)]
+        segments = packed_windows(windows, chunks, t.timestamp_begin if timestamps else None,
+                                  batch_size, report)
+        if report:
+            report(sum(frames))
+    elif sequential:
         segments = seek_windows(windows, frames, t.timestamp_begin, batch_size, report, clips)
     else:
         segments = consecutive_windows(windows, frames, batch_size, report)
@@ -229,6 +265,14 @@ def transcribe(w: Whisper, audio: Union[AudioInput, Sequence[AudioInput]], *,
             tuple(Segment(round(seg[0], 3), round(seg[1], 3), text, *seg[3:])
                   for seg, text in zip(segs, texts) if text)))  # silence: no segment
     return results[0] if single else results
+
+
+def whole_windows(num_samples: int) -> list[list[tuple[int, int]]]:
+    """A file without speech packing as packed chunks: its consecutive 30 s windows
+    (at least one), each a chunk of one region."""
+    size = WINDOW_FRAMES * HOP
+    return [[(start, min(start + size, num_samples))]
+            for start in range(0, max(num_samples, 1), size)]
 
 
 def parse_clips(clip_timestamps: Union[str, Sequence[float], None]

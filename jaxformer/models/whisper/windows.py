@@ -14,6 +14,7 @@ from jaxformer.models.whisper import features as features_lib
 from jaxformer.models.whisper.checkpoint import Whisper
 from jaxformer.models.whisper.config import N_FRAMES
 from jaxformer.models.whisper import decoding
+from jaxformer.models.whisper import speech as speech_lib
 from jaxformer.models.whisper.decoding import Generated
 from jaxformer.models.whisper.hallucination import skip_hallucinations
 from jaxformer.models.whisper.fallback import (Safeguards, final_choice, is_no_speech,
@@ -355,3 +356,94 @@ def add_words(windows: Windows, f: int, features_TM, pieces, ids, seek: int, siz
     end = ends[0] if ends else (out[-1][1] if out else None)
     last_speech[f] = before if redo or end is None else end
     return out, advance if new_seek is None else new_seek - seek, redo
+
+
+def packed_windows(windows: Windows, chunks: list[list[list[tuple[int, int]]]],
+                   timestamp_begin: Optional[int], batch_size: int, report
+                   ) -> list[list[tuple]]:
+    """Each file's chunks of speech (`speech.pack`: lists of (first sample, end
+    sample) regions, each chunk at most 30 s of audio) decoded once each, all of
+    them together in batches of `batch_size`, as faster-whisper's batched pipeline
+    decodes them; times are mapped back to the file (`speech.original_time`).
+
+    Without timestamps (`timestamp_begin` None) a chunk is one segment, from its
+    first region's start to its last region's end. With timestamps a chunk's
+    complete segments (`split_segments`; a segment the chunk's end cuts is left
+    out, as faster-whisper's batched pipeline does) are mapped back: a segment's
+    start by the region it starts in, its end by the region it ends in. With
+    `windows.word_heads` each word is mapped by the region of its middle, and its
+    segment spans its words (faster-whisper's `restore_speech_timestamps`)."""
+    jobs = []  # (file, chunk, the chunk's start in the file's speech alone in seconds)
+    for f, file_chunks in enumerate(chunks):
+        total = 0
+        for chunk in file_chunks:
+            jobs.append((f, chunk, total / audio_lib.SAMPLE_RATE))
+            total += sum(b - a for a, b in chunk)
+    rows = padded_rows(len(jobs), batch_size)
+    segments = [[] for _ in chunks]
+    last_speech = [0.0] * len(chunks)
+    done, pending = 0, []
+
+    def flush():
+        nonlocal done
+        decoded = windows.decode([(job[0], x) for job, x in pending], rows)
+        for ((f, chunk, offset, n), x), ids in zip(pending, decoded):
+            if ids is not None:
+                segments[f].extend(chunk_segments(windows, f, chunk, offset, x, ids, n,
+                                                  timestamp_begin, last_speech))
+            done += (chunk[-1][1] - chunk[0][0]) // HOP
+        pending.clear()
+        if report:
+            report(done)
+
+    for f, chunk, offset in jobs:
+        samples = speech_lib.chunk_samples(windows.sources[f], chunk)
+        if audio_lib.is_silent(samples):
+            done += (chunk[-1][1] - chunk[0][0]) // HOP
+            continue
+        pending.append(((f, chunk, offset, len(samples)), features_of(samples, windows.n_mels)))
+        if len(pending) == rows:
+            flush()
+    if pending:
+        flush()
+    return segments
+
+
+def chunk_segments(windows: Windows, f: int, chunk, offset: float, features_TM, ids,
+                   num_samples: int, timestamp_begin: Optional[int], last_speech: list
+                   ) -> list[tuple]:
+    """One decoded chunk's segments in the file's seconds (`packed_windows`). Words
+    are timed first in the file's speech alone (the chunk starting `offset` seconds
+    into it, as faster-whisper times them, so that `last_speech` carries over from
+    chunk to chunk), then mapped back."""
+    first, last = chunk[0][0] / audio_lib.SAMPLE_RATE, chunk[-1][1] / audio_lib.SAMPLE_RATE
+    if timestamp_begin is None:
+        return [(first, last, list(ids))]
+    size = min(-(-num_samples // HOP), WINDOW_FRAMES)
+    pieces, _ = split_segments(ids, timestamp_begin, 0, size)
+    if not windows.word_heads:
+        return [(speech_lib.original_time(chunk, a), speech_lib.original_time(chunk, b,
+                                                                              is_end=True), p)
+                for a, b, p in pieces]
+    eot = windows.w.model.config.eos_id
+    alignment = find_alignment(windows.w, windows.word_heads, features_TM, windows.prompts[f],
+                               [i for i in ids if i < eot], size)
+    pieces = [(a + offset, b + offset, p) for a, b, p in pieces]
+    bounds, words, last_speech[f] = window_words(alignment, pieces, offset, eot,
+                                                 last_speech[f])
+    out = []
+    for (a, b, p), ws in zip(bounds, words):
+        a, b, moved = a - offset, b - offset, []
+        for word in ws:
+            start, end = word.start - offset, word.end - offset
+            k = speech_lib.region_index(chunk, (start + end) / 2)
+            moved.append(dataclasses.replace(
+                word, start=round(speech_lib.original_time(chunk, start, k), 2),
+                end=round(speech_lib.original_time(chunk, end, k), 2)))
+        if moved:
+            a, b = moved[0].start, moved[-1].end
+        else:
+            a, b = (speech_lib.original_time(chunk, a),
+                    speech_lib.original_time(chunk, b, is_end=True))
+        out.append((a, b, p, tuple(moved)))
+    return out
