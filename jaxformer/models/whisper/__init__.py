@@ -20,8 +20,9 @@ spectrogram), `checkpoint` (`Whisper`, `load`), `output` (`Transcript`, text, JS
 `subtitles` (SRT, WebVTT, TSV; word cues),
 `fallback` (temperature fallback, no-speech rule), `prompt` (initial prompt,
 previous text), `words` (word timestamps: alignment heads, DTW), `hallucination`
-(silence around likely hallucinations), `windows` (30 s
-windows and segments), `pipeline` (`transcribe`).
+(silence around likely hallucinations), `speech` (speech regions packed
+into chunks, times mapped back), `windows` (30 s windows, packed chunks and
+segments), `pipeline` (`transcribe`).
 """
 
 from jaxformer.models.whisper.audio import (SAMPLE_RATE, SILENCE_PEAK, Samples, WavFile,
@@ -59,9 +60,12 @@ from jaxformer.models.whisper.words import (APPEND_PUNCTUATIONS, PREPEND_PUNCTUA
                                              alignment_heads, dtw, find_alignment,
                                              median_filter, merge_punctuations, split_words,
                                              window_words)
+from jaxformer.models.whisper.speech import (SpeechOptions, chunk_samples, frame_levels,
+                                             frame_scores, original_time, pack, region_index,
+                                             regions_of_frames, speech_regions)
 from jaxformer.models.whisper.windows import (FRAMES_PER_SECOND, FRAMES_PER_TOKEN, Windows,
-                                              WINDOW_FRAMES, features_of, split_segments,
-                                              window_features, window_samples)
+                                              WINDOW_FRAMES, features_of, packed_windows,
+                                              split_segments, window_features, window_samples)
 
 __all__ = [
     # checkpoint and config
@@ -89,5 +93,8 @@ __all__ = [
     "Segment", "Transcript", "srt", "srt_time", "to_json", "to_text", "vtt", "tsv", "cues",
     "format_timestamp", "check_layout",
     "FRAMES_PER_SECOND", "FRAMES_PER_TOKEN", "WINDOW_FRAMES", "features_of",
-    "split_segments", "window_features", "window_samples",
+    "split_segments", "window_features", "window_samples", "packed_windows",
+    # speech packing
+    "SpeechOptions", "chunk_samples", "frame_levels", "frame_scores", "original_time", "pack",
+    "region_index", "regions_of_frames", "speech_regions",
 ]

@@ -419,7 +419,7 @@ def chunk_segments(windows: Windows, f: int, chunk, offset: float, features_TM, 
     first, last = chunk[0][0] / audio_lib.SAMPLE_RATE, chunk[-1][1] / audio_lib.SAMPLE_RATE
     if timestamp_begin is None:
         return [(first, last, list(ids))]
-    size = min(-(-num_samples // HOP), WINDOW_FRAMES)
+    size = min(num_samples // HOP + 1, WINDOW_FRAMES)  # one frame more at the end, as add_words
     pieces, _ = split_segments(ids, timestamp_begin, 0, size)
     if not windows.word_heads:
         return [(speech_lib.original_time(chunk, a), speech_lib.original_time(chunk, b,
