@@ -94,10 +94,12 @@ def test_regions_of_a_synthetic_signal():
     assert len(regions) == len(expected)
     for (a, b), (ea, eb) in zip(regions, expected):
         assert abs(a / SR - ea) <= FRAME / SR and abs(b / SR - eb) <= 2 * FRAME / SR
-    # the file read in pieces (a WAV file, a media file) gives the same frames
+    # the file is read in pieces (a WAV file, a media file): the frames are still
+    # consecutive 512-sample frames of the whole signal
+    frames = np.pad(x.astype(np.float64), (0, -len(x) % FRAME)).reshape(-1, FRAME)
+    np.testing.assert_allclose(whisper.frame_levels(whisper.Samples(x)),
+                               10 * np.log10((frames ** 2).mean(1)), atol=1e-3)
     assert whisper.speech_regions(whisper.Samples(x)) == regions
-    np.testing.assert_array_equal(whisper.frame_levels(whisper.Samples(x)),
-                                  whisper.frame_levels(x))
     quiet = signal(70, [(30.0, 31.0)], level=3e-4)  # 6.5 dB above the noise: not speech
     assert whisper.speech_regions(quiet) == []
     assert whisper.speech_regions(signal(40, [])) == []
