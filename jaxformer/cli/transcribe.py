@@ -6,6 +6,7 @@
     jaxformer transcribe --model DIR talk.wav --word-timestamps --format vtt --max-line-width 42
     jaxformer transcribe --model DIR talk.wav --initial-prompt "Glossary: JAX, Flax."
     jaxformer transcribe --model DIR talk.wav --word-timestamps --json   # words in JSON
+    jaxformer transcribe --model DIR talk.wav --vad-filter --timestamps  # speech packed, batched
 
 DIR is a CTranslate2 Whisper folder (`model.bin`, `vocabulary.txt`,
 `config.json`) or a Hugging Face Whisper directory (`config.json`,
@@ -90,6 +91,14 @@ def add_parser(commands, add_common_flags) -> None:
                              "(the last end may be left out: the file's end)")
     parser.add_argument("--batch", type=positive_int, default=8,
                         help="30 s windows decoded together")
+    parser.add_argument("--vad-filter", action=argparse.BooleanOptionalAction, default=None,
+                        help="speech packing, as faster-whisper's batched pipeline: find "
+                             "each file's speech (an energy detector with silero's rules, "
+                             "not silero's network), join it into chunks of at most 30 s "
+                             "and decode the chunks together, once each (no conditioning "
+                             "on previous text); times are mapped back to the file. Default: "
+                             "on for a file over 30 s without --timestamps and with "
+                             "--no-condition-on-previous-text, off otherwise")
     safeguards = parser.add_argument_group(
         "long-form safeguards", "openai-whisper's temperature fallback and no-speech rule "
         "(defaults as faster-whisper; 'none' turns a threshold off)")
@@ -241,6 +250,12 @@ def run(args) -> int:
             whisper.parse_clips(args.clip_timestamps)
         except ValueError as error:
             raise UsageError(f"--clip-timestamps: {error}") from error
+    if args.vad_filter and args.clip_timestamps is not None:
+        raise UsageError("--vad-filter finds the stretches to decode itself: give "
+                         "--clip-timestamps or --vad-filter, not both")
+    if args.vad_filter and threshold is not None:
+        raise UsageError("--hallucination-silence-threshold re-seeks windows, and --vad-filter "
+                         "decodes each chunk once: use one or the other")
     if threshold is not None and threshold < 0:
         raise UsageError(f"--hallucination-silence-threshold: seconds >= 0, got {threshold:g}")
     targets = output_paths(args)
@@ -266,6 +281,7 @@ def run(args) -> int:
                                         word_timestamps=args.word_timestamps,
                                         hallucination_silence_threshold=threshold,
                                         clip_timestamps=args.clip_timestamps,
+                                        vad_filter=args.vad_filter,
                                         condition_on_previous_text=(
                                             args.condition_on_previous_text),
                                         progress=_progress_bar(args))

@@ -79,13 +79,17 @@ def test_json_lines_of_a_44k_stereo_file(ct2_text, capsys):
     (["--word-timestamps", "--hallucination-silence-threshold", "inf"],
      "--hallucination-silence-threshold: must be a finite number"),
     (["--clip-timestamps", "5,2"], "--clip-timestamps: clip_timestamps must be in order"),
+    (["--vad-filter", "--clip-timestamps", "0,2"],
+     "give --clip-timestamps or --vad-filter, not both"),
+    (["--vad-filter", "--word-timestamps", "--hallucination-silence-threshold", "1"],
+     "--hallucination-silence-threshold re-seeks windows, and --vad-filter"),
 ], ids=["language", "translate-english-only", "srt-without-timestamps", "batch",
         "translate-named-english", "no-speech", "logprob", "ratio", "negative-temperature",
         "decreasing-temperatures", "temperature-word", "nan", "best-of", "beam-size",
         "patience", "length-penalty", "empty-prompt", "tsv-without-timestamps",
         "highlight-without-words", "width-in-json", "count-without-width", "zero-words",
         "hallucination-without-words", "negative-silence", "infinite-silence",
-        "clips-out-of-order"])
+        "clips-out-of-order", "vad-and-clips", "vad-and-hallucination"])
 def test_bad_options_are_one_line_and_exit_2(flags, message, capsys):
     assert main(["transcribe", "--model", whisper_model_dir(), FOX, *flags]) == 2
     err = capsys.readouterr().err
@@ -244,10 +248,22 @@ def test_subtitle_flags_reach_the_writers(fmt, flags, layout, monkeypatch, capsy
                  "1.5", "--clip-timestamps", "0,20", *flags]) == 0
     out = capsys.readouterr().out
     assert seen["word_timestamps"] is True and seen["hallucination_silence_threshold"] == 1.5
-    assert seen["clip_timestamps"] == "0,20"
+    assert seen["clip_timestamps"] == "0,20" and seen["vad_filter"] is None
     if layout is None:
         assert out == whisper.tsv(result.segments)
         assert out.splitlines()[1] == "0\t1500\tThe quick brown fox jumps."
         return
     writer = getattr(whisper, fmt)
     assert out == writer(result.segments, **layout) != writer(result.segments)
+
+
+@pytest.mark.parametrize("flags, expected", [([], None), (["--vad-filter"], True),
+                                             (["--no-vad-filter"], False)],
+                         ids=["default", "on", "off"])
+def test_vad_filter_reaches_the_library(flags, expected, monkeypatch, capsys):
+    """--vad-filter / --no-vad-filter reach `whisper.transcribe(vad_filter=...)`, the
+    default None (the library's rule: tests/models/test_whisper_speech.py)."""
+    _, seen = made_transcript(monkeypatch)
+    assert main(["transcribe", "--model", whisper_model_dir(), FOX, "--no-progress",
+                 *flags]) == 0
+    assert seen["vad_filter"] is expected
