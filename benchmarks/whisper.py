@@ -34,12 +34,17 @@ synthetic signals, repeated to fill the batch):
               temperature 0, from its DEBUG log, over all files and runs):
               unbatched = segment timestamps, windows in sequence
               (`WhisperModel.transcribe` vs `whisper.transcribe(timestamps=True)`);
-              batched = several 30 s windows of the file decoded together
-              (`BatchedInferencePipeline`, batch 8, its VAD chunks, vs
-              `whisper.transcribe(batch_size=8)`: consecutive windows), each
-              decoded once at temperature 0 on both sides (the batched pipeline
-              has no temperature fallback; `temperature=0.0` for jaxformer).
-              `text_identical`: unbatched texts and segment boundaries equal.
+              batched = the file's speech packed in chunks of at most 30 s,
+              decoded together (`BatchedInferencePipeline`, batch 8, silero's
+              regions, vs `whisper.transcribe(batch_size=8)`, whose speech packing
+              is on by default there: `whisper.speech_regions`, an energy
+              detector), each chunk decoded once at temperature 0 on both sides
+              (the batched pipeline has no temperature fallback;
+              `temperature=0.0` for jaxformer). `batched_packing`: per file,
+              jaxformer's 30 s windows without packing and its packed chunks
+              (each with the batches and rows they take at batch 8).
+              `text_identical`: unbatched texts and segment boundaries equal;
+              `text_identical_batched`: batched texts equal.
               `jf_first_call`: XLA programs compiled, their compile seconds and
               the wall time of jaxformer's first transcription (the warm-up),
               unbatched and batched.
@@ -343,7 +348,7 @@ def faster_whisper_peer(model_dir, rounds, beam_size, seconds_list):
                                "wall_s": round(time.perf_counter() - start, 2)}
         for path in list(files.values())[1:]:  # the longer files' programs too: batched,
             fn(path)  # a 600 s file is 8 rows a batch (the 60 s file 2), compiled apart
-    rows, ratios, identical = [], {}, True
+    rows, ratios, identical, identical_batched = [], {}, True, True
     for seconds, path in files.items():
         for batch in (False, True):
             times, out = {}, {}
@@ -358,6 +363,8 @@ def faster_whisper_peer(model_dir, rounds, beam_size, seconds_list):
             ratios[seconds, batch] = fw_s / jf_s
             if not batch:
                 identical &= out["jf"] == out["fw"]
+            else:
+                identical_batched &= out["jf"][0] == out["fw"][0]
     words = word_timing(runs, files[first])
     rows.append((f"words of the {first} s file; max |start/end diff|, ms", words["count"],
                  words["count"], 1e3 * words["max_abs_diff_s"]))
@@ -376,10 +383,28 @@ def faster_whisper_peer(model_dir, rounds, beam_size, seconds_list):
         "transcribe_10min_ratio_vs_faster_whisper_batched": round(ratios[longest, True], 3),
         "files_s": sorted(files), "jf_first_call": first_call,
         "text_identical": bool(identical), "fallback_windows": fallbacks.count,
+        "text_identical_batched": bool(identical_batched),
+        "batched_packing": {seconds: packing(path) for seconds, path in files.items()},
         "word_timestamps_max_abs_diff_s": round(words["max_abs_diff_s"], 3),
         "words_identical": words["identical"],
         "peak_rss_ratio_vs_faster_whisper": round(rss["jf"] / rss["fw"], 3),
         "beam_size": beam_size, "threads": os.cpu_count()}
+
+
+def packing(path, batch=8):
+    """jaxformer's batched work on `path`: its 30 s windows without speech packing and
+    its packed chunks (`whisper.pack(whisper.speech_regions(...))`), each as
+    [count, batches, rows a batch] at `batch` (windows: rows padded to a power of two;
+    chunks: as many rows as chunks, at most `batch`)."""
+    samples = whisper.read_wav(path)
+    windows = -(-len(samples) // whisper.CHUNK_SAMPLES)
+    chunks = len(whisper.pack(whisper.speech_regions(samples)))
+
+    def work(n, rows):
+        return [n, -(-n // max(rows, 1)), rows]
+
+    return {"windows": work(windows, min(batch, 1 << max(windows - 1, 0).bit_length())),
+            "chunks": work(chunks, min(batch, chunks))}
 
 
 def child(who, path, beam_size):

@@ -282,7 +282,7 @@ def test_long_audio_in_windows_with_and_without_timestamps(whisper_tiny):
     long[33 * SR:33 * SR + len(x)] = x
     done = []
     plain = whisper.transcribe(w, long, beam_size=1, progress=lambda *a: done.append(a),
-                               condition_on_previous_text=False)
+                               condition_on_previous_text=False, vad_filter=False)
     assert done == [(41.0, 41.0)]  # both windows in one batch (no previous text)
     # Consecutive windows: each is ctranslate2's text of that 30 s.
     prompt = whisper.prompt_ids(list(w.vocab), None)

@@ -379,7 +379,11 @@ def packed_windows(windows: Windows, chunks: list[list[list[tuple[int, int]]]],
         for chunk in file_chunks:
             jobs.append((f, chunk, total / audio_lib.SAMPLE_RATE))
             total += sum(b - a for a, b in chunk)
-    rows = padded_rows(len(jobs), batch_size)
+    # Rows: the chunks themselves, not padded to a power of two as the 30 s windows
+    # are: a padded row is decoded at every step (the 10 min benchmark file's 5
+    # chunks on 8 rows took 1.5x the time of 5 rows, beam 5); a batch size is one
+    # more compiled program, once per run.
+    rows = max(min(len(jobs), batch_size), 1)
     segments = [[] for _ in chunks]
     last_speech = [0.0] * len(chunks)
     done, pending = 0, []
