@@ -13,7 +13,10 @@ starts where the previous one's last complete segment ended (openai-whisper's
 `transcribe`: a sentence cut by the window edge is decoded again whole), so a
 file's windows are sequential, and the current windows of several files form
 a batch. Batches are padded to a fixed number of rows so that one compiled
-program serves every batch of a run.
+program serves every batch of a run. With speech packing (`vad_filter`, as
+faster-whisper's batched pipeline), each file's speech is joined into chunks of
+at most 30 s (`speech`) and the chunks of every file are decoded once each,
+together, their times mapped back to the file (`windows.packed_windows`).
 
 Decoding is beam search at temperature 0 (`beam_size` 5 as faster-whisper; 1:
 greedy) with Whisper's prompts and logits processors (`generate`), with
