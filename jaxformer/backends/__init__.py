@@ -6,6 +6,9 @@ lowering never contains them.
 
 `qmatmul`: the quantized matmul of a tuned CPU process, a C++ kernel
 (`kernels/qmatmul.cc`) through `jax.ffi`, compiled on first use.
+
+`paged_attention`: a tuned CPU process's attention of a serving step, read in place
+from the page pool (`kernels/paged_attention.cc`, built into the same library).
 """
 
-__all__ = ["cpu", "qmatmul", "threefry"]
+__all__ = ["cpu", "paged_attention", "qmatmul", "threefry"]

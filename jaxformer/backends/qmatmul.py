@@ -53,7 +53,12 @@ from jaxformer.backends import cpu
 FORMATS = ("int8", "int8_block", "int4", "int4_sym")
 KERNELS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels")
 SOURCE = os.path.join(KERNELS, "qmatmul.cc")
-HEADERS = (os.path.join(KERNELS, "qdot.h"),)  # included by SOURCE: part of the cache key
+# Built into the same library: the paged attention of a serving step
+# (`backends.paged_attention`), target PAGED_TARGET.
+SOURCES = (SOURCE, os.path.join(KERNELS, "paged_attention.cc"))
+HEADERS = (os.path.join(KERNELS, "qdot.h"),  # included by SOURCES: part of the cache key
+           os.path.join(KERNELS, "parallel.h"))
+PAGED_TARGET = ("jaxformer_paged_attention", "JaxformerPagedAttention")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 TARGETS = {"int8": ("jaxformer_qmatmul_int8", "JaxformerQmatmulInt8"),
            "int8_block": ("jaxformer_qmatmul_int8_block", "JaxformerQmatmulInt8Block"),
@@ -97,7 +102,7 @@ def _build() -> str:
     except (OSError, subprocess.SubprocessError) as e:
         raise RuntimeError(f"the C++ compiler {cxx!r} does not run ({e})") from None
     source = b""
-    for name in (SOURCE, *HEADERS):
+    for name in (*SOURCES, *HEADERS):
         with open(name, "rb") as f:
             source += f.read() + b"\0"
     key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), repr(version).encode(),
@@ -110,7 +115,7 @@ def _build() -> str:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
     os.close(fd)
     try:
-        out = subprocess.run([cxx, *FLAGS, "-I", jax.ffi.include_dir(), SOURCE, "-o", tmp],
+        out = subprocess.run([cxx, *FLAGS, "-I", jax.ffi.include_dir(), *SOURCES, "-o", tmp],
                              capture_output=True, text=True, timeout=600)
         if out.returncode != 0:
             last = (out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1]
@@ -133,7 +138,7 @@ def library() -> Optional[str]:
             try:
                 path = _build()
                 lib = ctypes.cdll.LoadLibrary(path)
-                for name, symbol in TARGETS.values():
+                for name, symbol in (*TARGETS.values(), PAGED_TARGET):
                     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)),
                                                 platform="cpu")
                 _STATE["integer"] = bool(lib.jaxformer_qmatmul_integer_dot())

@@ -330,8 +330,13 @@ class MultiHeadAttention(nn.Module):
         positions_BT: Optional[jnp.ndarray] = None,
         deterministic: bool = True,
         inv_freq=None,
+        heads: Optional[Callable[[jnp.ndarray], jnp.ndarray]] = None,
     ) -> jnp.ndarray:
         """Attend from `inputs_q_BTD` to `kv`: (B, T, D) -> (B, T, D).
+
+        `heads`: instead of `kv` and `mask`, the product itself, rotated queries
+        (B, T, H, K) -> outputs (B, T, H, K) before the output projection (a serving
+        step's paged read, `paged_kv.heads`; no weights are sown).
 
         `mask`: None, a dense boolean (B|1, 1, T, S), a `MaskSpec` or a
         `LayerKindMask`; structured masks run blockwise when the implementation
@@ -356,6 +361,8 @@ class MultiHeadAttention(nn.Module):
         if self.config.qk_norm:
             query_BTHK = self._head_norm(self.query_norm, query_BTHK)
         query_BTHK = self._rotate(query_BTHK, positions_BT, inv_freq)
+        if heads is not None:
+            return checkpoint_name(lora.apply(self, "out", heads(query_BTHK)), "out_proj")
         batch, num_queries = query_BTHK.shape[:2]
         kv_batch = (kv.key[0] if isinstance(kv.key, tuple) else kv.key).shape[0]
         if kv_batch == batch:

@@ -385,10 +385,16 @@ class DecoderLayer(nn.Module):
                 # are read exact from `kv`): the read depends on the write, so XLA updates
                 # the donated pool in place instead of copying it to keep the read's input.
                 updated = cache.with_pool(paged_kv.write(cache, stored))
-                pages = readable(paged_kv.read(updated))
-                seen = KV((pages.key, kv.key), (pages.value, kv.value))
-                out = self.self_attn(h_BTD, seen, self_mask, positions_BT=positions_BT,
-                                     deterministic=deterministic, inv_freq=inv_freq)
+
+                def seen():
+                    pages = readable(paged_kv.read(updated))
+                    return KV((pages.key, kv.key), (pages.value, kv.value))
+
+                # On a tuned CPU the pool is read in place by a kernel (`paged_kv.heads`).
+                heads = paged_kv.heads(updated, seen, self_mask, self.config)
+                out = self.self_attn(h_BTD, None if heads else seen(), self_mask,
+                                     positions_BT=positions_BT, deterministic=deterministic,
+                                     inv_freq=inv_freq, heads=heads)
                 return out, updated
             if cache is not None and ring_index is not None:
                 ring = readable(cache)

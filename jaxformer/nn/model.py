@@ -143,8 +143,9 @@ class Decoder(nn.Module):
         attend over it, after `past_kvs` if given: see `DecoderLayer`. With `config.scan_layers`,
         `cross_kvs` is the memory (B, S, D) itself (each scanned layer projects
         it) and there are no caches (decoding runs `stacking.unscanned`).
-        `hidden=True` (training pass only): (the final normed states (B, T, D), None)
-        instead, for a loss that projects them itself (`output_logits`, in chunks).
+        `hidden=True`: the final normed states (B, T, D) instead of the logits, for a
+        caller that projects them itself (`output_logits`: a loss in chunks, a serving
+        step that needs the logits of a few positions).
         A local layer's cache is a sliding-window ring (`decode.cache`): it attends
         with `ring_mask` and writes at the absolute slot `ring_index`.
         """
@@ -182,9 +183,8 @@ class Decoder(nn.Module):
                 new_caches.append(cache)
         if self.config.use_final_norm:
             y_BTD = self.final_norm(y_BTD)
-        if hidden:
-            return y_BTD, None
-        return self.output_logits(y_BTD), (None if caches is None else tuple(new_caches))
+        new_caches = None if caches is None else tuple(new_caches)
+        return (y_BTD if hidden else self.output_logits(y_BTD)), new_caches
 
     def output_logits(self, y_BTD: jnp.ndarray) -> jnp.ndarray:
         """The output projection of final (normed) hidden states (..., D) -> float32

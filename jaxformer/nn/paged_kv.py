@@ -25,12 +25,15 @@ the one gather / scatter, so no layer's pool is sliced out (copied) first.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Union
+import math
+from typing import Callable, NamedTuple, Optional, Union
 
 import jax.numpy as jnp
 from jax import lax
 
-from jaxformer.nn.attention import KV
+from jaxformer.backends import paged_attention
+from jaxformer.config import TransformerConfig
+from jaxformer.nn.attention import KV, dot_product_attention
 from jaxformer.nn.kv_quant import QuantKV
 
 
@@ -46,6 +49,8 @@ class PagedKV(NamedTuple):
       axis: the slot axis of one layer's pool (`attention.kv_length_axis`).
       layer: None, or the index (int32 scalar, may be traced) of this layer in a
         pool of all layers stacked on a leading axis L (module docstring).
+      start_B: None, or (B,) int32 positions cached before the call (the C new tokens
+        sit at start_b ..): what `heads` needs to read each row's own positions.
     """
 
     pool: Union[KV, QuantKV]
@@ -54,6 +59,7 @@ class PagedKV(NamedTuple):
     page_size: int
     axis: int
     layer: Optional[jnp.ndarray] = None
+    start_B: Optional[jnp.ndarray] = None
 
     def with_pool(self, pool: Union[KV, QuantKV]) -> "PagedKV":
         return self._replace(pool=pool)
@@ -110,3 +116,36 @@ def write(cache: PagedKV, new: Union[KV, QuantKV]) -> Union[KV, QuantKV]:
         return jnp.asarray(pool)[0].at[index].set(fresh)[None]
 
     return type(cache.pool)(*(scatter(p, x) for p, x in zip(cache.pool, new)))
+
+
+def heads(cache: PagedKV, seen: Callable[[], KV], mask: jnp.ndarray,
+          config: TransformerConfig) -> Optional[Callable[[jnp.ndarray], jnp.ndarray]]:
+    """The attention of a paged step's queries as a function (B, C, H, K) -> (B, C, H, K),
+    for `MultiHeadAttention(..., heads=...)`: on a tuned CPU the C++ kernel
+    (`backends.paged_attention`: each row's own positions read in place from the pool,
+    which must hold the new keys already, `write` first); elsewhere the plain dense
+    attention over `seen()` ([the pages `read` gives, the new keys]) with `mask`.
+    None where the kernel cannot serve (an untuned process, an int8 or non-float32 pool,
+    the (B, S, G, K) layout, logit soft-capping, no `start_B`): the caller attends as
+    before."""
+    pool = cache.pool
+    if (not isinstance(pool, KV) or cache.axis != 2 or cache.start_B is None
+            or config.attn_logit_softcapping is not None or not paged_attention.usable(pool)):
+        return None
+    scale = config.query_scale
+
+    def plain(query_BCHK):
+        kv = seen()
+        out_BHCK, _ = dot_product_attention(jnp.swapaxes(query_BCHK, 1, 2), kv.key, kv.value,
+                                            mask, scale=scale)
+        return jnp.swapaxes(out_BHCK, 1, 2)
+
+    def attend(query_BCHK):
+        if not paged_attention.usable(pool, query_BCHK):
+            return plain(query_BCHK)
+        factor = scale if scale is not None else 1.0 / math.sqrt(query_BCHK.shape[-1])
+        return paged_attention.attend(query_BCHK, pool.key, pool.value, cache.layer,
+                                      cache.table_BM, cache.start_B, cache.page_size, factor,
+                                      plain)
+
+    return attend

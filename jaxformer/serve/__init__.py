@@ -5,7 +5,8 @@ Modules. The engine: `request` (the types the engine and the server share), `pag
 (the page pool and prefix cache, pure Python), `paged` (paged keys/values read through
 page tables, in JAX), `select` (per-slot sampling), `handle` (a request's event stream),
 `slots` (a running request's host state and streamed text), `checks` (input checks),
-`programs` (the engine's compiled decode and prefill programs), `engine` (`Engine`: the
+`programs` (the engine's compiled decode and prefill programs; `time_programs` times
+them alone), `engine` (`Engine`: the
 step loop), `speculative` (prompt-lookup drafting, greedy and rejection-sampling
 verification: pure functions), `spec_decode` (`speculative_generate`: `generate` with k
 drafts verified per pass), `constraint` (`Grammars`: JSON-schema and regex constraints
@@ -22,6 +23,7 @@ from jaxformer.serve.constraint import GrammarConstraint, Grammars, token_bytes
 from jaxformer.serve.engine import Engine
 from jaxformer.serve.handle import Handle
 from jaxformer.serve.pages import OutOfPages, PagePool, PageTable
+from jaxformer.serve.programs import time_programs
 from jaxformer.serve.request import (FinishReason, QueueFull, Request, SamplingParams,
                                      TokenConstraint, TokenEvent)
 from jaxformer.serve.spec_decode import SpecResult, speculative_generate
@@ -31,7 +33,7 @@ __all__ = ["Engine", "FinishReason", "Handle", "OutOfPages", "PagePool", "PageTa
            "QueueFull", "Request", "SamplingParams", "TokenConstraint", "TokenEvent",
            "SpecResult", "speculative_generate", "greedy_verify", "ngram_draft",
            "rejection_verify", "target_probs", "GrammarConstraint", "Grammars", "token_bytes",
-           "create_app", "ServedModel", "run_server"]
+           "create_app", "ServedModel", "run_server", "time_programs"]
 
 _HTTP = {"create_app": "http", "ServedModel": "http", "run_server": "server"}
 

@@ -26,7 +26,7 @@ each layer reads and writes its own slice inside the one gather / scatter.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -85,7 +85,8 @@ def paged_mask(lengths_S: jnp.ndarray, read_slots: int, new: int) -> jnp.ndarray
 
 def paged_forward(model, params, pools: Pools, table_SM: jnp.ndarray, lengths_S: jnp.ndarray,
                   tokens_SC: jnp.ndarray, valid_SC: jnp.ndarray, *, page_size: int,
-                  view_len: int) -> tuple[jnp.ndarray, Pools]:
+                  view_len: int, logits_at: Optional[jnp.ndarray] = None
+                  ) -> tuple[jnp.ndarray, Pools]:
     """Feed C tokens per row at positions L_s.. through the pages: the decode step
     (C = 1) or a prefill chunk. Traceable; the caller jits it (pools donated).
 
@@ -98,24 +99,36 @@ def paged_forward(model, params, pools: Pools, table_SM: jnp.ndarray, lengths_S:
         an idle row (its keys/values go to the null page).
       view_len: Tv >= max(L_s) + C (static): each row reads its first ceil(Tv / Z)
         pages (at most M).
+      logits_at: None, or (S,) int32: the logits of that one position of each row's
+        chunk only (a prefill chunk needs its last prompt token's; the output
+        projection of every other position is skipped).
     Returns:
-      (logits (S, C, V) float32, the updated pools).
+      (logits (S, C, V), or (S, 1, V) with `logits_at`, float32; the updated pools).
     """
     if stacking.layout(params) == "stacked":
         return scanned_forward(model, params, pools, table_SM, lengths_S, tokens_SC, valid_SC,
-                               page_size=page_size, view_len=view_len)
+                               page_size=page_size, view_len=view_len, logits_at=logits_at)
     new = tokens_SC.shape[1]
     axis = kv_length_axis(model.config)
     pages = min(table_SM.shape[1], -(-view_len // page_size))
     table_SP = jnp.asarray(table_SM)[:, :pages]
     positions_SC = lengths_S[:, None] + jnp.arange(new)[None, :]
     slots_SC = pool_slots(table_SM, positions_SC, valid_SC, page_size)
-    caches = tuple(PagedKV(kv, table_SP, slots_SC, page_size, axis) for kv in pools)
-    logits_SCV, caches = model.apply(
+    caches = tuple(PagedKV(kv, table_SP, slots_SC, page_size, axis, start_B=lengths_S)
+                   for kv in pools)
+    out, caches = model.apply(
         {"params": params}, tokens_SC, paged_mask(lengths_S, pages * page_size, new),
         None, None, positions_BT=positions_SC, caches=caches, deterministic=True,
-        method=call_decoder)
-    return logits_SCV, tuple(c.pool for c in caches)
+        hidden=logits_at is not None, method=call_decoder)
+    if logits_at is not None:  # out: the final normed states (S, C, D)
+        out = model.apply({"params": params}, at_positions(out, logits_at),
+                          method=type(model).output_logits)
+    return out, tuple(c.pool for c in caches)
+
+
+def at_positions(y_SCD: jnp.ndarray, at_S: jnp.ndarray) -> jnp.ndarray:
+    """(S, 1, D): position at_s of each row."""
+    return jnp.take_along_axis(y_SCD, at_S[:, None, None], axis=1)
 
 
 def embed_inputs(module, tokens_SC, positions_SC):
@@ -132,7 +145,8 @@ def final_logits(module, y_SCD):
 
 def scanned_forward(model, params, pools: Pools, table_SM: jnp.ndarray,
                     lengths_S: jnp.ndarray, tokens_SC: jnp.ndarray, valid_SC: jnp.ndarray, *,
-                    page_size: int, view_len: int) -> tuple[jnp.ndarray, Pools]:
+                    page_size: int, view_len: int, logits_at: Optional[jnp.ndarray] = None
+                    ) -> tuple[jnp.ndarray, Pools]:
     """`paged_forward` with the decoder layers run as one `lax.scan` (the program holds
     one layer's kernels whatever the depth): `params` stacked (``decoder/layers/...``
     with a leading axis L, `stacking.stack_layers`) and `pools` one stacked pool
@@ -154,7 +168,7 @@ def scanned_forward(model, params, pools: Pools, table_SM: jnp.ndarray,
     def body(carry, xs):
         y_SCD, pool = carry
         layer_params, index = xs
-        cache = PagedKV(pool, table_SP, slots_SC, page_size, axis, index)
+        cache = PagedKV(pool, table_SP, slots_SC, page_size, axis, index, lengths_S)
         y_SCD, cache = layer.apply({"params": layer_params}, y_SCD, mask, None, None,
                                    cache=cache, positions_BT=positions_SC, deterministic=True)
         return (y_SCD, cache.pool), None
@@ -162,4 +176,6 @@ def scanned_forward(model, params, pools: Pools, table_SM: jnp.ndarray,
     y_SCD = model.apply(rest, tokens_SC, positions_SC, method=embed_inputs)
     (y_SCD, pool), _ = jax.lax.scan(body, (y_SCD, pools[0]),
                                     (layers, jnp.arange(config.num_decoder_layers)))
+    if logits_at is not None:
+        y_SCD = at_positions(y_SCD, logits_at)
     return model.apply(rest, y_SCD, method=final_logits), (pool,)

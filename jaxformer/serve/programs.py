@@ -8,6 +8,9 @@ size and the view length static and the KV pools donated (updated in place).
 
 from __future__ import annotations
 
+import statistics
+import time
+
 import jax
 import jax.numpy as jnp
 
@@ -37,10 +40,13 @@ def prefill_program(model, page_size, params, pools, table_RM, start_R, tokens_R
     """C prompt tokens of each of R requests at positions start_R..; the picks after
     each row's token `last_R` (its final prompt token, when this chunk ends its
     prompt), the prompt logprobs if `echo` (of each next token `targets_RC`), the pools."""
+    # Without echo only the last prompt token's logits are needed: the output projection
+    # (V = 49152 for SmolLM2) of the chunk's other tokens is skipped.
     logits_RCV, pools = paged.paged_forward(
         model, params, pools, table_RM, start_R, tokens_RC, valid_RC,
-        page_size=page_size, view_len=view_len)
-    last_RV = jnp.take_along_axis(logits_RCV, last_R[:, None, None], axis=1)[:, 0]
+        page_size=page_size, view_len=view_len, logits_at=None if echo else last_R)
+    last_RV = (jnp.take_along_axis(logits_RCV, last_R[:, None, None], axis=1) if echo
+               else logits_RCV)[:, 0]
     if masked:
         last_RV = jnp.where(allowed_RV, last_RV, select.NEG)
     picks = select.pick(last_RV, slot_params, start_R + last_R + 1, want_top)
@@ -93,3 +99,47 @@ def warm_up(engine) -> None:
                 jax.block_until_ready(picks)
     engine.compiled_new = False
     host_memory.release_freed()  # the compiler's freed host memory
+
+
+def time_programs(engine, length: int, reps: int = 20) -> dict:
+    """The engine's compiled programs timed alone (no scheduling, no host work between
+    calls; `benchmarks/serve_engine.py step`): the decode step with every slot's row
+    holding `length` tokens (each row its own pages, the engine's view bucket for that
+    length), and the prefill chunk of its widest shape (rows x `prefill_chunk` prompt
+    tokens from position 0). Median milliseconds of `reps` calls (a quarter as many
+    for the prefill), each after one untimed call (compiles). Takes pages from the
+    engine's pool: call it on an engine that serves nothing else."""
+    slots, size = engine.slots, engine.page_size
+    table = np.zeros((slots, engine.max_pages), np.int32)
+    for row in range(slots):
+        table[row, :-(-(length + 1) // size)] = [
+            engine.pool.take() for _ in range(-(-(length + 1) // size))]
+    params, no_top = engine.params[None], batching.want_top([])
+    view = engine.view_length(length + 1)
+    lengths, ids = np.full((slots,), length, np.int32), np.arange(slots, dtype=np.int32) + 3
+
+    def decode():
+        return engine.run_decode(params, table, lengths, ids, np.ones((slots,), bool),
+                                 batching.slot_params([None] * slots), no_top, None, view)
+
+    rows, width = engine.row_sizes[-1], engine.chunk_sizes[-1]
+    chunk = np.full((rows, width), 3, np.int32)
+
+    def prefill():
+        return engine.run_prefill(params, table[:rows], np.zeros((rows,), np.int32), chunk,
+                                  np.ones((rows, width), bool),
+                                  batching.slot_params([None] * rows), no_top,
+                                  np.full((rows,), width - 1, np.int32), chunk, None,
+                                  engine.view_length(width), False)[0]
+
+    def median_ms(fn, n):
+        jax.block_until_ready(fn())
+        times = []
+        for _ in range(n):
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            times.append(time.perf_counter() - start)
+        return 1e3 * statistics.median(times)
+
+    return {"view": view, "decode_ms": median_ms(decode, reps), "prefill_rows": rows,
+            "prefill_width": width, "prefill_ms": median_ms(prefill, max(3, reps // 4))}

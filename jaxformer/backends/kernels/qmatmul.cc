@@ -33,6 +33,7 @@
 #include <immintrin.h>
 #endif
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -421,32 +422,7 @@ void RunTile(const Problem& p, int64_t t) {
   }
 }
 
-// f(i) for i in 0 .. n, on the calling thread and the pool's. A task starting after
-// every index is taken does nothing; the caller returns once every taken index is done.
-template <typename F>
-void ParallelFor(ffi::ThreadPool& pool, int64_t n, bool serial, const F& f) {
-  const int64_t workers = serial ? 1 : std::min<int64_t>(n, pool.num_threads() + 1);
-  if (workers <= 1) {
-    for (int64_t i = 0; i < n; ++i) f(i);
-    return;
-  }
-  struct State {
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto state = std::make_shared<State>();
-  const F* fp = &f;
-  auto run = [state, fp, n]() {
-    int64_t mine = 0;
-    for (int64_t i; (i = state->next.fetch_add(1)) < n; ++mine) (*fp)(i);
-    if (mine) state->done.fetch_add(mine);
-  };
-  for (int64_t w = 1; w < workers; ++w) {
-    auto task = run;
-    pool.Schedule(std::move(task));
-  }
-  run();
-  while (state->done.load() < n) std::this_thread::yield();
-}
+using jaxformer::ParallelFor;
 
 ffi::Error Run(ffi::ThreadPool& pool, Problem& p) {
   if (p.B == 0 || p.N == 0) return ffi::Error::Success();
