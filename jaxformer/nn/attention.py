@@ -142,6 +142,7 @@ def dot_product_attention(
     dropout_mask: Callable = jax.random.bernoulli,
     scale: Optional[float] = None,
     softcap: Optional[float] = None,
+    query_block: Optional[int] = None,
 ) -> tuple[jnp.ndarray, jnp.ndarray]:
     """softmax(Q K^T / sqrt(K) masked) V, per head.
 
@@ -156,6 +157,11 @@ def dot_product_attention(
       dropout_mask: `(rng, keep_prob, shape) -> bool mask` (`jax.random.bernoulli`).
       scale: the logits' factor instead of 1 / sqrt(K) (`config.query_scale`).
       softcap: logits -> softcap * tanh(logits / softcap) before the mask (Gemma 2).
+      query_block: if set and below T, the weights are formed for one batch row and
+        this many queries at a time (`lax.map` over the blocks; each query row's
+        values are those of the whole computation): `MultiHeadAttention` at inference
+        passes `query_block_length`, so a block's weights stay under
+        `ATTENTION_BLOCK_BYTES`. Not with dropout or keys in parts.
 
     Returns:
       (out (B, H, T, K), weights (B, H, T, S) after dropout). Unused weights
@@ -188,6 +194,11 @@ def dot_product_attention(
         checks.check_shape("mask", mask, ((1, batch), (1, heads), (1, num_queries),
                                           (1, num_keys)), "broadcastable to (B, H, T, S)")
     group = heads // kv_heads  # R = H / G query heads per kv head
+    if query_block is not None and query_block < num_queries:
+        if len(keys) > 1 or (dropout_rng is not None and dropout_rate > 0.0):
+            raise ValueError("query_block: not with keys in parts or dropout")
+        return _in_query_blocks(query_BHTK, key_BHSK, value_BHSK, mask, query_block,
+                                scale=scale, softcap=softcap)
 
     def scores(key_BGSK):  # (B, H, T, S) of one part
         if group == 1:
@@ -223,6 +234,59 @@ def dot_product_attention(
         out_BHTK = part if out_BHTK is None else out_BHTK + part
         offset += value_BGSK.shape[2]
     return out_BHTK, weights_BHTS
+
+
+# Inference forms a (T, S) weights block of at most this many bytes at a time (one batch
+# row, all heads): a whole layer's weights (Whisper's encoder: 6 x 1500 x 1500 float32,
+# 54 MB a row) are a fresh allocation at each call, faulted in page by page on a host
+# (70,000 faults, a third of the encoder's CPU time), and larger than the caches.
+ATTENTION_BLOCK_BYTES = 4 * 2**20
+
+
+def query_block_length(heads: int, num_queries: int, num_keys: int) -> Optional[int]:
+    """Queries per block so that a block's float32 weights (heads, queries, keys) stay
+    within `ATTENTION_BLOCK_BYTES`: a divisor of T from half that count up if there
+    is one (else T is padded); None when one row's weights fit whole."""
+    per_query = heads * num_keys * 4
+    if per_query * num_queries <= ATTENTION_BLOCK_BYTES:
+        return None
+    most = max(1, ATTENTION_BLOCK_BYTES // per_query)
+    fits = [d for d in range(most, max(most // 2, 1) - 1, -1) if num_queries % d == 0]
+    return fits[0] if fits else most
+
+
+def _in_query_blocks(query_BHTK, key_BGSK, value_BGSK, mask, block: int, **kwargs):
+    """`dot_product_attention` over blocks of one batch row and `block` queries."""
+    batch, heads, num_queries, depth = query_BHTK.shape
+    n = -(-num_queries // block)
+    pad = n * block - num_queries
+    query_XHCK = jnp.pad(query_BHTK, ((0, 0), (0, 0), (0, pad), (0, 0))).reshape(
+        batch, heads, n, block, depth).transpose(0, 2, 1, 3, 4).reshape(
+        batch * n, heads, block, depth)
+    if mask is not None:
+        mask = jnp.asarray(mask).reshape((1,) * (4 - jnp.ndim(mask)) + jnp.shape(mask))
+        if mask.shape[2] > 1:  # padded queries see every key (their rows are dropped)
+            mask = jnp.pad(mask, ((0, 0), (0, 0), (0, pad), (0, 0)), constant_values=True)
+
+    def one(x):
+        i, query_1HCK = x
+        b, j = i // n, i % n
+        row = lambda a: jax.lax.dynamic_slice_in_dim(a, b, 1, axis=0)  # noqa: E731
+        block_mask = None
+        if mask is not None:
+            block_mask = mask if mask.shape[0] == 1 else row(mask)
+            if mask.shape[2] > 1:
+                block_mask = jax.lax.dynamic_slice_in_dim(block_mask, j * block, block, axis=2)
+        return dot_product_attention(query_1HCK[None], row(key_BGSK), row(value_BGSK),
+                                     block_mask, **kwargs)
+
+    out_X1HCK, weights_X1HCS = jax.lax.map(one, (jnp.arange(batch * n), query_XHCK))
+
+    def unblock(x_XHCZ):
+        return x_XHCZ.reshape((batch, n, heads, block, -1)).transpose(0, 2, 1, 3, 4).reshape(
+            batch, heads, n * block, -1)[:, :, :num_queries]
+
+    return unblock(out_X1HCK[:, 0]), unblock(weights_X1HCS[:, 0])
 
 
 def dense_init() -> nn.initializers.Initializer:
@@ -416,7 +480,9 @@ class MultiHeadAttention(nn.Module):
             _heads_major(query_BTHK), kv.key, kv.value,
             densified(mask, num_queries, num_keys), dropout_rate=rate,
             dropout_rng=dropout_rng, dropout_mask=tuning.dropout_mask(c),
-            scale=c.query_scale, softcap=c.attn_logit_softcapping)
+            scale=c.query_scale, softcap=c.attn_logit_softcapping,
+            query_block=query_block_length(c.num_heads, num_queries, num_keys)
+            if deterministic and not in_parts else None)
         if rows > 1:  # (B/r, H, r*T, S) -> (B, H, T, S)
             b, h, rt, keys = weights_BHTS.shape
             weights_BHTS = weights_BHTS.reshape(b, h, rows, rt // rows, keys).transpose(

@@ -287,3 +287,68 @@ def test_softmax_with_the_output_only_derivative_equals_the_plain_formula():
                                rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(jax.jvp(softmax_last, (x,), (w,))[1],
                                jax.jvp(plain, (x,), (w,))[1], rtol=1e-5, atol=1e-6)
+
+
+QUERY_BLOCK_MASKS = {  # broadcastable to (B, H, T, S), each axis 1 or full
+    "none": None, "keys": (1, 1, 1, 9), "rows_keys": (B, 1, 1, 9),
+    "queries_keys": (1, 1, 7, 9), "full": (B, H, 7, 9),
+}
+
+
+@pytest.mark.parametrize("block", [1, 3, 7], ids=["block1", "block3_padded", "block7_whole"])
+@pytest.mark.parametrize("mask_shape", list(QUERY_BLOCK_MASKS.values()),
+                         ids=list(QUERY_BLOCK_MASKS))
+@pytest.mark.parametrize("kv_heads", [H, 1], ids=["mha", "mqa"])
+def test_query_blocks_equal_the_whole_product(block, mask_shape, kv_heads):
+    """Weights formed a batch row and `block` queries at a time (T = 7: a block of 3
+    pads T to 9) give the whole product's outputs and weights, and the numpy
+    reference's (each query row its own mask row, each batch row its own keys)."""
+    q, k, v = qkv(seed=5, t=7, s=9)
+    k, v = k[:, :kv_heads], v[:, :kv_heads]
+    mask = None if mask_shape is None else random_mask(mask_shape, seed=7)
+    whole = jf.dot_product_attention(q, k, v, mask)
+    blocked = jf.dot_product_attention(q, k, v, mask, query_block=block)
+    for a, b in zip(blocked, whole):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    ref_k, ref_v = (np.repeat(np.asarray(x), H // kv_heads, axis=1) for x in (k, v))
+    out, weights = numpy_attention(q, ref_k, ref_v, mask)
+    np.testing.assert_allclose(blocked[0], out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(blocked[1], weights, rtol=1e-5, atol=1e-5)
+
+
+def test_query_block_length_keeps_a_block_under_the_limit():
+    """Whisper's encoder (6 heads, 1500 x 1500): blocks of 100 queries (a divisor of
+    1500, 3.4 MiB); a prime length is padded; weights that fit whole are not blocked."""
+    from jaxformer.nn.attention import ATTENTION_BLOCK_BYTES, query_block_length
+
+    assert query_block_length(6, 1500, 1500) == 100
+    assert query_block_length(6, 1499, 1500) == ATTENTION_BLOCK_BYTES // (6 * 1500 * 4)
+    assert query_block_length(6, 100, 1500) is None
+    assert query_block_length(4, 8, 10 ** 6) == 1  # one query is already over the limit
+    for heads, t, s in ((6, 1500, 1500), (20, 1500, 1500), (9, 2048, 2048)):
+        block = query_block_length(heads, t, s)
+        assert block * heads * s * 4 <= ATTENTION_BLOCK_BYTES
+
+
+def test_inference_forms_no_whole_row_of_weights():
+    """At inference (`deterministic`), self-attention over 1500 positions (Whisper's
+    encoder) never holds one row's (H, 1500, 1500) weights: the compiled program has
+    no array with a (1500, 1500) tail, and its temporaries are a fraction of one
+    row's 13.7 MiB. Training keeps the whole product."""
+    config = jf.tiny(num_heads=4, d_model=8)
+    mha = jf.MultiHeadAttention(config)
+    x = jnp.zeros((1, 1500, 8), jnp.float32)
+
+    def call(module, x, deterministic):
+        return module(x, module.kv(x), None, deterministic=deterministic)
+
+    params = mha.init(jax.random.PRNGKey(0), x, True, method=call)["params"]
+
+    def compiled(deterministic):
+        fn = jax.jit(lambda p, x: mha.apply({"params": p}, x, deterministic, method=call))
+        return fn.lower(params, x).compile()
+
+    inference, training = compiled(True), compiled(False)
+    assert "1500,1500]" not in inference.as_text()
+    assert "1500,1500]" in training.as_text()
+    assert inference.memory_analysis().temp_size_in_bytes < 8 * 2**20
