@@ -71,6 +71,34 @@ def test_beam_ids_and_logprobs_are_ctranslate2s(tiny, beam_size):
         assert all(b.avg_logprob >= g.avg_logprob - 1e-6 for b, g in zip(ours, greedy))
 
 
+def test_beams_past_the_first_cache_segment_are_ctranslate2s(tiny, monkeypatch):
+    """A self-attention cache of 4 slots first (`beam_program(first_segment=4)`): every
+    step after the fourth reads the slots written before as the cache's past, which the
+    beams reorder too; ids, scores and no-speech probabilities stay CTranslate2's."""
+    import functools  # noqa: PLC0415
+
+    import ctranslate2  # noqa: PLC0415
+
+    from jaxformer.models.whisper import decoding  # noqa: PLC0415
+
+    w, _, runtime = tiny
+    prompt = whisper.prompt_ids(list(w.vocab), None, timestamps=True)
+    features = np.stack([whisper.features_of(x) for x in _clips()])
+    monkeypatch.setattr(decoding, "beam_program",
+                        functools.partial(decoding.beam_program, first_segment=4))
+    ours = _generate(w, features, prompt, 5)
+    theirs = runtime.generate(
+        ctranslate2.StorageView.from_array(np.ascontiguousarray(features.transpose(0, 2, 1))),
+        [prompt] * 2, beam_size=5, max_length=224, return_scores=True,
+        return_no_speech_prob=True)
+    for g, ref in zip(ours, theirs):
+        n = len(ref.sequences_ids[0])
+        assert n > 4 and g.ids == ref.sequences_ids[0]
+        np.testing.assert_allclose(g.avg_logprob, ref.scores[0] * n / (n + 1), atol=1e-4)
+        np.testing.assert_allclose(g.no_speech_prob, ref.no_speech_prob, atol=1e-5)
+    assert whisper.beam_segments(224, 4) == (4, 220) and whisper.beam_segments(20) == (20,)
+
+
 def test_transcribe_with_beam_5_is_faster_whispers(tiny):
     faster_whisper = pytest.importorskip("faster_whisper", reason="needs the test extra")
     w, model_dir, _ = tiny

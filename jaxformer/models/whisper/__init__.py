@@ -27,8 +27,8 @@ segments), `pipeline` (`transcribe`).
 
 from jaxformer.models.whisper.audio import (SAMPLE_RATE, SILENCE_PEAK, Samples, WavFile,
                                             is_silent, open_wav, read_wav, resample)
-from jaxformer.models.whisper.beam import (beam_program, beam_replacements, check_beam,
-                                           max_candidates, top_candidates)
+from jaxformer.models.whisper.beam import (beam_program, beam_replacements, beam_segments,
+                                           check_beam, max_candidates, top_candidates)
 from jaxformer.models.whisper.checkpoint import Whisper, load, load_hf
 from jaxformer.models.whisper.config import (MEL_BINS, N_FRAMES, N_MELS, config_from_ct2, load_ct2,
                                              map_ct2, mel_bins, read_vocabulary, special_ids,
@@ -84,7 +84,8 @@ __all__ = [
     "MAX_LENGTH", "RESET_TEMPERATURE", "Context", "PromptInput", "conditioned", "encode_text",
     "Generated", "detect_language", "encode", "Encoded", "encode_windows",
     "generate", "generate_ids", "language_probabilities", "transcribe_ids",
-    "beam_program", "beam_replacements", "check_beam", "max_candidates", "top_candidates",
+    "beam_program", "beam_replacements", "beam_segments", "check_beam", "max_candidates",
+    "top_candidates",
     # transcription
     "TEMPERATURES", "Safeguards", "compression_ratio", "final_choice", "is_no_speech",
     "needs_fallback", "is_segment_anomaly", "skip_hallucinations", "word_anomaly_score",

@@ -20,6 +20,12 @@ every beam, forced. After it, each step:
 4. a window is done once it has `max_candidates` (= round(W * patience))
    hypotheses, or, with no length penalty, once its best candidate finished.
 
+The self-attention cache grows: `FIRST_SEGMENT` (32) slots for the first steps,
+then the rest (`decode.cache.fold`: the slots written so far become its read-only
+past), so a step of a window that ends early reads and reorders 32 slots of
+keys and values by beam, not the 224 or more of the longest window (CTranslate2's
+cache grows with the steps too).
+
 The kept hypothesis is the one with the highest score / length **
 length_penalty (length: its tokens, EOS excluded). Returned, per window: its
 tokens (after the prompt), their count, its summed log-probability and the
@@ -34,10 +40,21 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jaxformer.decode import processors as processors_lib
+from jaxformer.decode import cache as cache_lib, processors as processors_lib
 from jaxformer.decode.beam import top_candidates
 from jaxformer.decode.cache import encoded_cache
 from jaxformer.decode.loop import TRACE_COUNTS, cached_logits_fn, decode_jit
+
+
+# The self-attention cache starts this many slots long and grows to the whole length only
+# if a window runs past it: most windows end within it (two sentences, ~30 tokens), and a
+# step then reads and reorders 32 slots of keys and values by beam instead of 224 or more.
+FIRST_SEGMENT = 32
+
+
+def beam_segments(num_steps: int, first: int = FIRST_SEGMENT) -> tuple[int, ...]:
+    """The steps of each while loop: `first`, then the rest (one segment if that is all)."""
+    return (num_steps,) if num_steps <= first else (first, num_steps - first)
 
 
 def max_candidates(beam_size: int, patience: float) -> int:
@@ -98,15 +115,17 @@ def beam_replacements(eos_BK, finished_BW, width: int):
 
 
 @decode_jit(static_argnames=("model", "max_new_tokens", "processors", "no_speech_id", "sot_step",
-                             "beam_size", "max_candidates", "length_penalty"))
+                             "beam_size", "max_candidates", "length_penalty", "first_segment"))
 def beam_program(model, params, memory_BSD, prefix_BP, *, max_new_tokens, processors,
-                 no_speech_id, beam_size, max_candidates, length_penalty, sot_step=0):
+                 no_speech_id, beam_size, max_candidates, length_penalty, sot_step=0,
+                 first_segment=FIRST_SEGMENT):
     """(tokens (B, N), lengths (B,), summed log-probability (B,), no-speech
     probability (B,), read at step `sot_step`: where <|startoftranscript|> is fed) of
     each window's chosen hypothesis (module docstring), from the windows' encoder
     output `memory_BSD` (B, 1500, D) (`decoding.encode_windows`).
     `tokens` hold the prompt after BOS, then the hypothesis (EOS excluded, PAD after);
-    `lengths` count the hypothesis only."""
+    `lengths` count the hypothesis only. The self-attention cache holds `first_segment`
+    slots for the first steps (`beam_segments`), then all of them."""
     TRACE_COUNTS["whisper_beam"] += 1
     c = model.config
     batch, width, n = memory_BSD.shape[0], beam_size, max_new_tokens
@@ -118,7 +137,8 @@ def beam_program(model, params, memory_BSD, prefix_BP, *, max_new_tokens, proces
     state = Beams(
         step=jnp.zeros((), jnp.int32), token_R=jnp.full((rows,), c.bos_id, jnp.int32),
         cache=encoded_cache(model, params, memory_BSD, jnp.ones(
-            (batch, 1, 1, memory_BSD.shape[1]), bool), n, repeats=width),
+            (batch, 1, 1, memory_BSD.shape[1]), bool), beam_segments(n, first_segment)[0],
+            repeats=width),
         tokens_RN=jnp.full((rows, n), c.pad_id, jnp.int32),
         # All beams start equal: only beam 0 expands at the first free step.
         score_BW=jnp.where(jnp.arange(width) == 0, 0.0, neg_inf)[None].repeat(batch, 0),
@@ -174,8 +194,11 @@ def beam_program(model, params, memory_BSD, prefix_BP, *, max_new_tokens, proces
         parent_BW = jnp.take_along_axis(parent_BK, slot_BW, axis=1)
         token_BW = jnp.take_along_axis(token_BK, slot_BW, axis=1)
         rows_R = (jnp.arange(batch)[:, None] * width + parent_BW).reshape(-1)
-        cache = cache.replace(self_kv=tuple(type(kv)(*(x[rows_R] for x in kv))
-                                            for kv in cache.self_kv))
+        def reorder(kvs):  # every beam continues its parent's keys and values
+            return None if kvs is None else tuple(type(kv)(*(x[rows_R] for x in kv))
+                                                  for kv in kvs)
+
+        cache = cache.replace(self_kv=reorder(cache.self_kv), past_kv=reorder(cache.past_kv))
         token_R = token_BW.reshape(-1)
         return s.replace(
             step=s.step + 1, token_R=token_R, cache=cache,
@@ -198,5 +221,11 @@ def beam_program(model, params, memory_BSD, prefix_BP, *, max_new_tokens, proces
             return free(s, logits_RV, cache)
         return jax.lax.cond(s.step < begin, forced, free, s, logits_RV, cache)
 
-    state = jax.lax.while_loop(lambda s: (s.step < n) & ~jnp.all(s.done_B), body, state)
+    stop = 0
+    for i, steps in enumerate(beam_segments(n, first_segment)):  # the cache grows between segments
+        if i:
+            state = state.replace(cache=cache_lib.fold(state.cache, steps))
+        stop += steps
+        state = jax.lax.while_loop(lambda s, stop=stop: (s.step < stop) & ~jnp.all(s.done_B),
+                                   body, state)
     return state.best_tokens_BN, state.best_len_B, state.best_sum_B, state.no_speech_B
