@@ -112,7 +112,11 @@ def main():
                         help="the faster part's beam size, both sides (default 5)")
     parser.add_argument("--files", type=int, nargs="+", default=[60, 600],
                         help="the faster part's file lengths, seconds (default 60 600)")
-    parser.add_argument("--child", nargs=3, metavar=("WHO", "FILE", "BEAM"),
+    parser.add_argument("--cpu-tuning", action="store_true",
+                        help="the faster part loads jaxformer's Whisper with cpu_tuning=True "
+                             "(its opt-in CPU tricks: the encoder's attention a block of "
+                             "queries at a time)")
+    parser.add_argument("--child", nargs=4, metavar=("WHO", "FILE", "BEAM", "TUNED"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -175,7 +179,7 @@ def main():
                        transcribe_file_text_identical=same_text)
     if "faster" in args.parts:
         peer_rows, peer = faster_whisper_peer(model_dir, args.rounds, args.beam_size,
-                                              args.files)
+                                              args.files, args.cpu_tuning)
         rows += peer_rows
         summary.update(peer)
     print(f"| {'Whisper tiny, float32, CPU':40s} | jaxformer | ctranslate2 | ratio |")
@@ -265,11 +269,11 @@ def clip_file(folder, seconds):
     return path
 
 
-def peer_runs(model_dir, beam_size):
+def peer_runs(model_dir, beam_size, cpu_tuning=False):
     """{(who, batched): fn(path) -> (text, [(start, end)])} for jaxformer and faster-whisper."""
     import faster_whisper  # noqa: PLC0415
 
-    w = whisper.load(model_dir)
+    w = whisper.load(model_dir, cpu_tuning=cpu_tuning)
     fw = faster_whisper.WhisperModel(model_dir, device="cpu", compute_type="float32",
                                      cpu_threads=os.cpu_count())
     batched = faster_whisper.BatchedInferencePipeline(fw)
@@ -322,14 +326,14 @@ class FallbackCount(logging.Handler):
         self.count += "threshold is not met" in record.getMessage()
 
 
-def faster_whisper_peer(model_dir, rounds, beam_size, seconds_list):
+def faster_whisper_peer(model_dir, rounds, beam_size, seconds_list, cpu_tuning=False):
     """Table rows and JSON figures of jaxformer against faster-whisper."""
     import subprocess  # noqa: PLC0415
 
     folder = tempfile.mkdtemp()
     files = {seconds: clip_file(folder, seconds) for seconds in sorted(seconds_list)}
     first, longest = min(files), max(files)
-    runs = peer_runs(model_dir, beam_size)
+    runs = peer_runs(model_dir, beam_size, cpu_tuning)
     fallbacks = FallbackCount()
     logging.getLogger("faster_whisper").addHandler(fallbacks)
     logging.getLogger("faster_whisper").setLevel(logging.DEBUG)
@@ -371,7 +375,7 @@ def faster_whisper_peer(model_dir, rounds, beam_size, seconds_list):
     rss = {}
     for who in ("jf", "fw"):
         done = subprocess.run([sys.executable, __file__, "--child", who, files[longest],
-                               str(beam_size)],
+                               str(beam_size), str(cpu_tuning)],
                               capture_output=True, text=True, check=True)
         rss[who] = json.loads(done.stdout.splitlines()[-1])["peak_rss_mb"]
     rows.append((f"peak RSS MB, {longest} s file, fresh process", rss["jf"], rss["fw"],
@@ -388,7 +392,7 @@ def faster_whisper_peer(model_dir, rounds, beam_size, seconds_list):
         "word_timestamps_max_abs_diff_s": round(words["max_abs_diff_s"], 3),
         "words_identical": words["identical"],
         "peak_rss_ratio_vs_faster_whisper": round(rss["jf"] / rss["fw"], 3),
-        "beam_size": beam_size, "threads": os.cpu_count()}
+        "beam_size": beam_size, "threads": os.cpu_count(), "cpu_tuning": cpu_tuning}
 
 
 def packing(path, batch=8):
@@ -407,14 +411,14 @@ def packing(path, batch=8):
             "chunks": work(chunks, min(batch, chunks))}
 
 
-def child(who, path, beam_size):
+def child(who, path, beam_size, tuned):
     """Transcribe `path` once in this fresh process and print its peak RSS (MB)."""
     import resource  # noqa: PLC0415
     from conftest import whisper_model_dir  # noqa: PLC0415
 
     model_dir = whisper_model_dir()
     if who == "jf":
-        whisper.transcribe(whisper.load(model_dir), path, timestamps=True, batch_size=1,
+        whisper.transcribe(whisper.load(model_dir, cpu_tuning=tuned == "True"), path, timestamps=True, batch_size=1,
                            beam_size=int(beam_size), condition_on_previous_text=False)
     else:
         import faster_whisper  # noqa: PLC0415

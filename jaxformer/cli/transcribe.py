@@ -91,6 +91,9 @@ def add_parser(commands, add_common_flags) -> None:
                              "(the last end may be left out: the file's end)")
     parser.add_argument("--batch", type=positive_int, default=8,
                         help="30 s windows decoded together")
+    parser.add_argument("--cpu-tuning", action="store_true",
+                        help="the model's opt-in CPU tricks (TransformerConfig.cpu_tuning: "
+                             "the encoder's attention formed a block of queries at a time)")
     parser.add_argument("--vad-filter", action=argparse.BooleanOptionalAction, default=None,
                         help="speech packing, as faster-whisper's batched pipeline: find "
                              "each file's speech (an energy detector with silero's rules, "
@@ -265,7 +268,7 @@ def run(args) -> int:
                               "Hugging Face Whisper directory)")
     try:
         samples = [whisper.read_audio(path) for path in args.audio]  # all checked first
-        w = whisper.load(args.model)
+        w = whisper.load(args.model, cpu_tuning=args.cpu_tuning)
         whisper.check_options(w, args.language, args.task)
         results = whisper.transcribe(w, samples, language=args.language, task=args.task,
                                         timestamps=args.timestamps, batch_size=args.batch,

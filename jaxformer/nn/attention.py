@@ -39,6 +39,7 @@ from typing import Callable, NamedTuple, Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxformer.config import TransformerConfig
@@ -159,8 +160,9 @@ def dot_product_attention(
       softcap: logits -> softcap * tanh(logits / softcap) before the mask (Gemma 2).
       query_block: if set and below T, the weights are formed for one batch row and
         this many queries at a time (`lax.map` over the blocks; each query row's
-        values are those of the whole computation): `MultiHeadAttention` at inference
-        passes `query_block_length`, so a block's weights stay under
+        values are those of the whole computation), on a CPU only (elsewhere the
+        whole product): `MultiHeadAttention` of a `cpu_tuning` config passes
+        `query_block_length` at inference, so a block's weights stay under
         `ATTENTION_BLOCK_BYTES`. Not with dropout or keys in parts.
 
     Returns:
@@ -197,8 +199,16 @@ def dot_product_attention(
     if query_block is not None and query_block < num_queries:
         if len(keys) > 1 or (dropout_rng is not None and dropout_rate > 0.0):
             raise ValueError("query_block: not with keys in parts or dropout")
-        return _in_query_blocks(query_BHTK, key_BHSK, value_BHSK, mask, query_block,
-                                scale=scale, softcap=softcap)
+        def blocked():
+            return _in_query_blocks(query_BHTK, key_BHSK, value_BHSK, mask, query_block,
+                                    scale=scale, softcap=softcap)
+
+        def whole():
+            return dot_product_attention(query_BHTK, key_BHSK, value_BHSK, mask,
+                                         scale=scale, softcap=softcap)
+
+        # On XLA:CPU only: a GPU or TPU runs one batched product faster than a loop.
+        return lax.platform_dependent(cpu=blocked, default=whole)
 
     def scores(key_BGSK):  # (B, H, T, S) of one part
         if group == 1:
@@ -482,7 +492,7 @@ class MultiHeadAttention(nn.Module):
             dropout_rng=dropout_rng, dropout_mask=tuning.dropout_mask(c),
             scale=c.query_scale, softcap=c.attn_logit_softcapping,
             query_block=query_block_length(c.num_heads, num_queries, num_keys)
-            if deterministic and not in_parts else None)
+            if tuning.query_blocks(c) and deterministic and not in_parts else None)
         if rows > 1:  # (B/r, H, r*T, S) -> (B, H, T, S)
             b, h, rt, keys = weights_BHTS.shape
             weights_BHTS = weights_BHTS.reshape(b, h, rows, rt // rows, keys).transpose(

@@ -34,6 +34,13 @@ def dropout_mask(config: TransformerConfig) -> Callable:
     return cpu.keep_mask if config.cpu_tuning else jax.random.bernoulli
 
 
+def query_blocks(config: TransformerConfig) -> bool:
+    """Whether inference attention forms its weights a block of queries at a time on a
+    CPU (`attention.query_block_length`): a whole row's weights are a fresh allocation
+    each call there, faulted in page by page (Whisper's encoder, NOTES.md)."""
+    return config.cpu_tuning
+
+
 def apply_dropout(x: jnp.ndarray, rate: float, rng: jax.Array,
                   mask_fn: Callable = jax.random.bernoulli) -> jnp.ndarray:
     """Zero each element of `x` with probability `rate` and scale the rest by

@@ -188,7 +188,7 @@ def made_transcript(monkeypatch):
     result = whisper.Transcript("The quick brown fox jumps.", "en", None,
                                 (whisper.Segment(0.0, 1.5, "The quick brown fox jumps.",
                                                  words),))
-    monkeypatch.setattr(whisper, "load", lambda path: object())
+    monkeypatch.setattr(whisper, "load", lambda path, **kw: object())
     monkeypatch.setattr(whisper, "check_options", lambda *args: None)
     seen = {}
 

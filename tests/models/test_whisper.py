@@ -4,10 +4,12 @@ Hugging Face's WhisperFeatureExtractor (numpy)."""
 
 import wave
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxformer as jf
 from jaxformer.models import whisper as whisper_lib
 from jaxformer.interop.flat import CheckpointMismatch
 
@@ -87,6 +89,23 @@ def test_encoder_matches_ctranslate2(whisper):
         np.ascontiguousarray(np.asarray(features_BTM).transpose(0, 2, 1))), to_cpu=True))
     assert ours.shape == theirs.shape == (4, 1500, 384)
     assert np.abs(ours - theirs).max() / np.abs(theirs).max() <= 1e-4
+
+
+def test_a_cpu_tuned_load_blocks_the_encoders_attention_with_the_same_output(whisper):
+    """`load(cpu_tuning=True)`: the encoder's attention in query blocks (the compiled
+    encoder holds no (1500, 1500) weights) and the untuned encoder's output."""
+    model, params, _, _, _ = whisper
+    tuned = whisper_lib.load(whisper_model_dir(), cpu_tuning=True)
+    assert tuned.model.config.cpu_tuning and not model.config.cpu_tuning
+    features_BTM = whisper_lib.log_mel_spectrogram(np.stack([x[:16000 * 2] for x in _signals()]))
+    programs = {}
+    for name, m in (("tuned", tuned.model), ("plain", model)):
+        programs[name] = jax.jit(lambda p, f, m=m: m.apply(
+            {"params": p}, f, method=jf.Transformer.encode)).lower(params, features_BTM).compile()
+    assert "1500,1500]" not in programs["tuned"].as_text()
+    assert "1500,1500]" in programs["plain"].as_text()
+    np.testing.assert_allclose(programs["tuned"](params, features_BTM),
+                               programs["plain"](params, features_BTM), rtol=1e-5, atol=1e-5)
 
 
 def test_greedy_tokens_match_ctranslate2(whisper):

@@ -330,25 +330,28 @@ def test_query_block_length_keeps_a_block_under_the_limit():
         assert block * heads * s * 4 <= ATTENTION_BLOCK_BYTES
 
 
-def test_inference_forms_no_whole_row_of_weights():
-    """At inference (`deterministic`), self-attention over 1500 positions (Whisper's
-    encoder) never holds one row's (H, 1500, 1500) weights: the compiled program has
-    no array with a (1500, 1500) tail, and its temporaries are a fraction of one
-    row's 13.7 MiB. Training keeps the whole product."""
-    config = jf.tiny(num_heads=4, d_model=8)
-    mha = jf.MultiHeadAttention(config)
+def test_tuned_inference_forms_no_whole_row_of_weights_on_a_cpu():
+    """At inference (`deterministic`) with `cpu_tuning`, self-attention over 1500
+    positions (Whisper's encoder) never holds one row's (H, 1500, 1500) weights on a
+    CPU: the compiled program has no array with a (1500, 1500) tail, and its
+    temporaries are a fraction of one row's 13.7 MiB. Training, an untuned config and
+    a lowering for a GPU or TPU keep the whole product."""
     x = jnp.zeros((1, 1500, 8), jnp.float32)
 
     def call(module, x, deterministic):
         return module(x, module.kv(x), None, deterministic=deterministic)
 
-    params = mha.init(jax.random.PRNGKey(0), x, True, method=call)["params"]
-
-    def compiled(deterministic):
+    def lowered(deterministic, cpu_tuning=True, platform="cpu"):
+        mha = jf.MultiHeadAttention(jf.tiny(num_heads=4, d_model=8, cpu_tuning=cpu_tuning))
+        params = jax.eval_shape(lambda: mha.init(jax.random.PRNGKey(0), x, True,
+                                                 method=call))["params"]
         fn = jax.jit(lambda p, x: mha.apply({"params": p}, x, deterministic, method=call))
-        return fn.lower(params, x).compile()
+        return fn.trace(params, x).lower(lowering_platforms=(platform,))
 
-    inference, training = compiled(True), compiled(False)
+    inference = lowered(True).compile()
     assert "1500,1500]" not in inference.as_text()
-    assert "1500,1500]" in training.as_text()
     assert inference.memory_analysis().temp_size_in_bytes < 8 * 2**20
+    assert "1500,1500]" in lowered(False).compile().as_text()
+    assert "1500,1500]" in lowered(True, cpu_tuning=False).compile().as_text()
+    for platform in ("cuda", "tpu"):
+        assert "1500x1500" in lowered(True, platform=platform).as_text()

@@ -35,10 +35,21 @@ class Whisper:
         return config_lib.mel_bins(self.params)
 
 
-def load(model_dir: str, dtype: str = "float32") -> Whisper:
+def load(model_dir: str, dtype: str = "float32", cpu_tuning: bool = False) -> Whisper:
     """A CTranslate2 Whisper folder (`model.bin`, `vocabulary.txt`, `config.json`), or a
     Hugging Face WhisperForConditionalGeneration directory (`config.json`,
-    safetensors, `tokenizer.json`; the suppressed tokens of `generation_config.json`)."""
+    safetensors, `tokenizer.json`; the suppressed tokens of `generation_config.json`).
+    `cpu_tuning`: the config's opt-in CPU tricks (`TransformerConfig.cpu_tuning`; at
+    inference the encoder's attention is formed a block of queries at a time)."""
+    w = read(model_dir, dtype)
+    if cpu_tuning:
+        w = dataclasses.replace(w, model=w.model.clone(
+            config=w.model.config.replace(cpu_tuning=True)))
+    return w
+
+
+def read(model_dir: str, dtype: str) -> Whisper:
+    """`load`'s model as the files state it."""
     if not os.path.exists(os.path.join(model_dir, "model.bin")) and os.path.exists(
             os.path.join(model_dir, "config.json")) and "architectures" in config_lib.special_ids(
                 model_dir):
