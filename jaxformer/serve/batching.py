@@ -1,9 +1,18 @@
 """What one engine call feeds the compiled step, built on the host from the slots.
 
 Pure functions of the running `Slot`s (None for a free slot): the shape buckets
-(`bucket`), which prefilling requests share a call (`prefill_batch`), and the
+(`bucket`), which prefilling requests share a call and how many prompt tokens each
+feeds (`prefill_batch`), how many rows a decode step runs (`decode_sizes`), and the
 per-row arrays of a call: sampling settings (`slot_params`), constraint masks
 (`allowed`), page tables (`page_rows`).
+
+A call's cost grows with its padded shape (rows x width), not with the tokens that
+are real: on a CPU a prefill call costs about the same per padded token at every
+compiled shape, and a decode step's cost grows with its rows (benchmarks/NOTES.md,
+issue 43). So a prefill call takes the compiled shape that feeds the most prompt
+tokens per padded token, a long prompt giving a narrow call a full row of its next
+tokens, and a decode step runs only the decoding slots, padded to the next of a few
+row counts, instead of every slot.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from jaxformer.serve.slots import Slot
 
 PREFILL_BUDGET = 4  # a prefill call feeds at most this many chunks (rows of `prefill_chunk`)
 SHORT_CHUNK = 16    # the narrower prefill width, for prompts (or their ends) this short
+CALL_COST = 16      # a call's fixed cost (dispatch, weights read), in padded tokens
 
 
 def prefill_sizes(slots: int, chunk: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -24,6 +34,12 @@ def prefill_sizes(slots: int, chunk: int) -> tuple[tuple[int, ...], tuple[int, .
     four prefill shapes per view length (`Engine.warm_up` compiles them all)."""
     widths = tuple(sorted({min(SHORT_CHUNK, chunk), chunk}))
     return widths, tuple(sorted({1, min(slots, PREFILL_BUDGET)}))
+
+
+def decode_sizes(slots: int) -> tuple[int, ...]:
+    """Row counts of the decode step: every slot, a half and a quarter of them (a step
+    runs only its decoding slots, padded to the next of these)."""
+    return tuple(sorted({slots, -(-slots // 2), -(-slots // 4)}))
 
 
 def bucket(value: int, sizes: tuple[int, ...]) -> int:
@@ -63,22 +79,26 @@ def allowed(slots: list[Optional[Slot]], vocab: int) -> Optional[np.ndarray]:
 
 
 def prefill_batch(prefilling: list[Slot], chunk: int, chunk_sizes: tuple[int, ...],
-                  row_sizes: tuple[int, ...]) -> list[Slot]:
-    """The oldest prefilling requests of one adapter whose next chunks (at most `chunk`
-    tokens each) share one call: at most `row_sizes[-1]` rows and PREFILL_BUDGET chunks'
-    worth of (padded) tokens."""
+                  row_sizes: tuple[int, ...]) -> tuple[list[Slot], list[int]]:
+    """(slots, tokens each feeds) of the next prefill call: the oldest prefilling requests
+    of the oldest one's adapter, in the compiled shape (rows from `row_sizes`, a width
+    from `chunk_sizes`, at most PREFILL_BUDGET chunks of `chunk` tokens) that feeds the
+    most prompt tokens per padded token, counting a call's fixed cost as CALL_COST
+    tokens; the oldest request is always in it. Each row feeds min(width, its prompt
+    tokens left): a long prompt fills a narrow row with its next tokens."""
     first = prefilling[0]
-    chosen, width = [], 0
-    for slot in prefilling:
-        count = min(chunk, slot.prompt_len - slot.cached)
-        wider = max(width, bucket(count, chunk_sizes))
-        if chosen and (slot.request.adapter != first.request.adapter
-                       or len(chosen) >= row_sizes[-1]
-                       or bucket(len(chosen) + 1, row_sizes) * wider > PREFILL_BUDGET * chunk):
-            break
-        chosen.append(slot)
-        width = wider
-    return chosen
+    same = [s for s in prefilling if s.request.adapter == first.request.adapter]
+    left = [s.prompt_len - s.cached for s in same]
+    best = None
+    for width in chunk_sizes:
+        most = min(row_sizes[-1], len(same), max(1, PREFILL_BUDGET * chunk // width))
+        for rows in range(1, most + 1):
+            counts = [min(width, n) for n in left[:rows]]
+            score = sum(counts) / (bucket(rows, row_sizes) * width + CALL_COST)
+            if best is None or score > best[0]:
+                best = (score, counts)
+    counts = best[1]
+    return same[:len(counts)], counts
 
 
 def page_rows(running: list[Optional[Slot]], max_pages: int) -> np.ndarray:

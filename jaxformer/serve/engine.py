@@ -18,10 +18,11 @@ generate, SGLang's chunked prefill beside the decodes):
      are shared instead of computed;
   3. one prefill call: the next chunk (at most `prefill_chunk` tokens, padded
      to one of a few compiled sizes) of the oldest requests still reading their
-     prompts, as many rows as fit `batching.PREFILL_BUDGET` chunks: a long prompt
-     never stalls the running requests for its whole prefill;
+     prompts, in the compiled shape that wastes the least (`batching.prefill_batch`):
+     a long prompt never stalls the running requests for its whole prefill;
   4. one decode step: every decoding slot feeds its last token and picks the
-     next with its own settings (`select.pick`); finished requests leave.
+     next with its own settings (`select.pick`), in as few rows as a compiled
+     row count allows (`batching.decode_sizes`); finished requests leave.
 
 Everything JAX runs on the step thread; `submit`, `cancel` and `metrics` are
 thread-safe. Greedy tokens equal `decode.generate` of the prompt alone.
@@ -124,6 +125,7 @@ class Engine:
         self.slots, self.max_len, self.page_size = slots, max_len, page_size
         self.prefill_chunk, self.max_queue = prefill_chunk, max_queue
         self.chunk_sizes, self.row_sizes = batching.prefill_sizes(slots, prefill_chunk)
+        self.decode_rows = batching.decode_sizes(slots)
         self.view_sizes = tuple(sorted({v for v in (128, 256, 512, 1024, 2048) if v < max_len}
                                        | {max_len}))
         self.pool = PagePool(num_pages, page_size, prefix_cache=prefix_cache)
@@ -253,9 +255,9 @@ class Engine:
         self.admit()
         prefilling = [s for s in self.running if s is not None and s.prefilling]
         if prefilling:
-            batch = batching.prefill_batch(prefilling, self.prefill_chunk, self.chunk_sizes,
-                                               self.row_sizes)
-            self.guarded(batch, lambda: self.prefill_rows(batch))
+            batch, counts = batching.prefill_batch(prefilling, self.prefill_chunk,
+                                                   self.chunk_sizes, self.row_sizes)
+            self.guarded(batch, lambda: self.prefill_rows(batch, counts))
         decoding = [s for s in self.running if s is not None and s.pending is not None]
         if decoding:
             self.guarded(decoding, lambda: self.decode_step(decoding))
@@ -304,9 +306,9 @@ class Engine:
         slot.table.ensure(length)
         slot.reserve -= len(slot.table.pages) - before
 
-    def prefill_rows(self, slots: list[Slot]) -> None:
-        """The next prompt chunk of each of `slots` in one call (rows padded to a bucket)."""
-        counts = [min(self.prefill_chunk, s.prompt_len - s.cached) for s in slots]
+    def prefill_rows(self, slots: list[Slot], counts: list[int]) -> None:
+        """The next `counts` prompt tokens of each of `slots` in one call (rows padded
+        to a bucket)."""
         width = bucket(max(counts), self.chunk_sizes)
         rows = bucket(len(slots), self.row_sizes)
         tokens = np.zeros((rows, width), np.int32)
@@ -346,6 +348,8 @@ class Engine:
                             picks.top_logprobs[i])
 
     def decode_step(self, decoding: list[Slot]) -> None:
+        """One token for each of `decoding`: a call per adapter, over its decoding
+        slots only, padded to the next of `decode_rows` (idle slots cost nothing)."""
         if self.speculative:
             spec_step.speculative_step(self, decoding)
             return
@@ -354,22 +358,19 @@ class Engine:
         groups = {}
         for slot in decoding:
             groups.setdefault(slot.request.adapter, []).append(slot)
-        lengths = np.asarray([0 if s is None else s.cached for s in self.running], np.int32)
-        view_len = self.view_length(int(lengths.max()) + 1)
-        table = page_rows(self.running, self.max_pages)
-        tokens = np.asarray([s.pending if s in decoding else 0 for s in self.running], np.int32)
-        allowed = batching.allowed([s if s in decoding else None for s in self.running],
-                          self.config.tgt_vocab_size)
-        params = slot_params(self.running)
         results = []
         for adapter, members in groups.items():
-            valid = np.asarray([s in members for s in self.running])
-            picks = self.run_decode(self.params[adapter], table, lengths, tokens, valid, params,
-                                    want_top(members), allowed, view_len)
+            rows = members + [None] * (bucket(len(members), self.decode_rows) - len(members))
+            lengths = np.asarray([0 if s is None else s.cached for s in rows], np.int32)
+            tokens = np.asarray([0 if s is None else s.pending for s in rows], np.int32)
+            picks = self.run_decode(
+                self.params[adapter], page_rows(rows, self.max_pages), lengths, tokens,
+                np.asarray([s is not None for s in rows]), slot_params(rows),
+                want_top(members), batching.allowed(rows, self.config.tgt_vocab_size),
+                self.view_length(int(lengths.max()) + 1))
             results.append((members, jax.device_get(picks)))
         for members, picks in results:
-            for slot in members:
-                i = self.running.index(slot)
+            for i, slot in enumerate(members):
                 slot.cached += 1
                 slot.table.register_full(slot.tokens[:slot.cached])
                 self.accept(slot, picks.token[i], picks.logprob[i], picks.top_ids[i],

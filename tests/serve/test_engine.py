@@ -81,6 +81,21 @@ def test_concurrent_greedy_equals_generate_alone(lm):
     assert eng.metrics()["generated_tokens"] >= sum(len(w) for w in want)
 
 
+def test_decode_runs_only_the_decoding_slots(lm, monkeypatch):
+    """Eight slots, requests ending at different steps: each decode call has the
+    decoding slots' row count rounded up to 2, 4 or 8 (not always 8), and the
+    tokens are still generate's."""
+    eng = engine(lm, slots=8)
+    rows = []
+    run_decode = eng.run_decode
+    monkeypatch.setattr(eng, "run_decode", lambda *a: rows.append(len(a[1])) or run_decode(*a))
+    ps, news = prompts(40, (3, 2, 1, 3, 2)), (5, 6, 7, 11, 16)
+    handles = [eng.submit(Request(p, SamplingParams(max_tokens=n))) for p, n in zip(ps, news)]
+    eng.run_until_idle()
+    assert [tokens_of(h) for h in handles] == [alone(*lm, p, n) for p, n in zip(ps, news)]
+    assert set(rows) == {2, 4, 8} and rows[-1] == 2
+
+
 def test_prefix_cache_on_off_identical_and_reused(lm):
     shared = prompts(1, (21,))[0]
     ps = [shared + tail for tail in prompts(2, (3, 7, 1))] + [shared]
