@@ -27,6 +27,10 @@ from jaxformer.serve.slots import Slot
 PREFILL_BUDGET = 4  # a prefill call feeds at most this many chunks (rows of `prefill_chunk`)
 SHORT_CHUNK = 16    # the narrower prefill width, for prompts (or their ends) this short
 CALL_COST = 16      # a call's fixed cost (dispatch, weights read), in padded tokens
+# A prefill call reads at least this many positions: its attention is a small part of
+# its cost (the matmuls over its tokens are most of it), and one view fewer is a
+# compiled program fewer per (rows, width) (~9 MB each on SmolLM2, CPU).
+PREFILL_VIEW = 256
 
 
 def prefill_sizes(slots: int, chunk: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

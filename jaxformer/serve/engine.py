@@ -327,7 +327,7 @@ class Engine:
         padded = slots + [None] * (rows - len(slots))
         echo = any(s.request.params.echo for s in slots)
         allowed = batching.allowed(padded, self.config.tgt_vocab_size)
-        view_len = self.view_length(int(starts.max()) + width)
+        view_len = self.view_length(max(int(starts.max()) + width, batching.PREFILL_VIEW))
         picks, extra = self.run_prefill(self.params[slots[0].request.adapter], table, starts,
                                         tokens, valid, slot_params(padded), want_top(slots),
                                         lasts, targets, allowed, view_len, echo)

@@ -89,7 +89,7 @@ def warm_up(engine) -> None:
                 jax.block_until_ready(picks)
         for rows in engine.row_sizes:
             for width in engine.chunk_sizes:
-                if width > view_len:
+                if width > view_len or view_len < min(batching.PREFILL_VIEW, engine.max_len):
                     continue
                 ids = np.zeros((rows, width), np.int32)
                 picks, _ = engine.run_prefill(

@@ -96,6 +96,23 @@ def test_decode_runs_only_the_decoding_slots(lm, monkeypatch):
     assert set(rows) == {2, 4, 8} and rows[-1] == 2
 
 
+def test_a_prefill_call_reads_at_least_256_positions(make_lm, monkeypatch):
+    """A short prompt's prefill reads the 256-position view, not 128 (one compiled
+    program fewer per prefill shape: `batching.PREFILL_VIEW`); decode keeps 128."""
+    config = jf.llama(tgt_vocab_size=VOCAB, src_vocab_size=VOCAB, max_len=512, num_kv_heads=2)
+    eng = Engine(*make_lm(config, seed=3), slots=2, max_len=512, page_size=16,
+                 prefill_chunk=16)
+    views = []
+    for name in ("run_prefill", "run_decode"):
+        call = getattr(eng, name)
+        monkeypatch.setattr(eng, name, lambda *a, call=call, name=name:
+                            views.append((name, a[-2 if name == "run_prefill" else -1]))
+                            or call(*a))
+    eng.submit(Request(prompts(41, (5,))[0], SamplingParams(max_tokens=2)))
+    eng.run_until_idle()
+    assert views == [("run_prefill", 256), ("run_decode", 128)]
+
+
 def test_prefix_cache_on_off_identical_and_reused(lm):
     shared = prompts(1, (21,))[0]
     ps = [shared + tail for tail in prompts(2, (3, 7, 1))] + [shared]
