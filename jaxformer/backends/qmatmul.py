@@ -57,6 +57,7 @@ SOURCE = os.path.join(KERNELS, "qmatmul.cc")
 # (`backends.paged_attention`), target PAGED_TARGET.
 SOURCES = (SOURCE, os.path.join(KERNELS, "paged_attention.cc"))
 HEADERS = (os.path.join(KERNELS, "qdot.h"),  # included by SOURCES: part of the cache key
+           os.path.join(KERNELS, "qdot_wide.h"),
            os.path.join(KERNELS, "parallel.h"))
 PAGED_TARGET = ("jaxformer_paged_attention", "JaxformerPagedAttention")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")

@@ -129,6 +129,30 @@ def test_kernel_shares_large_products_out_to_threads(built, fmt, transposed):
     _check(got, x, parts, fmt, transposed, msg=f"{fmt} threaded")
 
 
+@pytest.mark.parametrize("transposed", [False, True], ids=["kn", "nk"])
+@pytest.mark.parametrize("fmt", qmatmul.FORMATS)
+def test_many_rows_as_a_serving_step_sends_them(built, fmt, transposed):
+    """16 to 80 rows (a serving step's slots; the transposed 4-bit layouts take them 16
+    rows to a 512-bit vector on an AVX-512 VNNI CPU, kernels/qdot_wide.h): one group, two,
+    a ragged third, and five (a pass of four groups and one more); blocks of 32 and 64
+    (two 32-k chunks a block); a NaN in one row of the third group stays in that row."""
+    for batch in (16, 32, 45, 80):
+        for block in (32, 64):
+            x, parts = _case(fmt, batch, 128, 70, transposed, seed=batch)
+            if block != 32:
+                parts = quant.quantize(np.asarray(quant.dequantize(
+                    parts, fmt, 32, -1 if transposed else 0)), fmt, block,
+                    -1 if transposed else 0)
+            got = qmatmul.matmul(x, parts, fmt, block, transposed)
+            _check(got, x, parts, fmt, transposed, block, f"{fmt} B={batch} block {block}")
+    x, parts = _case(fmt, 45, 128, 70, transposed, seed=6)
+    got = np.asarray(qmatmul.matmul(x.at[37, 100].set(np.nan), parts, fmt, 32, transposed))
+    if qmatmul.integer_dot(fmt, transposed, 32):
+        assert np.isnan(got[37]).all()
+    rest = np.arange(45) != 37
+    _check(got[rest], x[rest], parts, fmt, transposed, msg=f"{fmt} NaN row")
+
+
 def test_int8_block_odd_blocks(built):
     """int8_block N last pairs rows k and k + 1 (kernels/qdot.h): an odd block's last
     row pairs with zeros; 70 columns: two 32-column passes and a ragged end."""

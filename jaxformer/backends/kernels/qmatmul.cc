@@ -120,9 +120,14 @@ struct Problem {
   std::vector<int8_t> xs;   // (B, K / block, stream bytes): x quantized per block (qdot.h)
   std::vector<float> xd;    // (B, K / block): its block scales
   std::vector<float> xdt;   // the same by groups of rows (qdot.h, transposed)
+  bool wide = false;        // rows in the vector lanes (qdot_wide.h): xw, xdw, xsw, bp
+  int64_t bp = 0;
+  std::vector<int8_t> xw;
+  std::vector<float> xdw, xsw;
 };
 
 #include "qdot.h"
+#include "qdot_wide.h"
 
 // The R rows b0 .. b0 + R of y, columns n0 .. n0 + W (W = NT when FULL, else nt).
 template <int R, bool FULL>
@@ -369,6 +374,10 @@ void RowsOf(const Problem& p, int64_t t) {
 
 // Transposed layout, task t: outputs t VT .. min(N, (t + 1) VT), every row of x.
 void RunRows(const Problem& p, int64_t t) {
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+  if (p.wide) return p.fmt == Fmt::kInt4 ? WideRowsOf<Fmt::kInt4>(p, t)
+                                         : WideRowsOf<Fmt::kInt4Sym>(p, t);
+#endif
 #if defined(__AVX2__)
   if (p.integer) {
     switch (p.fmt) {
@@ -440,6 +449,8 @@ ffi::Error Run(ffi::ThreadPool& pool, Problem& p) {
   }
   p.integer = UsesIntegerDot(p.fmt, p.transposed, p.block);
   if (p.integer) QuantizeX(p);
+  p.wide = UsesWideDot(p);
+  if (p.wide) WideX(p);
   const bool serial = p.K * p.N < SERIAL;
   if (p.transposed) {
     ParallelFor(pool, (p.N + VT - 1) / VT, serial, [&p](int64_t t) { RunRows(p, t); });
