@@ -9,7 +9,7 @@ reads each weight byte once, in the layout the parameters already have (N last: 
 of 64 output columns reads 64 contiguous bytes of each row), and shares the tiles out
 to XLA's intra-op threads. On an AVX2 CPU the 4-bit and int8_block layouts (GGUF
 Q4_1, Q4_0, Q8_0) round x per block to int8 and take integer dot products, as
-llama.cpp does (`integer_dot`; `kernels/qdot.h` states the rounding); from 16 rows of
+llama.cpp does (`integer_dot`; `kernels/qdot.h` states the rounding); from 8 rows of
 x on, a transposed 4-bit table takes the rows in the lanes of 512-bit vectors on an
 AVX-512 VNNI CPU (`kernels/qdot_wide.h`: a serving step's logits).
 
