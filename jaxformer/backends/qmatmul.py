@@ -10,7 +10,7 @@ of 64 output columns reads 64 contiguous bytes of each row), and shares the tile
 to XLA's intra-op threads. On an AVX2 CPU the 4-bit and int8_block layouts (GGUF
 Q4_1, Q4_0, Q8_0) round x per block to int8 and take integer dot products, as
 llama.cpp does (`integer_dot`; `kernels/qdot.h` states the rounding); from 8 rows of
-x on, a transposed 4-bit table takes the rows in the lanes of 512-bit vectors on an
+x on, a transposed block layout (Q4_0, Q4_1, Q8_0) takes the rows in the lanes of 512-bit vectors on an
 AVX-512 VNNI CPU (`kernels/qdot_wide.h`: a serving step's logits).
 
 The build is lazy: the source ships in the package and is compiled on first use with

@@ -132,7 +132,7 @@ def test_kernel_shares_large_products_out_to_threads(built, fmt, transposed):
 @pytest.mark.parametrize("transposed", [False, True], ids=["kn", "nk"])
 @pytest.mark.parametrize("fmt", qmatmul.FORMATS)
 def test_many_rows_as_a_serving_step_sends_them(built, fmt, transposed):
-    """16 to 80 rows (a serving step's slots; from 8 rows the transposed 4-bit layouts take
+    """16 to 80 rows (a serving step's slots; from 8 rows the transposed block layouts take
     16 rows to a 512-bit vector on an AVX-512 VNNI CPU, kernels/qdot_wide.h): one group, two,
     a ragged third, and five (a pass of four groups and one more); blocks of 32 and 64
     (two 32-k chunks a block); a NaN in one row of the third group stays in that row."""

@@ -1,4 +1,4 @@
-// Many rows against a transposed 4-bit layout (a tied embedding table, the logits of a
+// Many rows against a transposed block layout (a tied embedding table, the logits of a
 // serving step's slots), for qmatmul.cc (included inside its anonymous namespace, after
 // qdot.h): the rows of x in the lanes of a 512-bit vector, where the CPU has AVX-512 VNNI.
 //
@@ -8,8 +8,10 @@
 // rows padded to 16, 4): one 512-bit load holds 4 k of 16 rows, and the weights' 4
 // matching bytes (unpacked from the nibbles in qdot.h's stream order) are broadcast to
 // every lane, so each dpbusd adds 4 products to each of 16 rows' sums and no lane sum is
-// ever needed. Per block and row the arithmetic is qdot.h's: the same exact integer sum s
-// and x rounding, y += (d dx) s + c xsum (c = m, or -8 d for int4_sym), in float32, in
+// ever needed. int8_block's signed weights enter as q + 128 (dpbusd's unsigned operand;
+// AVX-512 has no vpsignb), less 128 times the block's integer sum of x. Per block and row
+// the arithmetic is qdot.h's: the same exact integer sum s and x rounding,
+// y += (d dx) s + c xsum (c = m, -8 d for int4_sym, 0 for int8_block), in float32, in
 // block order (so within float rounding of IntRowDots, not bit for bit: it adds the
 // c xsum terms apart).
 
@@ -22,27 +24,33 @@ constexpr bool kWideDot = false;
 constexpr int64_t WIDE_ROWS = 8;  // from this many rows of x on (8: measured faster than qdot.h)
 constexpr int WG = 4;              // groups of 16 rows per pass over a row of W^T
 
-// Whether Run takes this path: a 4-bit transposed layout on the integer path, B rows.
+// Whether Run takes this path: a transposed layout on the integer path, B rows.
 inline bool UsesWideDot(const Problem& p) {
-  return kWideDot && p.integer && p.transposed && p.B >= WIDE_ROWS &&
-         (p.fmt == Fmt::kInt4 || p.fmt == Fmt::kInt4Sym);
+  return kWideDot && p.integer && p.transposed && p.B >= WIDE_ROWS;
 }
 
-// p.xw (blocks, bk / 4, bp, 4), p.xdw and p.xsw (blocks, bp) from p.xs, p.xd and p.xsum
-// (bp: B rounded up to 16; padding rows zero).
+// p.xw (blocks, bk / 4, bp, 4), p.xdw and p.xsw (blocks, bp) from p.xs, p.xd and p.xsum,
+// and p.xqw (blocks, bp): the integer sums of p.xs per block (bp: B rounded up to 16;
+// padding rows zero).
 inline void WideX(Problem& p) {
   const int64_t bk = p.block, blocks = p.K / bk, bp = (p.B + 15) / 16 * 16;
   p.bp = bp;
   p.xw.assign(blocks * bk * bp, 0);
   p.xdw.assign(blocks * bp, 0.0f);
   p.xsw.assign(blocks * bp, 0.0f);
+  p.xqw.assign(blocks * bp, 0);
   for (int64_t b = 0; b < p.B; ++b)
     for (int64_t kb = 0; kb < blocks; ++kb) {
       const int8_t* xs = p.xs.data() + (b * blocks + kb) * bk;
       int8_t* out = p.xw.data() + kb * bk * bp + b * 4;
-      for (int64_t s = 0; s < bk; ++s) out[(s / 4) * bp * 4 + s % 4] = xs[s];
+      int32_t sum = 0;
+      for (int64_t s = 0; s < bk; ++s) {
+        out[(s / 4) * bp * 4 + s % 4] = xs[s];
+        sum += xs[s];
+      }
+      p.xqw[kb * bp + b] = sum;
       p.xdw[kb * bp + b] = p.xd[b * blocks + kb];
-      p.xsw[kb * bp + b] = p.xsum[b * blocks + kb];
+      if (!p.xsum.empty()) p.xsw[kb * bp + b] = p.xsum[b * blocks + kb];  // 4-bit only
     }
 }
 
@@ -53,7 +61,8 @@ template <int G, Fmt F>
 void WideDots(const Problem& p, int64_t g0, int64_t n) {
   const int64_t K = p.K, bk = p.block, blocks = K / bk, bp = p.bp;
   const uint16_t* scale = static_cast<const uint16_t*>(p.scale) + n * blocks;
-  const uint8_t* q = static_cast<const uint8_t*>(p.q) + n * (K / 2);
+  constexpr bool kSigned = F == Fmt::kInt8Block;
+  const uint8_t* q = static_cast<const uint8_t*>(p.q) + n * (kSigned ? K : K / 2);
   const __m128i m4 = _mm_set1_epi8(15);
   __m512 acc[G];
   for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
@@ -62,10 +71,16 @@ void WideDots(const Problem& p, int64_t g0, int64_t n) {
     __m512i s[G];
     for (int g = 0; g < G; ++g) s[g] = _mm512_setzero_si512();
     for (int64_t i = 0; i < bk; i += 32) {
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (kb * bk + i) / 2));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(w),
-                         _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m4),
-                                          _mm_and_si128(b, m4)));
+      if constexpr (kSigned) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + kb * bk + i));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(w),
+                           _mm256_xor_si256(v, _mm256_set1_epi8(-128)));  // q + 128
+      } else {
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (kb * bk + i) / 2));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(w),
+                           _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m4),
+                                            _mm_and_si128(b, m4)));
+      }
       const int8_t* x = p.xw.data() + ((kb * bk + i) * bp + g0 * 16 * 4);
       for (int t = 0; t < 8; ++t) {
         const __m512i a = _mm512_set1_epi32(w[t]);
@@ -79,9 +94,11 @@ void WideDots(const Problem& p, int64_t g0, int64_t n) {
     const __m512 dv = _mm512_set1_ps(d), cv = _mm512_set1_ps(c);
     for (int g = 0; g < G; ++g) {
       const int64_t at = kb * bp + (g0 + g) * 16;
+      if constexpr (kSigned)  // less 128 sum xq: the q + 128 above
+        s[g] = _mm512_sub_epi32(s[g], _mm512_slli_epi32(_mm512_loadu_si512(p.xqw.data() + at), 7));
       acc[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[g]),
                                _mm512_mul_ps(dv, _mm512_loadu_ps(p.xdw.data() + at)), acc[g]);
-      acc[g] = _mm512_fmadd_ps(cv, _mm512_loadu_ps(p.xsw.data() + at), acc[g]);
+      if constexpr (!kSigned) acc[g] = _mm512_fmadd_ps(cv, _mm512_loadu_ps(p.xsw.data() + at), acc[g]);
     }
   }
   alignas(64) float out[16];

@@ -124,6 +124,7 @@ struct Problem {
   int64_t bp = 0;
   std::vector<int8_t> xw;
   std::vector<float> xdw, xsw;
+  std::vector<int32_t> xqw;
 };
 
 #include "qdot.h"
@@ -375,8 +376,13 @@ void RowsOf(const Problem& p, int64_t t) {
 // Transposed layout, task t: outputs t VT .. min(N, (t + 1) VT), every row of x.
 void RunRows(const Problem& p, int64_t t) {
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
-  if (p.wide) return p.fmt == Fmt::kInt4 ? WideRowsOf<Fmt::kInt4>(p, t)
-                                         : WideRowsOf<Fmt::kInt4Sym>(p, t);
+  if (p.wide) {
+    switch (p.fmt) {
+      case Fmt::kInt4: return WideRowsOf<Fmt::kInt4>(p, t);
+      case Fmt::kInt4Sym: return WideRowsOf<Fmt::kInt4Sym>(p, t);
+      default: return WideRowsOf<Fmt::kInt8Block>(p, t);
+    }
+  }
 #endif
 #if defined(__AVX2__)
   if (p.integer) {
