@@ -375,15 +375,6 @@ void RowsOf(const Problem& p, int64_t t) {
 
 // Transposed layout, task t: outputs t VT .. min(N, (t + 1) VT), every row of x.
 void RunRows(const Problem& p, int64_t t) {
-#if defined(__AVX512F__) && defined(__AVX512VNNI__)
-  if (p.wide) {
-    switch (p.fmt) {
-      case Fmt::kInt4: return WideRowsOf<Fmt::kInt4>(p, t);
-      case Fmt::kInt4Sym: return WideRowsOf<Fmt::kInt4Sym>(p, t);
-      default: return WideRowsOf<Fmt::kInt8Block>(p, t);
-    }
-  }
-#endif
 #if defined(__AVX2__)
   if (p.integer) {
     switch (p.fmt) {
@@ -458,6 +449,18 @@ ffi::Error Run(ffi::ThreadPool& pool, Problem& p) {
   p.wide = UsesWideDot(p);
   if (p.wide) WideX(p);
   const bool serial = p.K * p.N < SERIAL;
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+  if (p.wide) {  // qdot_wide.h
+    ParallelFor(pool, (p.N + VT - 1) / VT, serial, [&p](int64_t t) {
+      switch (p.fmt) {
+        case Fmt::kInt4: return WideRowsOf<Fmt::kInt4>(p, t);
+        case Fmt::kInt4Sym: return WideRowsOf<Fmt::kInt4Sym>(p, t);
+        default: return WideRowsOf<Fmt::kInt8Block>(p, t);
+      }
+    });
+    return ffi::Error::Success();
+  }
+#endif
   if (p.transposed) {
     ParallelFor(pool, (p.N + VT - 1) / VT, serial, [&p](int64_t t) { RunRows(p, t); });
     return ffi::Error::Success();
