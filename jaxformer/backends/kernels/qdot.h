@@ -170,6 +170,57 @@ inline void Quads(const uint8_t* q, int64_t N, int64_t t, int64_t rows, __m256i 
   u[2] = _mm256_unpacklo_epi16(abh, cdh), u[3] = _mm256_unpackhi_epi16(abh, cdh);
 }
 
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// Quads for 64 columns of a 4-bit layout in 512-bit vectors: quarter L of vector v holds
+// columns 16 L + 4 v .. 16 L + 4 v + 3 (the unpacks work within each 128-bit quarter).
+inline void Quads512(const uint8_t* q, int64_t N, int64_t t, int64_t rows, __m512i (&u)[4]) {
+  auto row = [&](int64_t i) {
+    return i < rows ? _mm512_loadu_si512(q + i * N) : _mm512_setzero_si512();
+  };
+  const __m512i m = _mm512_set1_epi8(15), r0 = row(2 * t), r1 = row(2 * t + 1);
+  const __m512i a = _mm512_and_si512(r0, m), b = _mm512_and_si512(_mm512_srli_epi16(r0, 4), m);
+  const __m512i c = _mm512_and_si512(r1, m), d = _mm512_and_si512(_mm512_srli_epi16(r1, 4), m);
+  const __m512i abl = _mm512_unpacklo_epi8(a, b), abh = _mm512_unpackhi_epi8(a, b);
+  const __m512i cdl = _mm512_unpacklo_epi8(c, d), cdh = _mm512_unpackhi_epi8(c, d);
+  u[0] = _mm512_unpacklo_epi16(abl, cdl), u[1] = _mm512_unpackhi_epi16(abl, cdl);
+  u[2] = _mm512_unpacklo_epi16(abh, cdh), u[3] = _mm512_unpackhi_epi16(abh, cdh);
+}
+
+// BlockSums' 64-column passes for the 4-bit layouts (from column j on; j advanced past them).
+template <int R>
+void BlockSums512(const uint8_t* q, const int8_t* const (&xs)[R], int64_t N, int64_t rows,
+                  int64_t steps, int64_t w, int64_t& j, int32_t (*isum)[IW]) {
+  for (; j + 64 <= w; j += 64) {
+    __m512i s[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c) s[r][c] = _mm512_setzero_si512();
+    for (int64_t t = 0; t < steps; ++t) {
+      __m512i u[4];
+      Quads512(q + j, N, t, rows, u);
+      for (int64_t e = 0; e < 2; ++e)  // the next block's rows, as BlockSums
+        _mm_prefetch(reinterpret_cast<const char*>(q + j + (rows + 2 * t + e) * N), _MM_HINT_T0);
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, xs[r] + 4 * t, 4);
+        const __m512i xv = _mm512_set1_epi32(four);
+        for (int c = 0; c < 4; ++c) s[r][c] = _mm512_dpbusd_epi32(s[r][c], u[c], xv);
+      }
+    }
+    for (int r = 0; r < R; ++r) {  // lanes back to column order: a 4 x 4 of quarters
+      const __m512i a0 = _mm512_shuffle_i32x4(s[r][0], s[r][1], 0x44);  // 0.0 0.1 1.0 1.1
+      const __m512i a1 = _mm512_shuffle_i32x4(s[r][2], s[r][3], 0x44);  // 2.0 2.1 3.0 3.1
+      const __m512i a2 = _mm512_shuffle_i32x4(s[r][0], s[r][1], 0xee);  // 0.2 0.3 1.2 1.3
+      const __m512i a3 = _mm512_shuffle_i32x4(s[r][2], s[r][3], 0xee);  // 2.2 2.3 3.2 3.3
+      int32_t* out = isum[r] + j;  // quarter L of vector v -> out[16 L + 4 v]
+      _mm512_storeu_si512(out, _mm512_shuffle_i32x4(a0, a1, 0x88));       // 0.0 1.0 2.0 3.0
+      _mm512_storeu_si512(out + 16, _mm512_shuffle_i32x4(a0, a1, 0xdd));  // 0.1 1.1 2.1 3.1
+      _mm512_storeu_si512(out + 32, _mm512_shuffle_i32x4(a2, a3, 0x88));
+      _mm512_storeu_si512(out + 48, _mm512_shuffle_i32x4(a2, a3, 0xdd));
+    }
+  }
+}
+#endif
+
 // isum[r][j] = the integer sum of block kb, column n0 + j (j < w), with x row b0 + r, for
 // R <= 4 rows (N last).
 template <int R, Fmt F>
@@ -183,6 +234,9 @@ void BlockSums(const Problem& p, int64_t b0, int64_t kb, int64_t n0, int64_t w,
   const int8_t* xs[R];
   for (int r = 0; r < R; ++r) xs[r] = p.xs.data() + ((b0 + r) * blocks + kb) * sb;
   int64_t j = 0;
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  if constexpr (!kSigned) BlockSums512<R>(q, xs, N, rows, steps, w, j, isum);
+#endif
   for (; j + 32 <= w; j += 32) {
     __m256i s[R][4];
     for (int r = 0; r < R; ++r)
