@@ -23,6 +23,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ["JAXFORMER_COMPILE_CACHE"] = "off"
 FIRST_REAL_ID = 3  # ids 0, 1, 2 are pad, bos, eos in every config here
 
+# A crashed worker's test runs once more on its replacement (tests/crash_rerun.py).
+if importlib.util.find_spec("xdist") is not None:
+    from tests.crash_rerun import (pytest_handlecrashitem, pytest_report_teststatus,  # noqa: F401
+                                   pytest_terminal_summary, pytest_xdist_make_scheduler)
+
 # A precaution, not a proven fix: two clean-clone runs lost an xdist worker to a segfault
 # inside XLA:CPU's compile of a deep unrolled program (tests/nn/test_stacking.py; the
 # 30-layer SmolLM2 engine step), never reproduced alone (the test passes with a 2 MiB
