@@ -33,7 +33,6 @@ class CrashRerunScheduling(LoadFileScheduling):
         """Put back only the unfinished files of a crashed node, first in the queue, with
         the test it crashed in still pending (if it may run again); return that test."""
         workload = self.assigned_work.pop(node)
-        self.registered_collections.pop(node, None)  # its replacement registers anew
         unfinished = {scope: unit for scope, unit in workload.items()
                       if not all(unit.values())}
         if not unfinished:

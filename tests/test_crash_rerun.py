@@ -1,4 +1,4 @@
-"""tests/crash_rerun.py: under `-n 1 --dist loadfile`, a test that segfaults its worker
+"""tests/crash_rerun.py: under `-n 2 --dist loadfile`, a test that segfaults its worker
 runs once more on the replacement worker, the rest of its file runs, and the run ends
 green (xdist alone reports the crash as a failure, and can hang after it); a test that
 crashes every time is reported failed."""
@@ -18,7 +18,8 @@ SEGFAULT = "import ctypes; ctypes.string_at(0)"
 
 def run_suite(tmp_path, crash_when: str) -> subprocess.CompletedProcess:
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
-    (tmp_path / "test_a.py").write_text("def test_one(): pass\ndef test_two(): pass\n")
+    for name in "acd":  # files before and after the crashing one, on either worker
+        (tmp_path / f"test_{name}.py").write_text("def test_one(): pass\ndef test_two(): pass\n")
     (tmp_path / "test_b.py").write_text(textwrap.dedent(f"""
         import pathlib
         MARK = pathlib.Path(__file__).with_name("crashed")
@@ -33,7 +34,7 @@ def run_suite(tmp_path, crash_when: str) -> subprocess.CompletedProcess:
         def test_after(): pass
         """))
     env = {**os.environ, "PYTHONPATH": REPO}
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.crash_rerun", "-n", "1",
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.crash_rerun", "-n", "2",
                            "--dist", "loadfile", "-p", "no:cacheprovider", "-q"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
 
@@ -41,12 +42,12 @@ def run_suite(tmp_path, crash_when: str) -> subprocess.CompletedProcess:
 def test_a_test_that_crashes_once_passes_on_its_rerun(tmp_path):
     out = run_suite(tmp_path, crash_when="not MARK.exists()")
     assert out.returncode == 0, out.stdout[-3000:]
-    assert "5 passed, 1 rerun" in out.stdout, out.stdout[-3000:]
+    assert "9 passed, 1 rerun" in out.stdout, out.stdout[-3000:]
     assert "crashed its worker: test_b.py::test_crash (1x, passed on its rerun)" in out.stdout
 
 
 def test_a_test_that_always_crashes_fails_and_its_file_goes_on(tmp_path):
     out = run_suite(tmp_path, crash_when="True")
     assert out.returncode == 1, out.stdout[-3000:]
-    assert "1 failed, 4 passed, 1 rerun" in out.stdout, out.stdout[-3000:]
+    assert "1 failed, 8 passed, 1 rerun" in out.stdout, out.stdout[-3000:]
     assert "crashed its worker: test_b.py::test_crash (2x, failed)" in out.stdout

@@ -118,6 +118,14 @@ def write(cache: PagedKV, new: Union[KV, QuantKV]) -> Union[KV, QuantKV]:
     return type(cache.pool)(*(scatter(p, x) for p, x in zip(cache.pool, new)))
 
 
+def kernel_attends(pool, axis: int, config: TransformerConfig) -> bool:
+    """Whether `heads` gives the C++ kernel's attention for steps over `pool` (a decode
+    or speculative step's few queries a row; a prefill chunk's many take the plain
+    path): a tuned CPU process, a float32 (G, S, K)-layout pool, no logit soft-capping."""
+    return (isinstance(pool, KV) and axis == 2 and config.attn_logit_softcapping is None
+            and paged_attention.usable(pool))
+
+
 def heads(cache: PagedKV, seen: Callable[[], KV], mask: jnp.ndarray,
           config: TransformerConfig) -> Optional[Callable[[jnp.ndarray], jnp.ndarray]]:
     """The attention of a paged step's queries as a function (B, C, H, K) -> (B, C, H, K),
@@ -129,8 +137,7 @@ def heads(cache: PagedKV, seen: Callable[[], KV], mask: jnp.ndarray,
     the (B, S, G, K) layout, logit soft-capping, no `start_B`): the caller attends as
     before."""
     pool = cache.pool
-    if (not isinstance(pool, KV) or cache.axis != 2 or cache.start_B is None
-            or config.attn_logit_softcapping is not None or not paged_attention.usable(pool)):
+    if cache.start_B is None or not kernel_attends(pool, cache.axis, config):
         return None
     scale = config.query_scale
 

@@ -42,7 +42,8 @@ import numpy as np
 
 from jaxformer.backends import host_memory
 from jaxformer.decode.inputs import decodable
-from jaxformer.nn import stacking
+from jaxformer.nn import paged_kv, stacking
+from jaxformer.nn.attention import kv_length_axis
 from jaxformer.nn.model import DecoderOnlyLM
 from jaxformer.serve import batching, paged, programs, spec_step
 from jaxformer.serve.batching import bucket, page_rows, slot_params, want_top
@@ -130,6 +131,10 @@ class Engine:
                                        | {max_len}))
         self.pool = PagePool(num_pages, page_size, prefix_cache=prefix_cache)
         self.pools = paged.init_pools(config, num_pages, page_size, stacked=scan_layers)
+        axis = kv_length_axis(config)
+        self.kernel_decode = (  # see `decode_view`
+            not any(map(config.layer_is_local, range(config.num_decoder_layers)))
+            and all(paged_kv.kernel_attends(kv, axis, config) for kv in self.pools))
         self.running: list[Optional[Slot]] = [None] * slots
         self.queue: collections.deque[Handle] = collections.deque()
         self.cancelled: set[str] = set()
@@ -367,7 +372,7 @@ class Engine:
                 self.params[adapter], page_rows(rows, self.max_pages), lengths, tokens,
                 np.asarray([s is not None for s in rows]), slot_params(rows),
                 want_top(members), batching.allowed(rows, self.config.tgt_vocab_size),
-                self.view_length(int(lengths.max()) + 1))
+                self.decode_view(int(lengths.max()) + 1))
             results.append((members, jax.device_get(picks)))
         for members, picks in results:
             for i, slot in enumerate(members):
@@ -406,6 +411,13 @@ class Engine:
         programs, compiled at their first use. Call it before `start`."""
         programs.warm_up(self)
         return self
+
+    def decode_view(self, needed: int) -> int:
+        """The view length of a decode (or speculative) step for rows of up to `needed`
+        positions: `view_length`'s bucket, or the whole table where the C++ kernel
+        attends (it reads each row's own positions whatever the view, so one compiled
+        step serves every length)."""
+        return self.view_sizes[-1] if self.kernel_decode else self.view_length(needed)
 
     def view_length(self, needed: int) -> int:
         """The compiled view length bucket for rows of up to `needed` positions (at most

@@ -74,11 +74,13 @@ def warm_up(engine) -> None:
     """Run each of `engine`'s steady-state programs once with every row idle (writes go
     to the null page), through the engine's own call paths (`Engine.run_decode`,
     `run_prefill`, so the compiled shapes are the ones its steps look up): the decode
-    step per row count and view length, the prefill chunk per (rows, width) and view
+    step per row count and decode view, the prefill chunk per (rows, width) and view
     length."""
     max_pages, params = engine.max_pages, engine.params[None]
     for view_len in engine.view_sizes:
-        if engine.speculative:
+        if engine.decode_view(view_len) != view_len:
+            pass  # no decode step reads this view (`Engine.decode_view`)
+        elif engine.speculative:
             spec_step.warm_up(engine, view_len)
         else:
             for rows in engine.decode_rows:
@@ -116,7 +118,7 @@ def time_programs(engine, length: int, reps: int = 20) -> dict:
         table[row, :-(-(length + 1) // size)] = [
             engine.pool.take() for _ in range(-(-(length + 1) // size))]
     params, no_top = engine.params[None], batching.want_top([])
-    view = engine.view_length(length + 1)
+    view = engine.decode_view(length + 1)
     lengths, ids = np.full((slots,), length, np.int32), np.arange(slots, dtype=np.int32) + 3
 
     def decode():

@@ -174,7 +174,7 @@ def speculative_step(engine, decoding) -> None:
         tokens[i, 1:1 + len(drafts)] = drafts
         engine.take_pages(slot, slot.cached + 1 + len(drafts))
     lengths = np.asarray([0 if s is None else s.cached for s in running], np.int32)
-    view_len = engine.view_length(int(lengths.max()) + k + 1)
+    view_len = engine.decode_view(int(lengths.max()) + k + 1)
     table = batching.page_rows(running, engine.max_pages)
     allowed = batching.allowed([s if s in decoding else None for s in running],
                                engine.config.tgt_vocab_size)

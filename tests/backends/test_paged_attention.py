@@ -164,3 +164,29 @@ def test_tuned_scanned_step_updates_the_pool_in_place(built, lm, rows, monkeypat
     temp = compiled.memory_analysis().temp_size_in_bytes
     one_layer = sum(x.size * x.dtype.itemsize for x in args[1][0]) // CONFIG.num_decoder_layers
     assert temp < one_layer / 2, (temp, one_layer)
+
+
+def test_a_tuned_engine_compiles_one_decode_step_for_every_length(built, make_lm,
+                                                                  monkeypatch):
+    """The kernel reads each row's own pages whatever the step's view: a tuned engine's
+    decode steps all take the whole table (`Engine.decode_view`), one program where an
+    untuned engine compiles one per view bucket (128 and 256 here), with its tokens."""
+    from jaxformer.serve.engine import Engine  # noqa: PLC0415
+    from jaxformer.serve.request import Request, SamplingParams  # noqa: PLC0415
+
+    lm = make_lm(CONFIG.replace(max_len=256))
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 48, n).tolist() for n in (10, 140)]
+
+    def serve():
+        engine = Engine(*lm, slots=2, max_len=256, page_size=SIZE, prefill_chunk=64)
+        handles = [engine.submit(Request(p, SamplingParams(max_tokens=6))) for p in prompts]
+        engine.run_until_idle()
+        tokens = [[e.token for e in h.result(0) if e.token is not None] for h in handles]
+        return tokens, {key[1] for key in engine.shapes if key[0] == "decode"}
+
+    want, plain_views = serve()
+    monkeypatch.setattr(cpu, "process_tuned", lambda: True)
+    got, tuned_views = serve()
+    assert plain_views == {128, 256} and tuned_views == {256}
+    assert got == want
