@@ -4,6 +4,7 @@ Tokens drawn here avoid the special ids (pad 0, bos 1, eos 2) unless a test
 puts them in on purpose, so "PAD" in a test always means a deliberate PAD.
 """
 
+import gc
 import importlib.util
 import os
 import resource
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 import jaxformer as jf
+from jaxformer.backends import host_memory
 from jaxformer.nn.masks import causal_mask
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -67,6 +69,30 @@ LONGEST_FIRST = ("harness/test_lm_eval.py", "cli/test_cli.py", "test_docs.py",
                  "serve/test_serve_cli.py", "train/test_bf16.py", "train/test_chunked_loss.py",
                  "train/test_step_heaps.py",
                  "backends/test_qmatmul.py")
+
+
+# A worker keeps every program it compiled: ~10 GB each by the end of a run on this
+# 24 GB machine, and the crashes above came late in runs. Past this resident size, a
+# file's end drops the compiled programs (the next file recompiles what it shares).
+WORKER_RSS_LIMIT_MB = 5000
+
+
+def resident_mb() -> float:
+    """This process's resident memory (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return 0.0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def bounded_worker_memory():
+    yield
+    if resident_mb() > WORKER_RSS_LIMIT_MB:
+        jax.clear_caches()
+        gc.collect()
+        host_memory.release_freed()
 
 
 def pytest_collection_modifyitems(items):
