@@ -58,6 +58,16 @@ def filtered_logits(logits_SV: jnp.ndarray, params: SlotParams) -> jnp.ndarray:
     return jnp.where(logits_SV >= threshold_S1, logits_SV, NEG)
 
 
+def scaled_filtered_logits(logits_SV: jnp.ndarray, params: SlotParams) -> jnp.ndarray:
+    """`filtered_logits`, its sort skipped at run time (`lax.cond`) when no row filters:
+    then only the temperature scaling (1 for greedy rows)."""
+    logits_SV = logits_SV.astype(jnp.float32)
+    temperature_S1 = jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None]
+    filters = jnp.any((params.top_k > 0) | (params.top_p < 1))
+    return jax.lax.cond(filters, lambda: filtered_logits(logits_SV, params),
+                        lambda: logits_SV / temperature_S1)
+
+
 def pick(logits_SV: jnp.ndarray, params: SlotParams, positions_S: jnp.ndarray,
          want_top: jnp.ndarray) -> Picks:
     """Each row's next token under its own settings; `positions_S` are the positions
@@ -74,9 +84,7 @@ def pick(logits_SV: jnp.ndarray, params: SlotParams, positions_S: jnp.ndarray,
     temperature_S1 = jnp.where(greedy_S, 1.0, params.temperature)[:, None]
 
     def draw(_):
-        filters = jnp.any((params.top_k > 0) | (params.top_p < 1))
-        filtered_SV = jax.lax.cond(filters, lambda: filtered_logits(logits_SV, params),
-                                   lambda: logits_SV / temperature_S1)
+        filtered_SV = scaled_filtered_logits(logits_SV, params)
         keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(
             params.seed.astype(jnp.uint32), positions_S)
         drawn_S = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, filtered_SV)

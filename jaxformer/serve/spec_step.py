@@ -83,39 +83,56 @@ def verify_program(model, page_size, params, pools, table_SM, lengths_S, tokens_
     logits_NV = logits_STV.reshape(rows * width, vocab)
     picks = select.pick(logits_NV, flat, positions_ST.reshape(-1), want_top)
     pick_ST = picks.token.reshape(rows, width)
-    filtered_NV = select.filtered_logits(logits_NV, flat)
-    probs_STV = jax.nn.softmax(filtered_NV, axis=-1).reshape(rows, width, vocab)
-
     draft_SK = tokens_ST[:, 1:]
-    keys_ST = jax.vmap(jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p),
-                                (None, 0)))(slot_params.seed.astype(jnp.uint32), positions_ST)
-    u_SK = jax.vmap(jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1))))(
-        keys_ST[:, :-1])
-    p_draft_SK = jnp.take_along_axis(probs_STV[:, :-1], draft_SK[..., None], axis=-1)[..., 0]
-    greedy_S1 = (slot_params.temperature <= 0)[:, None]
-    ok_SK = jnp.where(greedy_S1, draft_SK == pick_ST[:, :-1], u_SK < p_draft_SK)
-    ok_SK &= jnp.arange(width - 1)[None, :] < counts_S[:, None]
-    accepted_S = jnp.sum(jnp.cumprod(ok_SK.astype(jnp.int32), axis=1), axis=1)
+    greedy_S = slot_params.temperature <= 0
+    drafted_SK = jnp.arange(width - 1)[None, :] < counts_S[:, None]
 
-    # The row's own token at position n: greedy, or after every draft, the plain pick;
-    # after a rejected draft d_n, a draw from the row's distribution without d_n.
+    def accepted(ok_SK):  # (S,) the length of each row's accepted run of drafts
+        return jnp.sum(jnp.cumprod((ok_SK & drafted_SK).astype(jnp.int32), axis=1), axis=1)
+
+    def plain_at(accepted_S):  # the row's plain pick at the position after its drafts
+        return jnp.take_along_axis(pick_ST, accepted_S[:, None], axis=1)[:, 0]
+
+    def all_greedy(_):
+        accepted_S = accepted(draft_SK == pick_ST[:, :-1])
+        return accepted_S, plain_at(accepted_S)
+
+    def some_sampled(_):
+        filtered_NV = select.scaled_filtered_logits(logits_NV, flat)
+        probs_STV = jax.nn.softmax(filtered_NV, axis=-1).reshape(rows, width, vocab)
+        keys_ST = jax.vmap(jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p),
+                                    (None, 0)))(slot_params.seed.astype(jnp.uint32),
+                                                positions_ST)
+        u_SK = jax.vmap(jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1))))(
+            keys_ST[:, :-1])
+        p_draft_SK = jnp.take_along_axis(probs_STV[:, :-1], draft_SK[..., None],
+                                         axis=-1)[..., 0]
+        accepted_S = accepted(jnp.where(greedy_S[:, None], draft_SK == pick_ST[:, :-1],
+                                        u_SK < p_draft_SK))
+        # After a rejected draft d_n, a draw from the row's distribution without d_n.
+        at = accepted_S[:, None]
+        filtered_SV = jnp.take_along_axis(filtered_NV.reshape(rows, width, vocab),
+                                          at[..., None], axis=1)[:, 0]
+        rejected_S = jnp.take_along_axis(
+            jnp.concatenate([draft_SK, jnp.zeros((rows, 1), draft_SK.dtype)], axis=1), at,
+            1)[:, 0]
+        residual_SV = jnp.where(jnp.arange(vocab)[None, :] == rejected_S[:, None],
+                                select.NEG, filtered_SV)
+        key_S = jax.vmap(lambda ks, n: jax.random.fold_in(ks[n], 2))(keys_ST, accepted_S)
+        residual_draw_S = jax.vmap(jax.random.categorical)(key_S, residual_SV).astype(
+            jnp.int32)
+        resample_S = (~greedy_S) & (accepted_S < counts_S)
+        return accepted_S, jnp.where(resample_S, residual_draw_S, plain_at(accepted_S))
+
+    # An all-greedy step skips the sampled acceptance: its sort and softmax over the
+    # vocabulary at every position cost several decode steps.
+    accepted_S, final_S = jax.lax.cond(jnp.all(greedy_S), all_greedy, some_sampled, None)
     at = accepted_S[:, None]
-    plain_S = jnp.take_along_axis(pick_ST, at, axis=1)[:, 0]
-    filtered_SV = jnp.take_along_axis(filtered_NV.reshape(rows, width, vocab), at[..., None],
-                                      axis=1)[:, 0]
-    rejected_S = jnp.take_along_axis(
-        jnp.concatenate([draft_SK, jnp.zeros((rows, 1), draft_SK.dtype)], axis=1), at, 1)[:, 0]
-    residual_SV = jnp.where(jnp.arange(vocab)[None, :] == rejected_S[:, None], select.NEG,
-                            filtered_SV)
-    key_S = jax.vmap(lambda ks, n: jax.random.fold_in(ks[n], 2))(keys_ST, accepted_S)
-    residual_draw_S = jax.vmap(jax.random.categorical)(key_S, residual_SV).astype(jnp.int32)
-    resample_S = (~greedy_S1[:, 0]) & (accepted_S < counts_S)
-    final_S = jnp.where(resample_S, residual_draw_S, plain_S)
     out_ST = jnp.where(jnp.arange(width)[None, :] < at,
                        jnp.concatenate([draft_SK, jnp.zeros((rows, 1), draft_SK.dtype)], 1),
                        final_S[:, None]).astype(jnp.int32)
 
-    temperature_S = jnp.where(greedy_S1[:, 0], 1.0, slot_params.temperature)
+    temperature_S = jnp.where(greedy_S, 1.0, slot_params.temperature)
     logp_STV = jax.nn.log_softmax(logits_STV / temperature_S[:, None, None], axis=-1)
     logprob_ST = jnp.take_along_axis(logp_STV, out_ST[..., None], axis=-1)[..., 0]
     top = picks.top_ids.shape[-1]

@@ -75,6 +75,29 @@ def test_speculative_logprobs_and_stops_equal_plain(lm):
                 assert [t for t, _ in b[2]] == [t for t, _ in a[2]]
 
 
+def test_greedy_and_sampled_rows_in_one_speculative_step(lm):
+    """A verify step holding a greedy row beside sampled ones (one with top-k) takes the
+    sampled acceptance for all: the greedy row still gets plain greedy tokens, and each
+    sampled row the tokens it gets alone (its seed and own drafts only)."""
+    prompt = prompts(1, (12,))[0]  # its greedy row rejects drafts in mixed steps
+    requests = [SamplingParams(max_tokens=16),
+                SamplingParams(max_tokens=16, temperature=0.8, seed=5),
+                SamplingParams(max_tokens=16, temperature=1.0, top_k=3, seed=9)]
+
+    def run(batch):
+        eng = engine(lm, speculative=3)
+        handles = [eng.submit(Request(prompt, r)) for r in batch]
+        eng.run_until_idle()
+        return [tokens_of(h) for h in handles], eng.metrics()["acceptance_rate"]
+
+    together, rate = run(requests)
+    assert together[0] == alone(*lm, prompt, 16)
+    assert rate > 0  # drafts were verified, some accepted
+    for i in (1, 2):
+        assert together[i] == run([requests[i]])[0][0]
+    assert together[1] != together[2]
+
+
 @pytest.fixture(scope="module")
 def small_vocab(make_lm):
     config = jf.tiny(num_encoder_layers=0, tgt_vocab_size=V, max_len=16)
