@@ -45,10 +45,10 @@ def _case(fmt, batch, k, n, transposed=False, seed=0):
     return jnp.asarray(x), parts
 
 
-def _reference(x, parts, fmt, transposed=False, block=32):
-    """x times the dequantized kernel, in float64 (numpy): independent of both paths."""
+def _dequantized(parts, fmt, transposed=False, block=32):
+    """The (k, n) kernel W the parts stand for, float64 (numpy)."""
     w = np.asarray(quant.dequantize(parts, fmt, block, -1 if transposed else 0), np.float64)
-    return np.asarray(x, np.float64) @ (w.T if transposed else w)
+    return w.T if transposed else w
 
 
 def _rounded_x(x, block):
@@ -64,26 +64,23 @@ def _rounded_x(x, block):
 
 
 def _check(got, x, parts, fmt, transposed, block=32, msg=""):
-    """got against the float64 reference: at float rounding on the float path; on the
-    integer path at float rounding against x rounded as the kernel rounds it (the
-    offset term, m sum x or -8 d sum x, takes x itself), and within the rounding's
-    bound sum_k dx/2 |d q[k, n]| of the float product."""
-    got, want = np.asarray(got, np.float64), _reference(x, parts, fmt, transposed, block)
+    """got against x times the dequantized kernel in float64 (numpy: independent of both
+    paths): at float rounding on the float path; on the integer path at float rounding
+    against x rounded as the kernel rounds it times W (the offset term too takes x as
+    rounded, llama.cpp's Q8_1 block sum), and within the rounding's bound
+    sum_k dx/2 |W[k, n]| of the float product."""
+    w = _dequantized(parts, fmt, transposed, block)
+    got, want = np.asarray(got, np.float64), np.asarray(x, np.float64) @ w
     assert got.shape == want.shape
     if not qmatmul.integer_dot(fmt, transposed, block):
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max(),
                                    err_msg=msg)
         return
-    axis = -1 if transposed else 0
-    zero = {**parts, "q": jnp.zeros_like(parts["q"])}  # W = d q + c: c alone (m, -8 d, 0)
-    c = np.asarray(quant.dequantize(zero, fmt, block, axis), np.float64)
-    dq = np.asarray(quant.dequantize(parts, fmt, block, axis), np.float64) - c
-    dq, c = (dq.T, c.T) if transposed else (dq, c)
     rounded, half = _rounded_x(x, block)
-    exact = rounded @ dq + np.asarray(x, np.float64) @ c
+    exact = rounded @ w
     np.testing.assert_allclose(got, exact, rtol=0, atol=2e-6 * np.abs(exact).max(),
                                err_msg=msg)
-    bound = half @ np.abs(dq) + 2e-6 * np.abs(want).max()
+    bound = half @ np.abs(w) + 2e-6 * np.abs(want).max()
     assert (np.abs(got - want) <= bound).all(), msg
     assert not np.allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max()), \
         f"{msg}: x was not rounded"  # the integer path differs from the float product
@@ -176,7 +173,7 @@ def test_a_non_finite_x_gives_nan_rows_as_the_float_product_does(built, fmt, tra
         x, parts = _case(fmt, 3, 96, 70, transposed, seed=5)
         x = x.at[1, 40].set(bad)
         got = np.asarray(qmatmul.matmul(x, parts, fmt, 32, transposed))
-        want = _reference(x, parts, fmt, transposed)
+        want = np.asarray(x, np.float64) @ _dequantized(parts, fmt, transposed)
         assert not np.isfinite(got[1]).any() and not np.isfinite(want[1]).any()
         if qmatmul.integer_dot(fmt, transposed, 32):
             assert np.isnan(got[1]).all(), f"{fmt} {bad}"

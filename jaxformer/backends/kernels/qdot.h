@@ -7,8 +7,12 @@
 // float path), then per block and output column the integer sum s = sum_k q[k, n] xq[k]
 // is exact (4 products at a time into int32: VNNI's dpbusd, or maddubs + madd where the
 // CPU lacks it: every pair fits an int16) and y += d (dx s) (+ m xsum, or - 8 d xsum for
-// int4_sym), in float32; xsum is the float block sum of x itself. So the only change
-// from the float path is x's rounding to 8 bits per block: |x - dx xq| <= dx / 2.
+// int4_sym), in float32; xsum = dx sum_k xq, the block sum of x as rounded (llama.cpp's
+// Q8_1 `s`). So y is exactly the dequantized W times the rounded x, and the only change
+// from the float path is x's rounding to 8 bits per block: |x - dx xq| <= dx / 2, its
+// error weighted by W itself. (With the float sum of x the offset term would not see
+// the rounding, and the errors would be weighted by d q, 0..15 d, never centred: on
+// SmolLM2 Q4_1 logits 2x as far from the float path's, RoundedBlockSums.)
 //
 // x is quantized once per call, into the order in which the layout's weights stream
 // (Problem::xs, `XStream`), so both layouts and every format share one inner loop:
@@ -124,6 +128,19 @@ inline void QuantizeX(Problem& p) {
   for (int64_t b = 0; b < p.B; ++b)
     for (int64_t kb = 0; kb < blocks; ++kb)
       p.xdt[(b / IR * blocks + kb) * IR + b % IR] = p.xd[b * blocks + kb];
+}
+
+// The integer path's p.xsum (4-bit layouts): dx sum_k xq per row and block (header), from
+// p.xs and p.xd (NaN where x's block is not finite).
+inline void RoundedBlockSums(Problem& p) {
+  const int64_t blocks = p.K / p.block, sb = StreamBytes(p);
+  for (int64_t b = 0; b < p.B; ++b)
+    for (int64_t kb = 0; kb < blocks; ++kb) {
+      const int8_t* xs = p.xs.data() + (b * blocks + kb) * sb;
+      int32_t sum = 0;
+      for (int64_t i = 0; i < sb; ++i) sum += xs[i];  // stream padding is zero
+      p.xsum[b * blocks + kb] = p.xd[b * blocks + kb] * static_cast<float>(sum);
+    }
 }
 
 // Columns per task of the N-last integer path, at most (qmatmul.cc's Run picks the width:

@@ -10,8 +10,8 @@
 // every lane, so each dpbusd adds 4 products to each of 16 rows' sums and no lane sum is
 // ever needed. int8_block's signed weights enter as q + 128 (dpbusd's unsigned operand;
 // AVX-512 has no vpsignb), less 128 times the block's integer sum of x. Per block and row
-// the arithmetic is qdot.h's: the same exact integer sum s and x rounding,
-// y += (d dx) s + c xsum (c = m, -8 d for int4_sym, 0 for int8_block), in float32, in
+// the arithmetic is qdot.h's: the same exact integer sum s, x rounding and xsum (of x as
+// rounded), y += (d dx) s + c xsum (c = m, -8 d for int4_sym, 0 for int8_block), in float32, in
 // block order (so within float rounding of IntRowDots, not bit for bit: it adds the
 // c xsum terms apart).
 

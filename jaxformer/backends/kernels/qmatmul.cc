@@ -114,7 +114,8 @@ struct Problem {
   const void* scale;     // float32 (int8) or float16 bits
   const uint16_t* offset;  // int4 only
   float* y;
-  std::vector<float> xsum;  // (B, K / block): block sums of x (4-bit layouts)
+  std::vector<float> xsum;  // (B, K / block): block sums of x, as rounded on the
+                            // integer path (4-bit layouts)
   bool integer = false;     // integer dot products (qdot.h): xs, xd below
   int64_t width = NT;       // columns per task (N-last layout)
   std::vector<int8_t> xs;   // (B, K / block, stream bytes): x quantized per block (qdot.h)
@@ -445,7 +446,10 @@ ffi::Error Run(ffi::ThreadPool& pool, Problem& p) {
     return ffi::Error::Success();
   }
   p.integer = UsesIntegerDot(p.fmt, p.transposed, p.block);
-  if (p.integer) QuantizeX(p);
+  if (p.integer) {
+    QuantizeX(p);
+    if (!p.xsum.empty()) RoundedBlockSums(p);
+  }
   p.wide = UsesWideDot(p);
   if (p.wide) WideX(p);
   const bool serial = p.K * p.N < SERIAL;
