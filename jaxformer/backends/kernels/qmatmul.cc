@@ -433,22 +433,22 @@ using jaxformer::ParallelFor;
 
 ffi::Error Run(ffi::ThreadPool& pool, Problem& p) {
   if (p.B == 0 || p.N == 0) return ffi::Error::Success();
-  if (p.fmt == Fmt::kInt4 || p.fmt == Fmt::kInt4Sym) {
-    const int64_t blocks = p.K / p.block;
-    p.xsum.assign(p.B * blocks, 0.0f);
-    for (int64_t b = 0; b < p.B; ++b)
-      for (int64_t kb = 0; kb < blocks; ++kb) {
-        p.xsum[b * blocks + kb] = BlockSum(p.x + b * p.K + kb * p.block, p.block);
-      }
-  }
   if (p.K == 0) {
     std::fill(p.y, p.y + p.B * p.N, 0.0f);
     return ffi::Error::Success();
   }
   p.integer = UsesIntegerDot(p.fmt, p.transposed, p.block);
-  if (p.integer) {
-    QuantizeX(p);
-    if (!p.xsum.empty()) RoundedBlockSums(p);
+  if (p.integer) QuantizeX(p);
+  if (p.fmt == Fmt::kInt4 || p.fmt == Fmt::kInt4Sym) {
+    const int64_t blocks = p.K / p.block;
+    p.xsum.assign(p.B * blocks, 0.0f);
+    if (p.integer) {
+      RoundedBlockSums(p);
+    } else {
+      for (int64_t b = 0; b < p.B; ++b)
+        for (int64_t kb = 0; kb < blocks; ++kb)
+          p.xsum[b * blocks + kb] = BlockSum(p.x + b * p.K + kb * p.block, p.block);
+    }
   }
   p.wide = UsesWideDot(p);
   if (p.wide) WideX(p);
