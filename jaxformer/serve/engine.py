@@ -354,9 +354,9 @@ class Engine:
 
     def decode_step(self, decoding: list[Slot]) -> None:
         """One token for each of `decoding`: a call per adapter, over its decoding
-        slots only, padded to the next of `decode_rows` (idle slots cost nothing)."""
-        if self.speculative:
-            spec_step.speculative_step(self, decoding)
+        slots only, padded to the next of `decode_rows` (idle slots cost nothing); with
+        `speculative`, the verify step instead where some slot has drafts."""
+        if self.speculative and spec_step.speculative_step(self, decoding):
             return
         for slot in decoding:
             self.take_pages(slot, slot.cached + 1)

@@ -74,21 +74,19 @@ def warm_up(engine) -> None:
     """Run each of `engine`'s steady-state programs once with every row idle (writes go
     to the null page), through the engine's own call paths (`Engine.run_decode`,
     `run_prefill`, so the compiled shapes are the ones its steps look up): the decode
-    step per row count and decode view, the prefill chunk per (rows, width) and view
-    length."""
+    step per row count and decode view (and the verify step per view, with
+    `speculative`), the prefill chunk per (rows, width) and view length."""
     max_pages, params = engine.max_pages, engine.params[None]
     for view_len in engine.view_sizes:
-        if engine.decode_view(view_len) != view_len:
-            pass  # no decode step reads this view (`Engine.decode_view`)
-        elif engine.speculative:
+        decodes = engine.decode_view(view_len) == view_len  # else no step reads this view
+        if decodes and engine.speculative:
             spec_step.warm_up(engine, view_len)
-        else:
-            for rows in engine.decode_rows:
-                picks = engine.run_decode(
-                    params, np.zeros((rows, max_pages), np.int32), np.zeros((rows,), np.int32),
-                    np.zeros((rows,), np.int32), np.zeros((rows,), bool),
-                    batching.slot_params([None] * rows), batching.want_top([]), None, view_len)
-                jax.block_until_ready(picks)
+        for rows in engine.decode_rows if decodes else ():  # (speculative: no drafts)
+            picks = engine.run_decode(
+                params, np.zeros((rows, max_pages), np.int32), np.zeros((rows,), np.int32),
+                np.zeros((rows,), np.int32), np.zeros((rows,), bool),
+                batching.slot_params([None] * rows), batching.want_top([]), None, view_len)
+            jax.block_until_ready(picks)
         for rows in engine.row_sizes:
             for width in engine.chunk_sizes:
                 if width > view_len or view_len < min(batching.PREFILL_VIEW, engine.max_len):

@@ -174,22 +174,28 @@ def warm_up(engine, view_len: int) -> None:
         batching.slot_params([None] * slots), batching.want_top([]), None, view_len))
 
 
-def speculative_step(engine, decoding) -> None:
-    """The engine's decode step with drafts (`Engine.decode_step` when `speculative`)."""
+def speculative_step(engine, decoding) -> bool:
+    """The engine's decode step with drafts (`Engine.decode_step` when `speculative`);
+    False, having done nothing, when no slot has a draft (the plain decode step then
+    runs: it feeds one position per row, not k + 1, for the same tokens)."""
     k = engine.speculative
     running = engine.running
-    counts = np.zeros((len(running),), np.int32)
-    tokens = np.zeros((len(running), k + 1), np.int32)
+    drafts = []
     for slot in decoding:
-        i = running.index(slot)
         params = slot.request.params
         room = min(params.max_tokens - slot.generated - 1, engine.max_len - slot.cached - 1)
-        drafts = [] if slot.request.constraint is not None or room <= 0 else draft_tokens(
-            slot.tokens, min(k, room), *engine.ngram)
-        counts[i] = len(drafts)
+        drafts.append([] if slot.request.constraint is not None or room <= 0 else (
+            draft_tokens(slot.tokens, min(k, room), *engine.ngram)))
+    if not any(drafts):
+        return False
+    counts = np.zeros((len(running),), np.int32)
+    tokens = np.zeros((len(running), k + 1), np.int32)
+    for slot, found in zip(decoding, drafts):
+        i = running.index(slot)
+        counts[i] = len(found)
         tokens[i, 0] = slot.pending
-        tokens[i, 1:1 + len(drafts)] = drafts
-        engine.take_pages(slot, slot.cached + 1 + len(drafts))
+        tokens[i, 1:1 + len(found)] = found
+        engine.take_pages(slot, slot.cached + 1 + len(found))
     lengths = np.asarray([0 if s is None else s.cached for s in running], np.int32)
     view_len = engine.decode_view(int(lengths.max()) + k + 1)
     table = batching.page_rows(running, engine.max_pages)
@@ -218,3 +224,4 @@ def speculative_step(engine, decoding) -> None:
                               out.top_logprobs[i, j])
                 if running[i] is not slot:  # it finished (EOS, stop, length)
                     break
+    return True

@@ -98,6 +98,36 @@ def test_greedy_and_sampled_rows_in_one_speculative_step(lm):
     assert together[1] != together[2]
 
 
+def test_a_step_without_drafts_runs_the_plain_decode_step(lm, monkeypatch):
+    """Where no slot has a draft, the engine runs the decode program (one position per
+    row) instead of the verify step (k + 1): same tokens, and after `warm_up` neither
+    compiles anything."""
+    from jaxformer.serve import spec_step  # noqa: PLC0415
+
+    eng = engine(lm, speculative=3).warm_up()
+    verify, decode = spec_step.compiled_verify(), eng.decode_fn
+    sizes = (verify._cache_size(), decode._cache_size())
+    calls = {"verify": 0, "decode": 0}
+    run_verify, run_decode = spec_step.run_verify, eng.run_decode
+    monkeypatch.setattr(spec_step, "run_verify", lambda *a: calls.__setitem__(
+        "verify", calls["verify"] + 1) or run_verify(*a))
+    monkeypatch.setattr(eng, "run_decode", lambda *a: calls.__setitem__(
+        "decode", calls["decode"] + 1) or run_decode(*a))
+    ps = [repetitive(1, 20), prompts(4, (9,))[0]]
+    handles = [eng.submit(Request(p, SamplingParams(max_tokens=12))) for p in ps]
+    eng.run_until_idle()
+    assert [tokens_of(h) for h in handles] == [alone(*lm, p, 12) for p in ps]
+    assert calls["verify"] > 0
+
+    monkeypatch.setattr(spec_step, "draft_tokens", lambda *a: [])  # prompt lookup finds none
+    calls.update(verify=0, decode=0)
+    handle = eng.submit(Request(ps[0], SamplingParams(max_tokens=12)))
+    eng.run_until_idle()
+    assert tokens_of(handle) == alone(*lm, ps[0], 12)
+    assert calls == {"verify": 0, "decode": 11}  # the first token comes from the prefill
+    assert (verify._cache_size(), decode._cache_size()) == sizes
+
+
 @pytest.fixture(scope="module")
 def small_vocab(make_lm):
     config = jf.tiny(num_encoder_layers=0, tgt_vocab_size=V, max_len=16)
