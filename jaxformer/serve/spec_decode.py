@@ -7,7 +7,9 @@ rolls the cache back over the rest: the rejected keys stay in their slots but th
 cache index moves back to the last accepted one, so they are invisible (masks go by
 slot) and the next round overwrites them. Greedy output equals `generate`'s (up to the
 float rounding of a k+1-token pass against a 1-token one); sampled output is
-distributed as `generate`'s sampling (not the same draws).
+distributed as `generate`'s sampling (not the same draws). A round whose lookup finds
+no draft feeds the last token alone (`lax.cond`: a plain decode step's cost, not k + 1
+positions'; under `vmap` a batched predicate runs both branches).
 
 Cache invariants per sequence of `length` tokens (prompt + output):
   target: slots 0..length-2 hold the keys of every token but the last (index = length-1);
@@ -152,8 +154,16 @@ def decode_one(model, params, prompt_P, prompt_len, rng, draft_model, draft_para
         count = jnp.minimum(count, room).astype(jnp.int32)
         last = jax.lax.dynamic_slice(s.seq_L, (s.length - 1,), (1,))
         cache = s.cache.replace(index=(s.length - 1).astype(jnp.int32))
-        logits, cache = cache_lib.cached_forward(model, params, cache,
-                                                 jnp.concatenate([last, draft])[None])
+
+        def verify(cache):
+            return cache_lib.cached_forward(model, params, cache,
+                                            jnp.concatenate([last, draft])[None])
+
+        def step(cache):  # no draft: one position (a plain decode step), not k + 1
+            logits, cache = cache_lib.cached_forward(model, params, cache, last[None])
+            return jnp.pad(logits, ((0, 0), (0, k), (0, 0))), cache  # rows 1..k unread
+
+        logits, cache = jax.lax.cond(count > 0, verify, step, cache)
         if greedy:
             tokens, emitted = speculative.greedy_verify(logits[0], draft, count)
         else:
