@@ -7,9 +7,9 @@ rolls the cache back over the rest: the rejected keys stay in their slots but th
 cache index moves back to the last accepted one, so they are invisible (masks go by
 slot) and the next round overwrites them. Greedy output equals `generate`'s (up to the
 float rounding of a k+1-token pass against a 1-token one); sampled output is
-distributed as `generate`'s sampling (not the same draws). A round whose lookup finds
-no draft feeds the last token alone (`lax.cond`: a plain decode step's cost, not k + 1
-positions'; under `vmap` a batched predicate runs both branches).
+distributed as `generate`'s sampling (not the same draws). With one row, a round whose
+lookup finds no draft feeds the last token alone (`lax.cond`: a plain decode step's
+cost, not k + 1 positions'; under `vmap` the batched predicate would run both).
 
 Cache invariants per sequence of `length` tokens (prompt + output):
   target: slots 0..length-2 hold the keys of every token but the last (index = length-1);
@@ -109,8 +109,10 @@ def draft_model_tokens(draft_model, draft_params, cache, seq_L, length, *, k, se
 
 
 def decode_one(model, params, prompt_P, prompt_len, rng, draft_model, draft_params, *,
-               max_new_tokens, k, ngram, temperature, top_k, top_p):
-    """Speculative decoding of one prompt (P,) of `prompt_len` valid ids; see module doc."""
+               max_new_tokens, k, ngram, temperature, top_k, top_p, skip_empty=False):
+    """Speculative decoding of one prompt (P,) of `prompt_len` valid ids; see module doc.
+    `skip_empty`: a round without drafts feeds one position (not under `vmap`, where the
+    batched predicate would run both branches)."""
     c = model.config
     width = prompt_P.shape[0]
     size = width + max_new_tokens + k + 1
@@ -163,7 +165,8 @@ def decode_one(model, params, prompt_P, prompt_len, rng, draft_model, draft_para
             logits, cache = cache_lib.cached_forward(model, params, cache, last[None])
             return jnp.pad(logits, ((0, 0), (0, k), (0, 0))), cache  # rows 1..k unread
 
-        logits, cache = jax.lax.cond(count > 0, verify, step, cache)
+        logits, cache = (jax.lax.cond(count > 0, verify, step, cache) if skip_empty
+                         else verify(cache))
         if greedy:
             tokens, emitted = speculative.greedy_verify(logits[0], draft, count)
         else:
@@ -195,14 +198,15 @@ def spec_program(model, params, prompt_BP, lengths_B, rng_B, *, draft_model=None
     if draft_model is not None:
         draft_model, draft_params = stacking.for_decoding(draft_model, draft_params)
 
-    def one(prompt_P, length, rng):
+    def one(prompt_P, length, rng, skip_empty=False):
         return decode_one(model, params, prompt_P, length, rng, draft_model, draft_params,
                           max_new_tokens=max_new_tokens, k=k, ngram=ngram,
-                          temperature=temperature, top_k=top_k, top_p=top_p)
+                          temperature=temperature, top_k=top_k, top_p=top_p,
+                          skip_empty=skip_empty)
 
     if prompt_BP.shape[0] == 1:  # no vmap: the cache index stays a scalar (slices, not scatters)
         return jax.tree_util.tree_map(lambda x: x[None], one(prompt_BP[0], lengths_B[0],
-                                                             rng_B[0]))
+                                                             rng_B[0], skip_empty=True))
     return jax.vmap(one)(prompt_BP, lengths_B, rng_B)
 
 

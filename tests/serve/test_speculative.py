@@ -86,12 +86,15 @@ def test_greedy_speculation_equals_generate(lm, make_lm, draft):
 
 
 def test_greedy_one_row_and_a_row_that_stops_early(lm):
+    """One row at a time (no vmap: a round without drafts feeds one position), the
+    third prompt's tokens all distinct, so its first round finds no draft."""
     model, params = lm
-    for row in REPETITIVE:
+    for row in REPETITIVE + [list(range(3, 17))]:
         prompt = jnp.array([row], jnp.int32)
         plain = jf.generate(model, params, prompt, max_new_tokens=20)
         out = speculative_generate(model, params, prompt, max_new_tokens=20, k=5)
         np.testing.assert_array_equal(out.tokens, plain.tokens)
+        np.testing.assert_array_equal(out.lengths, plain.lengths)
 
 
 # -- sampling: distributed as plain sampling --------------------------------------------
