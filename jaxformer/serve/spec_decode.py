@@ -111,8 +111,9 @@ def draft_model_tokens(draft_model, draft_params, cache, seq_L, length, *, k, se
 def decode_one(model, params, prompt_P, prompt_len, rng, draft_model, draft_params, *,
                max_new_tokens, k, ngram, temperature, top_k, top_p, skip_empty=False):
     """Speculative decoding of one prompt (P,) of `prompt_len` valid ids; see module doc.
-    `skip_empty`: a round without drafts feeds one position (not under `vmap`, where the
-    batched predicate would run both branches)."""
+    `skip_empty`: a round without drafts feeds one position (prompt lookup only: a draft
+    model always drafts k; not under `vmap`, where the batched predicate would run both
+    branches)."""
     c = model.config
     width = prompt_P.shape[0]
     size = width + max_new_tokens + k + 1
@@ -206,7 +207,8 @@ def spec_program(model, params, prompt_BP, lengths_B, rng_B, *, draft_model=None
 
     if prompt_BP.shape[0] == 1:  # no vmap: the cache index stays a scalar (slices, not scatters)
         return jax.tree_util.tree_map(lambda x: x[None], one(prompt_BP[0], lengths_B[0],
-                                                             rng_B[0], skip_empty=True))
+                                                             rng_B[0],
+                                                             skip_empty=draft_model is None))
     return jax.vmap(one)(prompt_BP, lengths_B, rng_B)
 
 
