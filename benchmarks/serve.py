@@ -16,9 +16,10 @@ of the whole run; TTFT = request sent to first text, ITL = gaps between text
 chunks (jaxformer at concurrency 8); prefix_cache_ttft_ratio = TTFT of requests
 sharing a 512-token system prompt with the prefix cache on over off (one slot);
 spec_decode_speedup / acceptance_rate: `jaxformer.serve.speculative_generate`
-(prompt lookup, k=4) over `jaxformer.generate` on "rewrite this text" prompts,
-batch 1 (the library call); `runs["server_spec_decode"]`: the same prompts through
-`jaxformer serve --speculative K` (one slot) over the server without; idle RSS of the
+(prompt lookup, --spec-k drafts, default 4) over `jaxformer.generate` on "rewrite this
+text" prompts (8 docs paragraphs frozen in rewrite_texts.json), batch 1 (the library
+call); `runs["server_spec_decode"]`: the same prompts through `jaxformer serve
+--speculative K` (one slot) over the server without; idle RSS of the
 concurrency-1 server against the model's parameter bytes + its KV pool + 300 MB, and
 `runs["idle_rss_split"]`: its anonymous and file-backed parts.
 
@@ -258,11 +259,20 @@ def prefix_ttft(args) -> dict:
             "ratio": out[True] / out[False]}
 
 
-def spec_decode(args, texts: int = 4) -> dict:
-    """speculative_generate (prompt lookup) over generate: rewrites of given texts (the
-    `texts` longest of `corpus_prompts(8, 3)`; the docs change, so several texts keep the
-    figure from hanging on one), each timed in 3 interleaved rounds (medians); the speedup
-    is the summed plain time over the summed speculative time."""
+def rewrite_prompts() -> list[str]:
+    """"Rewrite this text" prompts over the 8 texts of rewrite_texts.json (docs paragraphs
+    of 100-1000 characters, frozen: the docs change, and how faithfully the model copies
+    a text moves the speculation figures)."""
+    with open(os.path.join(REPO, "benchmarks", "rewrite_texts.json"), encoding="utf-8") as f:
+        texts = json.load(f)["texts"]
+    return [f"Rewrite the following text word for word:\n\n{text}\n\nRewritten text:\n\n"
+            for text in texts]
+
+
+def spec_decode(args, k: int = 4) -> dict:
+    """speculative_generate (prompt lookup, k drafts) over generate on `rewrite_prompts`,
+    each timed in 3 interleaved rounds (medians); the speedup is the summed plain time
+    over the summed speculative time."""
     import jax  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
 
@@ -272,12 +282,11 @@ def spec_decode(args, texts: int = 4) -> dict:
 
     model, params, tokenizer = load_model(args.gguf)
     n, plain_s, spec_s, accepted = 96, 0.0, 0.0, []
-    for text in corpus_prompts(8, 3)[-texts:]:
-        prompt = f"Rewrite the following text word for word:\n\n{text}\n\nRewritten text:\n\n"
+    for prompt in rewrite_prompts():
         ids = np.asarray([tokenizer.encode(prompt).ids], np.int32)
         plain = lambda: generate(model, params, ids, max_new_tokens=n)  # noqa: E731
         speculative = lambda: speculative_generate(  # noqa: E731
-            model, params, ids, max_new_tokens=n, k=4)
+            model, params, ids, max_new_tokens=n, k=k)
         jax.block_until_ready((plain().tokens, speculative().tokens))  # compiles
         times = {plain: [], speculative: []}
         for _ in range(3):
@@ -289,17 +298,16 @@ def spec_decode(args, texts: int = 4) -> dict:
         plain_s += statistics.median(times[plain])
         spec_s += statistics.median(times[speculative])
         accepted.append(float(result.acceptance_rate))
-    return {"speedup": plain_s / spec_s, "acceptance_rate": float(np.mean(accepted)),
+    return {"k": k, "speedup": plain_s / spec_s, "acceptance_rate": float(np.mean(accepted)),
             "acceptance_rates": accepted}
 
 
-def server_spec_decode(args, ks=(2, 4), texts: int = 4) -> dict:
+def server_spec_decode(args, ks=(2, 4)) -> dict:
     """`jaxformer serve --speculative K` (one slot, `--warm-up`) against the same server
     without: the wall time of `spec_decode`'s rewrite prompts (96 new tokens each,
     greedy, one after another, after one untimed round), the server's acceptance rate
     from /metrics, and whether its text equals the plain server's."""
-    prompts = [f"Rewrite the following text word for word:\n\n{text}\n\nRewritten text:\n\n"
-               for text in corpus_prompts(8, 3)[-texts:]]
+    prompts = rewrite_prompts()
     out, texts_of = {}, {}
     for k in (0,) + tuple(ks):
         server = jaxformer_server(args, 1, 1024, warm=True, speculative=k)
@@ -359,6 +367,8 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-prefix", action="store_true")
     parser.add_argument("--skip-spec", action="store_true")
+    parser.add_argument("--spec-k", type=int, default=4,
+                        help="drafts per pass of the library speculation (default 4)")
     parser.add_argument("--skip-server-spec", action="store_true")
     args = parser.parse_args()
     args.gguf = args.gguf or smollm2_gguf()
@@ -419,7 +429,7 @@ def main() -> None:
         print(f"prefix cache TTFT on/off: {runs['prefix_cache']}", flush=True)
     summary["spec_decode_speedup"] = summary["acceptance_rate"] = None
     if not args.skip_spec:
-        runs["spec_decode"] = spec_decode(args)
+        runs["spec_decode"] = spec_decode(args, args.spec_k)
         summary["spec_decode_speedup"] = round(runs["spec_decode"]["speedup"], 3)
         summary["acceptance_rate"] = round(runs["spec_decode"]["acceptance_rate"], 3)
         print(f"speculation (library, batch 1): {runs['spec_decode']}", flush=True)
