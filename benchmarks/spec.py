@@ -7,7 +7,7 @@ greedy, up to 128 new tokens, batch 1. Both runs decode the same prompt:
 
   plain        `jaxformer.generate(loop="while")` (prefill, then compiled 1-token steps
                until EOS)
-  speculative  `jaxformer.serve.speculative_generate` (prompt lookup, n-grams 1..3,
+  speculative  `jaxformer.serve.speculative_generate` (prompt lookup, n-grams 2..5,
                k drafts per pass, one compiled while_loop)
   engine       the request alone through `jaxformer.serve.Engine` (one slot), without and
                with `speculative=--engine-k` (drafts on the host, one verify pass a step)

@@ -52,6 +52,7 @@ from jaxformer.serve.handle import Handle
 from jaxformer.serve.pages import PagePool, PageTable
 from jaxformer.serve.request import FinishReason, QueueFull, Request, TokenEvent
 from jaxformer.serve.slots import Slot, token_event
+from jaxformer.serve.speculative import NGRAM
 
 log = logging.getLogger(__name__)
 RATE_WINDOW_S = 10.0  # tokens_per_s is measured over this many recent seconds
@@ -78,7 +79,8 @@ class Engine:
       speculative: k > 0 drafts up to k tokens per slot and step by prompt lookup and
         verifies them in the step's one pass (`spec_step`); 0 = off. Greedy tokens are
         the same; `metrics()["acceptance_rate"]` reports accepted / drafted.
-      ngram: (n_min, n_max), the n-gram sizes prompt lookup tries (longest first).
+      ngram: (n_min, n_max), the n-gram sizes prompt lookup tries (longest first;
+        default `speculative.NGRAM`, 2..5).
       scan_layers: run the decoder layers as one `lax.scan` over stacked parameters and
         one stacked KV pool (`paged.scanned_forward`): each compiled program holds one
         layer's kernels, so it compiles faster and holds a fraction of the memory of
@@ -91,7 +93,7 @@ class Engine:
                  num_pages: Optional[int] = None, prefill_chunk: int = 128,
                  prefix_cache: bool = True, max_queue: int = 64,
                  adapters: Optional[dict[str, Any]] = None, speculative: int = 0,
-                 ngram: tuple[int, int] = (1, 3), scan_layers: bool = False):
+                 ngram: tuple[int, int] = NGRAM, scan_layers: bool = False):
         if not isinstance(model, DecoderOnlyLM):
             raise TypeError(f"model must be a jaxformer DecoderOnlyLM, got {type(model).__name__}")
         config = model.config

@@ -213,7 +213,7 @@ def spec_program(model, params, prompt_BP, lengths_B, rng_B, *, draft_model=None
 
 
 def speculative_generate(model: DecoderOnlyLM, params, prompt_BP, *, max_new_tokens: int,
-                         k: int = 4, ngram: tuple[int, int] = (1, 3), draft=None,
+                         k: int = 4, ngram: tuple[int, int] = speculative.NGRAM, draft=None,
                          prompt_lengths=None, rng: Optional[jax.Array] = None,
                          temperature: float = 0.0, top_k: Optional[int] = None,
                          top_p: Optional[float] = None) -> SpecResult:
@@ -224,7 +224,8 @@ def speculative_generate(model: DecoderOnlyLM, params, prompt_BP, *, max_new_tok
         top_p: as `generate` (rng needed iff temperature > 0; row b uses
         `fold_in(rng, b)`).
       k: draft tokens per round (>= 1).
-      ngram: (n_min, n_max), the n-gram sizes prompt lookup tries (longest first).
+      ngram: (n_min, n_max), the n-gram sizes prompt lookup tries (longest first;
+        default `speculative.NGRAM`, 2..5).
       draft: None for prompt lookup, or (draft_model, draft_params): a smaller
         `DecoderOnlyLM` with the target's vocabulary, which then proposes the k
         tokens (sampled from its own distribution when temperature > 0); prompts need

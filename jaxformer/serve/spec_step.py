@@ -31,13 +31,15 @@ import numpy as np
 
 from jaxformer.backends import cpu
 from jaxformer.serve import batching, paged, select
+from jaxformer.serve.speculative import NGRAM
 
 __all__ = ["Verified", "draft_tokens", "verify_program", "compiled_verify", "speculative_step"]
 
 COMPILED: dict = {}
 
 
-def draft_tokens(tokens: Sequence[int], k: int, n_min: int = 1, n_max: int = 3) -> list[int]:
+def draft_tokens(tokens: Sequence[int], k: int, n_min: int = NGRAM[0],
+                 n_max: int = NGRAM[1]) -> list[int]:
     """Prompt lookup on the host: what followed the most recent earlier occurrence of
     the sequence's last n tokens (the longest n in n_min..n_max that occurs), at most k
     ids; [] if none. The same rule as `speculative.ngram_draft` (tested equal)."""

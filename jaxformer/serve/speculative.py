@@ -8,8 +8,10 @@ Drafting.
   `transformers`' `prompt_lookup_num_tokens`): the last n tokens of the sequence are
   searched for earlier in the prompt and output; the k tokens that followed the most
   recent earlier occurrence are the draft. The longest n in n_min..n_max that matches
-  wins. No model, no cost but the lookup; good when the output copies its input
-  (rewriting, summarising, code edits).
+  wins; by default 2..5 (`NGRAM`, as vLLM's common `prompt_lookup_min/max` settings):
+  what follows a single repeated token is mostly not what comes next, and a rejected
+  draft costs a wider pass. No model, no cost but the lookup; good when the output
+  copies its input (rewriting, summarising, code edits).
   A draft model (`spec_decode.speculative_generate(draft=...)`) proposes k tokens of
   its own instead, with its distribution q.
 
@@ -36,11 +38,13 @@ import jax.numpy as jnp
 
 from jaxformer.decode.sampling import NEG, top_k_filter, top_p_filter
 
-__all__ = ["ngram_draft", "greedy_verify", "rejection_verify", "target_probs"]
+__all__ = ["NGRAM", "ngram_draft", "greedy_verify", "rejection_verify", "target_probs"]
+
+NGRAM = (2, 5)  # prompt lookup's default (n_min, n_max)
 
 
-def ngram_draft(tokens_L: jax.Array, length: jax.Array, *, k: int, n_max: int = 3,
-                n_min: int = 1) -> tuple[jax.Array, jax.Array]:
+def ngram_draft(tokens_L: jax.Array, length: jax.Array, *, k: int, n_max: int = NGRAM[1],
+                n_min: int = NGRAM[0]) -> tuple[jax.Array, jax.Array]:
     """Prompt-lookup draft of one sequence.
 
     Args:

@@ -22,12 +22,12 @@ def lm(make_lm):
 
 def test_host_drafts_equal_the_jax_lookup():
     rng = np.random.default_rng(0)
-    lookup = jax.jit(speculative.ngram_draft, static_argnames=("k", "n_max"))
+    lookup = jax.jit(speculative.ngram_draft, static_argnames=("k", "n_min", "n_max"))
     for trial in range(120):
         seq = rng.integers(3, 7, rng.integers(1, 30)).tolist()
         k, n_max = (1, 3, 5)[trial % 3], (1, 3)[trial % 2]
         padded = jnp.asarray(seq + [0] * (32 - len(seq)), jnp.int32)
-        draft, count = lookup(padded, jnp.int32(len(seq)), k=k, n_max=n_max)
+        draft, count = lookup(padded, jnp.int32(len(seq)), k=k, n_min=1, n_max=n_max)
         want = np.asarray(draft)[:int(count)].tolist()
         assert draft_tokens(seq, k, 1, n_max) == want, (seq, k, n_max)
 

