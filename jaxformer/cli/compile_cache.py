@@ -6,7 +6,9 @@ Compiled programs are written to disk, keyed by the program, its shardings and t
 JAX/XLA version, so a rerun, a `--resume` or another process with the same shapes
 loads them instead of compiling again (MaxText's `jax_cache_dir`). What remains is
 tracing and lowering, and loading the program (`benchmarks/train.py` prints
-compile_s and compile_s_from_cache).
+compile_s and compile_s_from_cache). XLA:CPU cannot serialize some programs (e.g. the
+CPU-tuned train step: "Multiple temp buffer allocations found"); those compile on each
+run, and JAX's warning about each failed write is silenced inside the cache's block.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import warnings
 from typing import Iterator, Optional
 
 import jax
@@ -36,6 +39,9 @@ def check_cache_dir(directory: str) -> str:
     return path
 
 
+UNWRITABLE_ENTRY = "Error writing persistent compilation cache entry"  # JAX's warning
+
+
 @contextlib.contextmanager
 def compilation_cache(directory: str) -> Iterator[str]:
     """Compile through the cache in `directory` inside the block (every program, however
@@ -49,7 +55,9 @@ def compilation_cache(directory: str) -> Iterator[str]:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax_cache.reset_cache()  # JAX decides once whether to use a cache: ask again
     try:
-        yield path
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=UNWRITABLE_ENTRY, category=UserWarning)
+            yield path
     finally:
         jax.config.update("jax_compilation_cache_dir", previous)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", previous_min)

@@ -3,6 +3,7 @@ directory, off with --no-compile-cache or JAXFORMER_COMPILE_CACHE=off (tests/con
 sets it off, so no test writes the user's real cache), a chosen --compile-cache checked."""
 
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -59,3 +60,17 @@ def test_every_command_passes_its_flags_to_the_cache(monkeypatch, tmp_path, flag
     missing = str(tmp_path / "missing.txt")
     assert main(["eval", "--model", missing, "--data", missing] + flags) == 2
     assert seen == [want]
+
+
+def test_a_program_the_cache_cannot_store_warns_nothing_inside_the_block(tmp_path):
+    """JAX warns when XLA cannot serialize a program (the CPU-tuned train step); a
+    command's output stays clean, and other warnings still show."""
+    message = ("Error writing persistent compilation cache entry for 'jit_train_step': "
+               "JaxRuntimeError: INTERNAL: Multiple temp buffer allocations found")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with compile_cache.compilation_cache(str(tmp_path)):
+            warnings.warn(message, UserWarning)
+            warnings.warn("another warning", UserWarning)
+        warnings.warn(message, UserWarning)  # outside the block: JAX's warning again
+    assert [str(w.message) for w in caught] == ["another warning", message]
