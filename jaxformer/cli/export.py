@@ -105,7 +105,8 @@ def run(args) -> int:
             raise UsageError(f"{args.run} is a {saved_run.train_config.task} run; export "
                              "needs a --task lm run")
         model_config = saved_run.model_config
-        merged_config = model_config.replace(lora_rank=0, weight_quant=None, embed_quant=None)
+        merged_config = model_config.replace(lora_rank=0, weight_quant=None, embed_quant=None,
+                                             quant_layouts=())
         quantized = quantized_layouts(model_config)
         arch = args.architecture or architecture_of(merged_config)
         try:  # before the checkpoint is read

@@ -36,7 +36,10 @@ LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 # along the kernel's input axis in blocks of `quant_block` with float16 block scales, as
 # GGUF's: "int4" four bits, two per uint8, w = scale * q + offset (GGUF Q4_1); "int4_sym"
 # four bits, w = scale * (q - 8) (GGUF Q4_0); "int8_block" int8, w = scale * q (GGUF Q8_0).
-WEIGHT_QUANT = ("int8", "int4", "int4_sym", "int8_block")
+# "q4_k", "q5_k", "q6_k": GGUF's K-quants, super-blocks of 256 values whatever
+# `quant_block` (`jaxformer.nn.kquant`).
+WEIGHT_QUANT = ("int8", "int4", "int4_sym", "int8_block", "q4_k", "q5_k", "q6_k")
+K_QUANT = ("q4_k", "q5_k", "q6_k")
 
 
 def is_finite_number(value) -> bool:
@@ -200,6 +203,17 @@ def _check_quant(c) -> None:
     require(isinstance(block, int) and not isinstance(block, bool) and block > 0
             and block % 2 == 0, "quant_block",
             f"must be a positive even int (GGUF: 32), got {block!r}")
+    layouts = c.quant_layouts
+    require(isinstance(layouts, tuple) and all(
+        isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and p[1] in WEIGHT_QUANT
+        for p in layouts), "quant_layouts",
+        f"must be ((module path, layout), ...) with layouts among "
+        f"{', '.join(map(repr, WEIGHT_QUANT))}, got {layouts!r}")
+    require(not (c.scan_layers and any("layers_" in path for path, _ in layouts)),
+            "quant_layouts", "names per-layer kernels, which a scanned stack cannot hold "
+            "(each layer's arrays must have one shape): set scan_layers=False")
+    require(not layouts or (c.weight_quant is not None or c.quant_format("embed")),
+            "quant_layouts", "needs weight_quant or embed_quant set (the roles' layouts)")
     blocks = ("int4", "int4_sym", "int8_block")
     inputs = {}
     if c.quant_format("embed") in blocks:
@@ -211,3 +225,13 @@ def _check_quant(c) -> None:
         require(size % block == 0, "quant_block",
                 f"{block} does not divide {name}={size} (a kernel's input axis, "
                 "split into blocks)")
+    super_inputs = {}
+    if c.quant_format("embed") in K_QUANT:
+        super_inputs["d_model"] = c.d_model
+    if c.weight_quant in K_QUANT:
+        super_inputs.update({"d_model": c.d_model, "d_ff": c.d_ff,
+                             "num_heads * head_dim": c.num_heads * c.head_dim})
+    for name, size in super_inputs.items():
+        require(size % 256 == 0, "weight_quant",
+                f"K-quant layouts take super-blocks of 256 values, which do not divide "
+                f"{name}={size} (a kernel's input axis): use a block layout there")

@@ -221,6 +221,11 @@ class TransformerConfig(ConfigMixin):
     weight_quant: Optional[str] = None
     embed_quant: Optional[str] = None
     quant_block: int = 32
+    # Per-kernel layouts where a model's kernels differ (a GGUF file mixing block types,
+    # as every Q4_K_M file does): ((module path, layout), ...), e.g.
+    # (("decoder/layers_3/ffn/wo", "q6_k"),); a path named here takes its layout over
+    # its role's (`quant_format`). Needs `scan_layers=False` for per-layer paths.
+    quant_layouts: tuple = ()
     # The decode cache's self-attention keys and values (jaxformer.nn.kv_quant): None
     # (the compute dtype) or "int8" (int8 with one float32 scale per head and token,
     # quantized when written, dequantized when read).
@@ -231,6 +236,10 @@ class TransformerConfig(ConfigMixin):
         if isinstance(targets, str):
             targets = tuple(t.strip() for t in targets.split(",") if t.strip())
         object.__setattr__(self, "lora_targets", tuple(targets))
+        if isinstance(self.quant_layouts, (list, tuple)):  # JSON: lists; hashable: tuples
+            object.__setattr__(self, "quant_layouts", tuple(
+                tuple(pair) if isinstance(pair, (list, tuple)) else pair
+                for pair in self.quant_layouts))
         require(self.head_dim is None or (isinstance(self.head_dim, int)
                                           and self.head_dim > 0), "head_dim",
                 f"must be None or a positive int, got {self.head_dim!r}")
@@ -241,9 +250,14 @@ class TransformerConfig(ConfigMixin):
             object.__setattr__(self, "head_dim", self.d_model // self.num_heads)
         check_config(self, derived_head_dim=self._derived_head_dim)
 
-    def quant_format(self, role: str) -> Optional[str]:
+    def quant_format(self, role: str, path: Optional[str] = None) -> Optional[str]:
         """The quantized layout of the "layers" (attention, FFN) or "embed" (token tables,
-        output projection) kernels; None for float."""
+        output projection) kernels; None for float. `path`: the kernel's module path
+        ("decoder/layers_3/ffn/wo"), whose `quant_layouts` entry comes first."""
+        if path is not None and self.quant_layouts:
+            found = dict(self.quant_layouts).get(path)
+            if found is not None:
+                return found
         if role == "layers":
             return self.weight_quant
         if self.embed_quant is None:

@@ -5,15 +5,14 @@ Each quantized block type has a *target layout* (`target_layout`):
     Q8_0 -> "int8_block"  the blocks as they are
     Q4_0 -> "int4_sym"    the blocks as they are
     Q4_1 -> "int4"        the blocks as they are
+    Q4_K -> "q4_k"        the blocks as they are, fields split apart (`nn.kquant`)
+    Q5_K -> "q5_k"        the same
+    Q6_K -> "q6_k"        the same
     Q5_0 -> "int8_block"  exact: d * (q - 16) with q - 16 in -16..15 is an int8 with the
                           same float16 scale d (22 bytes a block of 32 become 34)
-    Q4_K -> "int4"        the 4-bit values as they are (repacked into blocks of 32); each
-                          sub-block's scale d * sc and min dmin * m (float16 times a 6-bit
-                          integer) rounded to float16: a relative error of at most 2^-11
-                          of a scale, stated at load
-    other (Q5_1, Q2_K, Q3_K, Q5_K, Q6_K) -> "int8_block", requantized from the
-                          dequantized values (`nn.quant.quantize`): 8 bits against the
-                          file's 2-6, the error stated at load
+    other (Q5_1, Q2_K, Q3_K) -> "int8_block", requantized from the dequantized values
+                          (`nn.quant.quantize`): 8 bits against the file's 2-5, the
+                          error stated at load
 
 `decode(raw, kind, n, fmt)` gives the arrays of a tensor (its raw bytes, one row per
 output feature) in layout `fmt` (default: the target), with `exact` saying whether
@@ -24,6 +23,7 @@ conversion is `relative_error`: the largest |difference| over the largest |weigh
 Pieces::
 
     KEPT, target_layout(kind), decode(raw, kind, n, fmt=None) -> (parts, exact)
+    encode(parts, kind) -> raw           the inverse, for kept types (writing a file)
     relative_error(parts, fmt, reference)
 """
 
@@ -39,11 +39,20 @@ from jaxformer.nn import quant
 
 Q = gguf.GGMLQuantizationType
 BLOCK = 32
-QK_K = 256
 # Block types whose blocks are the layout's arrays as they are (no arithmetic).
-KEPT = {Q.Q8_0: "int8_block", Q.Q4_0: "int4_sym", Q.Q4_1: "int4"}
-# Block types decoded into a layout without requantizing (exactly, or scales rounded).
-DECODED = {Q.Q5_0: "int8_block", Q.Q4_K: "int4"}
+KEPT = {Q.Q8_0: "int8_block", Q.Q4_0: "int4_sym", Q.Q4_1: "int4", Q.Q4_K: "q4_k",
+        Q.Q5_K: "q5_k", Q.Q6_K: "q6_k"}
+# Block types decoded exactly into a layout of other block bytes.
+DECODED = {Q.Q5_0: "int8_block"}
+# The byte fields of a K-quant block: (part, start, end); Q4_K's and Q5_K's 12 bytes of
+# packed 6-bit scales and mins ("scales") are unpacked into sub_scale and sub_min.
+K_FIELDS = {
+    Q.Q4_K: (("scale", 0, 2), ("min", 2, 4), ("scales", 4, 16), ("q", 16, 144)),
+    Q.Q5_K: (("scale", 0, 2), ("min", 2, 4), ("scales", 4, 16), ("q_high", 16, 48),
+             ("q", 48, 176)),
+    Q.Q6_K: (("q", 0, 128), ("q_high", 128, 192), ("sub_scale", 192, 208),
+             ("scale", 208, 210)),
+}
 
 
 def target_layout(kind) -> str:
@@ -53,13 +62,6 @@ def target_layout(kind) -> str:
 
 def _f16(raw: np.ndarray, start: int) -> np.ndarray:
     return np.ascontiguousarray(raw[..., start:start + 2]).view(np.float16)[..., 0]
-
-
-def _pack(q: np.ndarray) -> np.ndarray:
-    """4-bit values (..., blocks, 32) -> GGUF's packing (..., blocks * 16): byte j holds
-    value j (low nibble) and value j + 16 (high)."""
-    packed = q[..., :16] | (q[..., 16:] << 4)
-    return packed.reshape(q.shape[:-2] + (-1,)).astype(np.uint8)
 
 
 def _kept(raw: np.ndarray, kind, rows: tuple, n: int) -> dict:
@@ -86,21 +88,58 @@ def _q5_0(raw: np.ndarray, rows: tuple, n: int) -> dict:
     return {"q": q.reshape(rows + (n,)), "scale": _f16(raw, 0)}
 
 
-def _q4_k(raw: np.ndarray, rows: tuple, n: int) -> dict:
-    """Q4_K super-blocks of 256 (d, dmin f16; 12 bytes of 6-bit scales and mins; 128
-    bytes: 64-value chunks, sub-block 2c in the low nibbles of chunk c's 32 bytes, 2c + 1
-    in the high) as int4 blocks of 32: scale d * sc, offset -(dmin * m), float16."""
-    d, dmin = _f16(raw, 0)[..., None], _f16(raw, 2)[..., None]
-    flat_scales = np.ascontiguousarray(raw[..., 4:16]).reshape(-1, 12)
-    sc, m = gguf.quants.Q4_K.get_scale_min(flat_scales)
-    sc = sc.reshape(raw.shape[:-1] + (8,)).astype(np.float32)
-    m = m.reshape(raw.shape[:-1] + (8,)).astype(np.float32)
-    chunks = raw[..., 16:].reshape(raw.shape[:-1] + (4, 1, 32))
-    q = (chunks >> np.array([0, 4], np.uint8).reshape(2, 1)) & 15  # (..., 4, 2, 32)
-    q = q.reshape(raw.shape[:-1] + (8, 32))
-    return {"q": _pack(q).reshape(rows + (n // 2,)),
-            "scale": (d.astype(np.float32) * sc).astype(np.float16).reshape(rows + (-1,)),
-            "offset": (-(dmin.astype(np.float32) * m)).astype(np.float16).reshape(rows + (-1,))}
+def _k_quant(raw: np.ndarray, kind, rows: tuple) -> dict:
+    """A K-quant tensor's blocks (*rows, blocks, bytes) as `nn.kquant`'s parts (*rows, X)."""
+    parts = {}
+    for part, start, end in K_FIELDS[kind]:
+        field = np.ascontiguousarray(raw[..., start:end])
+        if part == "scales":
+            sc, m = gguf.quants.Q4_K.get_scale_min(field.reshape(-1, 12))
+            parts["sub_scale"] = sc.reshape(rows + (-1,)).astype(np.uint8)
+            parts["sub_min"] = m.reshape(rows + (-1,)).astype(np.uint8)
+            continue
+        if part in ("scale", "min"):
+            field = field.view(np.float16)
+        elif part == "sub_scale":
+            field = field.view(np.int8)
+        parts[part] = field.reshape(rows + (-1,))
+    return parts
+
+
+def _pack_scale_min(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """Eight 6-bit scales and mins (blocks, 8) -> llama.cpp's 12 bytes (blocks, 12): the
+    inverse of `gguf.quants.Q4_K.get_scale_min`."""
+    sc, m = sc.astype(np.uint8), m.astype(np.uint8)
+    out = np.zeros(sc.shape[:-1] + (12,), np.uint8)
+    out[..., 0:4] = (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6)
+    out[..., 4:8] = (m[..., :4] & 63) | ((m[..., 4:] >> 4) << 6)
+    out[..., 8:12] = (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)
+    return out
+
+
+def encode(parts: dict, kind) -> np.ndarray:
+    """The GGUF bytes (*rows, bytes) of kept `parts` in numpy order (block axis last) of
+    block type `kind` (a key of `KEPT`): the inverse of `decode`."""
+    parts = {k: np.asarray(v) for k, v in parts.items()}
+    rows = parts["q"].shape[:-1]
+    size = gguf.GGML_QUANT_SIZES[kind][1]
+    blocks = parts["scale"].shape[-1]
+    if kind not in K_FIELDS:  # d [m] q, 32 values a block
+        fields = [parts["scale"].reshape(rows + (blocks, 1)).view(np.uint8)]
+        if kind == Q.Q4_1:
+            fields.append(parts["offset"].reshape(rows + (blocks, 1)).view(np.uint8))
+        fields.append(parts["q"].reshape(rows + (blocks, -1)).view(np.uint8))
+        return np.concatenate(fields, axis=-1).reshape(rows + (-1,))
+    out = np.zeros(rows + (blocks, size), np.uint8)
+    for part, start, end in K_FIELDS[kind]:
+        if part == "scales":
+            value = _pack_scale_min(parts["sub_scale"].reshape(-1, 8),
+                                    parts["sub_min"].reshape(-1, 8))
+        else:
+            value = parts[part]
+        out[..., start:end] = np.ascontiguousarray(value).view(np.uint8).reshape(
+            rows + (blocks, end - start))
+    return out.reshape(rows + (-1,))
 
 
 def decode(raw: np.ndarray, kind, n: int, fmt: Optional[str] = None) -> tuple[dict, bool]:
@@ -114,12 +153,12 @@ def decode(raw: np.ndarray, kind, n: int, fmt: Optional[str] = None) -> tuple[di
     block_values, block_bytes = gguf.GGML_QUANT_SIZES[kind]
     rows = tuple(raw.shape[:-1])
     blocks = raw.reshape(rows + (n // block_values, block_bytes))
+    if fmt == target_layout(kind) and kind in K_FIELDS:
+        return _k_quant(blocks, kind, rows), True
     if fmt == target_layout(kind) and kind in KEPT:
         return _kept(blocks, kind, rows, n), True
     if fmt == target_layout(kind) and kind == Q.Q5_0:
         return _q5_0(blocks, rows, n), True
-    if fmt == target_layout(kind) and kind == Q.Q4_K:
-        return _q4_k(blocks, rows, n), False
     with np.errstate(all="ignore"):
         values = np.asarray(gguf.quants.dequantize(raw, kind), np.float32).reshape(rows + (n,))
     parts = quant.quantize(values, fmt, BLOCK, -1)

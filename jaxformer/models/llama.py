@@ -31,13 +31,14 @@ this reader.
 An unknown architecture is refused by name from the first metadata entries,
 before the rest of the file is parsed.
 
-`load_gguf(path, quantize="keep")` keeps the file's Q8_0 / Q4_0 / Q4_1 blocks as
-they are (`kept_formats`: the config's weight_quant / embed_quant from the
-tensors' types; `params_from_gguf` moves each block array the way the float
-kernel moves, never dequantizing it); Q5_0 and Q4_K decode into the nearest
-layout, the other types (and files mixing layouts) convert to int8_block
-(`interop.gguf_blocks`), with a `QuantConversionWarning` stating each inexact
-conversion's error; a type jaxformer does not decode is refused by name.
+`load_gguf(path, quantize="keep")` keeps the file's Q8_0 / Q4_0 / Q4_1 and K-quant
+(Q4_K, Q5_K, Q6_K) blocks as they are, each tensor in its own type's layout
+(`kept_formats`: the config's weight_quant / embed_quant from the tensors' types,
+quant_layouts for the kernels of a mixed file's other types; `params_from_gguf`
+moves each block array the way the float kernel moves, never dequantizing it);
+Q5_0 decodes exactly into int8_block, the other types (Q5_1, Q2_K, Q3_K) convert to
+int8_block (`interop.gguf_blocks`), with a `QuantConversionWarning` stating each
+inexact conversion's error; a type jaxformer does not decode is refused by name.
 
 The tensors' names, shapes and layouts are the family's table
 (`jaxformer.models.llama_tensors.LLAMA`, GGUF names in numpy order);
@@ -54,6 +55,7 @@ rows, half rotation) does not (tested).
 
 from __future__ import annotations
 
+import collections
 import os
 import warnings
 from typing import Optional
@@ -211,20 +213,17 @@ class QuantConversionWarning(UserWarning):
 
 
 def kept_formats(file: GGUFFile, config: TransformerConfig) -> dict:
-    """The config fields that keep the file's blocks (`load(..., quantize="keep")`):
-    weight_quant from the layer kernels' block types (`gguf_blocks.target_layout`; types
-    of different layouts: "int8_block", the widest), embed_quant from the token table's (and
-    the untied output's, which must both be quantized or both float).
+    """The config fields that keep the file's blocks (`load(..., quantize="keep")`), each
+    kernel in its block type's layout (`gguf_blocks.target_layout`): weight_quant the
+    layer kernels' most common layout, embed_quant the token table's (float if it and
+    the untied output are float), and quant_layouts every kernel of another layout than
+    its role's (a Q4_K_M file's Q6_K and Q5_0 tensors).
 
     Raises ValueError naming the tensor and its type for a type jaxformer does not
     decode, for layer kernels partly float, and for a file whose layer kernels are float
     (nothing to keep)."""
     def kind(name):
         return file.tensors[name].tensor_type
-
-    def layout_of(kinds):
-        layouts = {target_layout(k) for k in kinds}
-        return layouts.pop() if len(layouts) == 1 else "int8_block"
 
     kernel_entries = [e for e in tensor_table.entries(LLAMA, config)
                       if e.row.kind in tensor_table.KERNELS]
@@ -245,8 +244,18 @@ def kept_formats(file: GGUFFile, config: TransformerConfig) -> dict:
         raise ValueError(f"{file.path}: quantize='keep' needs {' and '.join(embeddings)} "
                          f"both quantized or both float, got "
                          f"{' and '.join(kind(n).name for n in embeddings)}")
-    return dict(weight_quant=layout_of(types), quant_block=BLOCK,
-                embed_quant="float" if tables <= FLOAT_TYPES else layout_of(tables))
+    layer_layouts = collections.Counter(target_layout(kind(n)) for n in kernels)
+    layers = max(sorted(layer_layouts), key=layer_layouts.__getitem__)
+    embed = "float" if tables <= FLOAT_TYPES else target_layout(kind(embeddings[0]))
+    overrides = []
+    for entry in kernel_entries:
+        role_layout = layers if entry.layer is not None else embed
+        layout = role_layout if embed == "float" and entry.layer is None \
+            else target_layout(kind(entry.gguf))
+        if layout != role_layout:
+            overrides.append((entry.ours.rsplit("/", 1)[0], layout))
+    return dict(weight_quant=layers, quant_block=BLOCK, embed_quant=embed,
+                quant_layouts=tuple(overrides))
 
 
 def quantized_layout(file: GGUFFile, config: TransformerConfig) -> Optional[str]:
@@ -302,10 +311,10 @@ def params_from_gguf(file: GGUFFile, config: TransformerConfig, *,
         return value
 
     def weight(entry, role):
-        """{leaf: float} or the kept blocks {leaf_q, scale, offset} of a kernel, in the
+        """{leaf: float} or the kept blocks {leaf_q, scale, ...} of a kernel, in the
         parameter layout (the blocks' rows moved as the float kernel's rows move)."""
-        leaf = entry.ours.rsplit("/", 1)[1]
-        fmt = config.quant_format(role)
+        module, leaf = entry.ours.rsplit("/", 1)
+        fmt = config.quant_format(role, module)
         if fmt is None:
             return {leaf: tensor_table.to_params(entry.row, get(entry), dims, order)}
         _, parts = file.blocks(entry.gguf, fmt)

@@ -78,6 +78,8 @@ class TokenEmbedding(nn.Module):
         stddev = c.d_model ** -0.5 if c.scale_embeddings else 1.0
         init, shape = nn.initializers.normal(stddev), (self.vocab_size, c.d_model)
         self.fmt = c.quant_format("embed")  # None: a float table
+        if self.fmt is not None:
+            self.fmt = quant_dense.module_layout(self, self.fmt, c.quant_layouts, "embedding")
         if self.fmt is None:
             self.embedding = self.param("embedding", logical(init, ("vocab", "embed")),
                                         shape, c.params_dtype)
@@ -92,8 +94,8 @@ class TokenEmbedding(nn.Module):
         if self.fmt is None:
             x_BTD = jnp.take(self.embedding, ids, axis=0, mode="fill", fill_value=jnp.nan)
         else:  # only the rows looked up are dequantized; a NaN scale marks a bad id
-            rows = {part: jnp.take(value, ids, axis=0, mode="fill",
-                                   fill_value=0 if part == "q" else jnp.nan)
+            rows = {part: jnp.take(value, ids, axis=0, mode="fill", fill_value=jnp.nan
+                                   if jnp.issubdtype(value.dtype, jnp.floating) else 0)
                     for part, value in self.table.items()}
             x_BTD = quant.dequantize(rows, self.fmt, c.quant_block, -1).astype(
                 c.params_dtype)

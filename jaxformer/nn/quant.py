@@ -12,6 +12,7 @@ features, an embedding table's D) along which its scales are taken. The layouts
                   offset float16, `axis` N -> N / block; w = scale * q + offset, q in
                   0..15 (GGUF Q4_1: offset is its "min")
     "int4_sym"    as "int4" without offset; w = scale * (q - 8) (GGUF Q4_0)
+    "q4_k", "q5_k", "q6_k"  GGUF's K-quants, super-blocks of 256 (`nn.kquant`)
 
 Packing is GGUF's: in each block of B values along `axis`, byte j holds value j in
 its low four bits and value j + B/2 in its high four bits, so a GGUF Q4 block's 16
@@ -35,9 +36,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.config import WEIGHT_QUANT
+from jaxformer.nn import kquant
 
 FORMATS = WEIGHT_QUANT
-BLOCK_FORMATS = ("int4", "int4_sym", "int8_block")
+BLOCK_FORMATS = ("int4", "int4_sym", "int8_block") + kquant.FORMATS
 PACKED = ("int4", "int4_sym")
 
 
@@ -49,7 +51,9 @@ def check_format(fmt: str, what: str = "quantize") -> None:
 
 
 def parts_of(fmt: str) -> tuple[str, ...]:
-    """The arrays of a layout: ("q", "scale") or ("q", "scale", "offset")."""
+    """The arrays of a layout: ("q", "scale"), ("q", "scale", "offset") or a K-quant's."""
+    if fmt in kquant.FORMATS:
+        return kquant.parts_of(fmt)
     return ("q", "scale", "offset") if fmt == "int4" else ("q", "scale")
 
 
@@ -68,6 +72,8 @@ def layout(fmt: str, shape: tuple, axis: int, block: int) -> dict:
     shape = tuple(shape)
     axis = axis % len(shape)
     n = shape[axis]
+    if fmt in kquant.FORMATS:  # super-blocks of 256, whatever `block`
+        return kquant.layout(fmt, shape, axis)
     if fmt == "int8":
         return {"q": (shape, jnp.int8), "scale": (_with(shape, axis, None), jnp.float32)}
     if n % block:
@@ -111,6 +117,8 @@ def quantize(w: jnp.ndarray, fmt: str, block: int, axis: int) -> dict:
     the block scales are rounded to float16 first and the integers fit them."""
     w = jnp.asarray(w, jnp.float32)
     axis = axis % w.ndim
+    if fmt in kquant.FORMATS:
+        return kquant.quantize(w, fmt, axis)
     if fmt == "int8":
         scale = jnp.max(jnp.abs(w), axis=axis) / 127.0
         safe = jnp.expand_dims(jnp.where(scale == 0, 1.0, scale), axis)
@@ -143,6 +151,8 @@ def dequantize(parts: dict, fmt: str, block: int, axis: int) -> jnp.ndarray:
     """The float32 array of {"q", "scale"[, "offset"]} (traced: the caller's jit fuses it)."""
     q = parts["q"]
     axis = axis % q.ndim
+    if fmt in kquant.FORMATS:
+        return kquant.dequantize(parts, fmt, axis)
     if fmt == "int8":
         return q.astype(jnp.float32) * jnp.expand_dims(parts["scale"].astype(jnp.float32), axis)
     if fmt in PACKED:

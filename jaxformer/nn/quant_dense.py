@@ -43,13 +43,32 @@ from jaxformer.config import TransformerConfig
 from jaxformer.nn import quant, tuning
 from jaxformer.nn.axes import logical
 
-# The leaf names of a quantized parameter `name` ("kernel" -> kernel_q, scale, offset).
-LEAF = {"q": "{}_q", "scale": "scale", "offset": "offset"}
+# The leaf names of a quantized parameter `name` ("kernel" -> kernel_q, scale, offset;
+# the K-quants' kernel_q_high, min, sub_scale, sub_min).
+LEAF = {"q": "{}_q", "q_high": "{}_q_high"}
 
 
 def leaf_names(name: str, fmt: str) -> dict:
     """{part: leaf name} of quantized parameter `name` in layout `fmt`."""
-    return {part: LEAF[part].format(name) for part in quant.parts_of(fmt)}
+    return {part: LEAF.get(part, part).format(name) for part in quant.parts_of(fmt)}
+
+
+def module_layout(module: nn.Module, fmt: str, layouts: tuple, name: str = "kernel") -> str:
+    """The layout of a bound `module`'s parameter `name`: its path's entry of `layouts`
+    (`config.quant_layouts`), else its role's `fmt`. A module applied on its own (a
+    layer bound alone: its path is not the model's) takes the layout whose leaves its
+    parameters hold (the one of most leaves: a K-quant's include a block layout's)."""
+    if not layouts:
+        return fmt
+    found = dict(layouts).get("/".join(module.path))
+    if found is not None or module.is_initializing():
+        return found or fmt
+    held = set(module.variables.get("params", {}))
+    candidates = dict.fromkeys((fmt,) + tuple(layout for _, layout in layouts))
+    for layout in sorted(candidates, key=lambda layout: -len(quant.parts_of(layout))):
+        if set(leaf_names(name, layout).values()) <= held:
+            return layout
+    return fmt
 
 
 def part_axis_names(fmt: str, names: tuple, axis: int) -> dict:
@@ -91,9 +110,11 @@ class QuantDense(nn.Module):
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     kernel_init: Callable = nn.initializers.lecun_normal()
+    layouts: tuple = ()  # config.quant_layouts: this kernel's entry overrides `fmt`
 
     @nn.compact
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+        fmt = module_layout(self, self.fmt, self.layouts)
         features = tuple(self.features)
         in_shape = x.shape[x.ndim - self.n_in:]
         n = math.prod(in_shape)
@@ -102,23 +123,23 @@ class QuantDense(nn.Module):
         def init(key, shape, dtype):  # the float kernel's init, flattened
             return self.kernel_init(key, in_shape + features, dtype).reshape(shape)
 
-        parts = quantized_param(self, "kernel", self.fmt, (n,) + features, 0, self.block,
+        parts = quantized_param(self, "kernel", fmt, (n,) + features, 0, self.block,
                                 names, init)
         x = x.reshape(x.shape[:x.ndim - self.n_in] + (n,)).astype(self.dtype)
 
         def plain(x, parts):
             contract = (((x.ndim - 1,), (0,)), ((), ()))
-            if self.fmt == "int8":  # x (q s) = (x q) s: scale the output channels
+            if fmt == "int8":  # x (q s) = (x q) s: scale the output channels
                 y = lax.dot_general(x, parts["q"].astype(self.dtype), contract)
                 return y * parts["scale"].astype(self.dtype)
-            w = quant.dequantize(parts, self.fmt, self.block, 0)
+            w = quant.dequantize(parts, fmt, self.block, 0)
             return lax.dot_general(x, w.astype(self.param_dtype).astype(self.dtype), contract)
 
         if jnp.dtype(self.dtype) == jnp.dtype(self.param_dtype) == jnp.float32 and \
                 qmatmul.enabled():  # a tuned process: the CPU kernel (`plain` elsewhere)
             rows = x.reshape(-1, n)
             flat = lambda x, parts: plain(x, parts).reshape(x.shape[0], -1)  # noqa: E731
-            y = qmatmul.dot(rows, parts, self.fmt, self.block, flat)
+            y = qmatmul.dot(rows, parts, fmt, self.block, flat)
             y = y.reshape(x.shape[:-1] + features)
         else:
             y = plain(x, parts)
@@ -149,4 +170,5 @@ def dense(config: TransformerConfig, role: str, features, kernel_names: tuple,
                                **common)
     features = (features,) if isinstance(features, int) else tuple(features)
     return QuantDense(features, n_in, fmt, config.quant_block, tuple(kernel_names),
-                      tuple(bias_names), kernel_init=kernel_init, **common)
+                      tuple(bias_names), kernel_init=kernel_init,
+                      layouts=config.quant_layouts, **common)

@@ -44,6 +44,12 @@ def _role(key: tuple) -> Optional[tuple[str, str]]:
     return None
 
 
+def module_path(key: tuple) -> str:
+    """The module path of a parameter leaf's key ("decoder/layers_3/ffn/wo"), as
+    `config.quant_layouts` names kernels."""
+    return "/".join(map(str, key[:-1]))
+
+
 def _lead(key: tuple) -> int:
     """1 for a leaf of a scanned stack (its leading layer axis), else 0."""
     return int("layers" in key)
@@ -58,13 +64,15 @@ def is_quantized(config: TransformerConfig, params: Any = None) -> bool:
 
 
 def quantize_params(config: TransformerConfig, params: Any, fmt: str, *,
-                    embed_quant: Optional[str] = None) -> tuple[TransformerConfig, dict]:
+                    embed_quant: Optional[str] = None, quant_layouts: tuple = ()
+                    ) -> tuple[TransformerConfig, dict]:
     """(config with `weight_quant=fmt`, the parameters quantized): weight-only
     post-training quantization (`nn.quant.quantize`: per-channel absmax for "int8",
     per-block scale (and min) for the block layouts, as llama.cpp rounds).
 
     `embed_quant`: the token tables' and output projection's layout (None: `fmt`;
-    "float": keep them float). Raises ValueError naming the problem for an unknown
+    "float": keep them float). `quant_layouts`: per-kernel layouts over the roles'
+    (`config.quant_layouts`: ((module path, layout), ...)). Raises ValueError naming the problem for an unknown
     layout or a tree that is already quantized (dequantize it first)."""
     quant.check_format(fmt)
     if embed_quant not in (None, "float"):
@@ -74,11 +82,12 @@ def quantize_params(config: TransformerConfig, params: Any, fmt: str, *,
             f"the parameters are already quantized (weight_quant={config.weight_quant!r}, "
             f"embed_quant={config.embed_quant!r}): quantize a float tree "
             "(jaxformer.nn.quant_params.dequantize_params gives one back)")
-    new = config.replace(weight_quant=fmt, embed_quant=embed_quant)
+    new = config.replace(weight_quant=fmt, embed_quant=embed_quant,
+                         quant_layouts=tuple(quant_layouts))
     out = {}
     for key, value in traverse_util.flatten_dict(dict(params)).items():
         found = _role(key)
-        layout = found and new.quant_format(found[0])
+        layout = found and new.quant_format(found[0], module_path(key))
         if not layout:
             out[key] = value
             continue
@@ -103,7 +112,7 @@ def dequantize_params(config: TransformerConfig, params: Any
     """(config without quantization, float parameters in `config.param_dtype`): each
     quantized kernel as the float array its layout stands for (the kernels the
     quantized model multiplies by)."""
-    plain = config.replace(weight_quant=None, embed_quant=None)
+    plain = config.replace(weight_quant=None, embed_quant=None, quant_layouts=())
     flat = traverse_util.flatten_dict(dict(params))
     out = {}
     taken = set()
@@ -116,7 +125,7 @@ def dequantize_params(config: TransformerConfig, params: Any
             out[key] = value
             continue
         role, _ = found
-        layout = config.quant_format(role)
+        layout = config.quant_format(role, module_path(key))
         if layout is None:
             raise ValueError(f"{'/'.join(map(str, key))}: a quantized leaf, but the config "
                              f"quantizes no {role} kernels (weight_quant="

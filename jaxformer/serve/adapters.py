@@ -27,7 +27,8 @@ def adapter_params(base_model, run_config, run_params):
         from jaxformer.nn.quant_params import quantize_params  # noqa: PLC0415
 
         config, params = quantize_params(config, params, base.weight_quant,
-                                         embed_quant=base.embed_quant)
+                                         embed_quant=base.embed_quant,
+                                         quant_layouts=base.quant_layouts)
     return params
 
 
