@@ -5,7 +5,14 @@ Dimension key, used in names (`x_BTD`, `mask_BHTS`) and einsum strings:
   G key/value heads   K head dim   F d_ff   V vocabulary   L layers
 
 Masks are boolean, True = may attend.
+
+The model, decoding and configs import with the package. Training, loading, serving and
+the other subpackages import on first use of one of their names (`jf.fit`, `jf.load`,
+`jf.Engine`, `jf.serve`, ...: `LAZY`), so `import jaxformer` needs none of their
+optional packages (Starlette, gguf, orbax, ...) and costs none of their import time.
 """
+
+import importlib
 
 from jaxformer.nn.attention import KV, MultiHeadAttention, dot_product_attention
 from jaxformer.config import PRESETS, TransformerConfig, bench, copy_task, llama, tiny
@@ -22,6 +29,38 @@ from jaxformer.decode.api import (DecodeResult, DecodeState, generate, greedy_de
 from jaxformer.decode.processors import force_token, min_length, suppress_at_step, suppress_tokens
 from jaxformer.decode.sampling import make_sampler
 from jaxformer.nn.stacking import stack_layers, unstack_layers
+
+# Names imported on first use: name -> the subpackage whose public name it is.
+LAZY = {
+    "fit": "jaxformer.train",
+    "FitResult": "jaxformer.train",
+    "Run": "jaxformer.train",
+    "TrainConfig": "jaxformer.train",
+    "load": "jaxformer.models",
+    "save_hf": "jaxformer.models",
+    "Engine": "jaxformer.serve",
+    "SamplingParams": "jaxformer.serve",
+}
+# Subpackages not imported with the package, as attributes on first use (`jf.serve`).
+SUBPACKAGES = ("cli", "harness", "interop", "models", "nnx", "parallel", "serve", "text",
+               "train")
+
+
+def __getattr__(name: str):
+    """A `LAZY` name or a subpackage, imported now (PEP 562) and kept for the next use."""
+    if name in LAZY:
+        value = getattr(importlib.import_module(LAZY[name]), name)
+    elif name in SUBPACKAGES:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted({*globals(), *LAZY, *SUBPACKAGES})
+
 
 __all__ = [
     "attention_weights",
@@ -64,6 +103,7 @@ __all__ = [
     "Transformer",
     "TransformerConfig",
     "unstack_layers",
+    *LAZY,
 ]
 
 __version__ = "0.1.0"

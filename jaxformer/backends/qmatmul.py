@@ -58,7 +58,8 @@ SOURCE = os.path.join(KERNELS, "qmatmul.cc")
 # Built into the same library: the paged attention of a serving step
 # (`backends.paged_attention`), target PAGED_TARGET.
 SOURCES = (SOURCE, os.path.join(KERNELS, "paged_attention.cc"))
-HEADERS = (os.path.join(KERNELS, "qdot.h"),  # included by SOURCES: part of the cache key
+HEADERS = (os.path.join(KERNELS, "qtypes.h"),  # included by SOURCES: part of the cache key
+           os.path.join(KERNELS, "qdot.h"),
            os.path.join(KERNELS, "qdot_wide.h"),
            os.path.join(KERNELS, "parallel.h"))
 PAGED_TARGET = ("jaxformer_paged_attention", "JaxformerPagedAttention")

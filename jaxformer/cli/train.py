@@ -54,6 +54,7 @@ import datetime
 import os
 import sys
 import time
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 from jaxformer.cli import args as args_lib
 from jaxformer.cli import train_report
@@ -62,6 +63,11 @@ from jaxformer.cli.args import non_negative_int, positive_int
 from jaxformer.cli.export import source_chat_template
 from jaxformer.cli.runs import add_quantize_flag, cpu_tuning as tune_cpu, open_run
 from jaxformer.cli.usage import UsageError
+
+if TYPE_CHECKING:  # annotations only: the heavy imports wait for a run
+    from jaxformer.config import TransformerConfig
+    from jaxformer.train.run import Run
+    from jaxformer.train.train_config import TrainConfig
 
 
 def add_parser(commands, add_common_flags) -> None:
@@ -182,19 +188,66 @@ def run(args) -> int:
         return _train(args, held)
 
 
+class RunPlan(NamedTuple):
+    """What to train and where: from the flags, or with --resume from the saved run."""
+
+    out: str
+    model_config: Optional[TransformerConfig]  # None with --init: the checkpoint's, loaded later
+    train_config: TrainConfig
+    model_overrides: dict
+    tokenizer_path: Optional[str]  # --tokenizer with --init
+    preset: Optional[str]
+    saved_run: Optional[Run]  # --resume
+
+
 def _train(args, held: contextlib.ExitStack) -> int:
+    """The stages in order: every check that needs no device before the lock, the lock
+    before any process writes, the mesh before --init loads, everything checkable before
+    compiling; then fit, and process 0's report."""
     started = time.perf_counter()
     import jax  # noqa: PLC0415 (heavy imports after argument parsing)
 
     from jaxformer.parallel import distributed  # noqa: PLC0415
-    from jaxformer.train.checkpoint import CheckpointError  # noqa: PLC0415
-    from jaxformer.train.loop import fit, NonFiniteLossError  # noqa: PLC0415
-    from jaxformer.train.run import CHECKPOINTS, Run  # noqa: PLC0415
-    from jaxformer.train.run_lock import LOCK_NAME  # noqa: PLC0415
-    from jaxformer.train.task import training_task, trains_language_model  # noqa: PLC0415
-    from jaxformer.train.train_config import TrainConfig  # noqa: PLC0415
+    from jaxformer.train.loop import NonFiniteLossError  # noqa: PLC0415
 
     processes = setup.process_settings(args)
+    plan = plan_run(args, processes)
+    lock_run_dir(args, plan.out, processes, held)
+    cpu_tuning = start_run(args, plan, processes, held)
+    mesh = run_mesh(args, plan)
+    model_config, init_params, pretrained_tokenizer = run_model(args, plan, cpu_tuning)
+    task, model, data = training_inputs(args, plan, model_config, mesh, pretrained_tokenizer)
+
+    primary = distributed.is_primary()  # writes the run directory and prints
+    if not args.resume and primary:
+        create_run_dir(args, plan, model_config, mesh, pretrained_tokenizer)
+    if primary:
+        announce(plan, model_config, mesh, model_description(args, plan))
+    try:
+        result = fit_run(args, plan, model_config, mesh, task, init_params)
+    except NonFiniteLossError as error:
+        print(f"jaxformer train: {error}", file=sys.stderr)
+        return 1
+    if result.interrupted:
+        if primary:
+            print(f"jaxformer train: interrupted at step {int(result.state.step)}; checkpoint "
+                  f"saved in {plan.out}/checkpoints. Continue with: jaxformer train --out "
+                  f"{plan.out} --resume", file=sys.stderr)
+        return 130
+    # The rest (evaluation, figures, summary) is process 0's, on its own devices; the
+    # parameters' host copy is a collective, so every process takes it first.
+    params = distributed.host_copy(result.state.params)
+    if jax.process_count() > 1 and not primary:
+        return 0
+    report(args, plan, model_config, mesh, task, model, data, result, params, started)
+    return 0
+
+
+def plan_run(args, processes) -> RunPlan:
+    """The run's configurations and directory, every flag checked (UsageError)."""
+    from jaxformer.train.task import trains_language_model  # noqa: PLC0415
+    from jaxformer.train.train_config import TrainConfig  # noqa: PLC0415
+
     if processes is not None and args.out is None:
         raise UsageError("several processes need --out: the one run directory, the same "
                          "path on every process")
@@ -206,34 +259,40 @@ def _train(args, held: contextlib.ExitStack) -> int:
     setup.check_text_files(args)
     if args.out is not None:
         setup.check_writable_dir(args.out, "--out")
-    saved_run = None
     if args.resume:
         if args.out is None:
             raise UsageError("--resume needs --out, the run directory to continue")
-        out = args.out
-        saved_run = open_run(out, "cannot resume: ")
-        model_config, train_config = saved_run.model_config, saved_run.train_config
+        saved_run = open_run(args.out, "cannot resume: ")
         conflicts = setup.resume_conflicts(args, saved_run)
         if conflicts:
             raise UsageError("--resume continues the saved run; these flags differ from "
                              f"{saved_run.config_path}: {', '.join(conflicts)}")
-    else:
-        try:
-            tokenizer_path = None
-            if args.init is not None:  # the model comes from the checkpoint, loaded below
-                tokenizer_path = train_overrides.pop("tokenizer", None)
-                model_config = None
-            else:
-                if trains_language_model(train_overrides.get("task", TrainConfig.task)):
-                    model_overrides = setup.lm_model_overrides(model_overrides,
-                                                               train_overrides)
-                model_config = build_model(**model_overrides)
-            train_config = TrainConfig(**train_overrides)
-        except (ValueError, TypeError) as error:
-            raise UsageError(str(error)) from error
-        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        kind = "finetune" if model_config is None else model_config.norm
-        out = args.out or os.path.join("runs", f"{train_config.task}-{kind}-{stamp}")
+        return RunPlan(args.out, saved_run.model_config, saved_run.train_config,
+                       model_overrides, None, preset, saved_run)
+    try:
+        tokenizer_path = None
+        if args.init is not None:  # the model comes from the checkpoint, loaded later
+            tokenizer_path = train_overrides.pop("tokenizer", None)
+            model_config = None
+        else:
+            if trains_language_model(train_overrides.get("task", TrainConfig.task)):
+                model_overrides = setup.lm_model_overrides(model_overrides, train_overrides)
+            model_config = build_model(**model_overrides)
+        train_config = TrainConfig(**train_overrides)
+    except (ValueError, TypeError) as error:
+        raise UsageError(str(error)) from error
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    kind = "finetune" if model_config is None else model_config.norm
+    out = args.out or os.path.join("runs", f"{train_config.task}-{kind}-{stamp}")
+    return RunPlan(out, model_config, train_config, model_overrides, tokenizer_path, preset,
+                   None)
+
+
+def lock_run_dir(args, out: str, processes, held: contextlib.ExitStack) -> None:
+    """Take `out`'s lock (process 0, when its id is known) and refuse a directory that is
+    a file, or holds another run without --resume."""
+    from jaxformer.train.run_lock import LOCK_NAME  # noqa: PLC0415
+
     if os.path.exists(out) and not os.path.isdir(out):
         raise UsageError(f"run directory {out} already exists and is a file: choose "
                          "another --out")
@@ -245,97 +304,143 @@ def _train(args, held: contextlib.ExitStack) -> int:
         raise UsageError(f"run directory {out} already exists and is not empty: pass "
                          f"--resume to continue it, or choose another --out")
 
+
+def start_run(args, plan: RunPlan, processes, held: contextlib.ExitStack) -> bool:
+    """CPU tuning (before JAX starts) and the other processes; whether tuning is on."""
+    from jaxformer.parallel import distributed  # noqa: PLC0415
+
     cpu_tuning = tune_cpu(not args.no_cpu_tuning)  # before JAX starts
     # After the checks of --out: no process wrote yet. Giving up on the others releases
     # the lock (and the directory it made) first: that exit skips every `with` block.
     setup.start_processes(args, processes, on_give_up=held.close)
     if processes is not None and processes.process_id is None and distributed.is_primary():
-        setup.lock_run(out, held)
-    checkpoint_dir = os.path.join(out, CHECKPOINTS)
-    if args.resume and not saved_run.has_checkpoint():
-        raise UsageError(f"cannot resume: no checkpoint in {out}/checkpoints")  # (Orbax: JAX)
-    from jaxformer.parallel.partitioning import make_mesh, mesh_spec_string  # noqa: PLC0415
+        setup.lock_run(plan.out, held)
+    if args.resume and not plan.saved_run.has_checkpoint():
+        raise UsageError(f"cannot resume: no checkpoint in {plan.out}/checkpoints")  # (Orbax: JAX)
+    return cpu_tuning
+
+
+def run_mesh(args, plan: RunPlan):
+    """The device mesh (--mesh, or the saved run's), checked against --batch: the
+    devices known, before --init loads."""
+    from jaxformer.parallel.partitioning import make_mesh  # noqa: PLC0415
     from jaxformer.parallel.sharding import check_divisible  # noqa: PLC0415
 
-    try:  # the devices known, the mesh and the batch before --init loads
+    try:
         mesh = make_mesh(setup.resume_mesh_spec(
-            args, saved_run.saved.get("mesh") if args.resume else None))
+            args, plan.saved_run.saved.get("mesh") if args.resume else None))
     except ValueError as error:
         raise UsageError(f"--mesh {args.mesh}: {error}") from error
     try:
-        check_divisible(train_config.batch_size, mesh, name="--batch")
+        check_divisible(plan.train_config.batch_size, mesh, name="--batch")
     except ValueError as error:
         raise UsageError(str(error)) from error
+    return mesh
+
+
+def run_model(args, plan: RunPlan, cpu_tuning: bool):
+    """(model config, --init's parameters or None, its tokenizer or None)."""
     init_params = pretrained_tokenizer = None
+    model_config = plan.model_config
     if model_config is None:  # --init: the checkpoint's model, weights and tokenizer
         model_config, init_params, pretrained_tokenizer = setup.load_init(
-            args, model_overrides, tokenizer_path)
-    model_config = model_config.replace(cpu_tuning=cpu_tuning)
-    try:  # everything checkable before compiling: data/task vs model, mesh vs parameters
+            args, plan.model_overrides, plan.tokenizer_path)
+    return model_config.replace(cpu_tuning=cpu_tuning), init_params, pretrained_tokenizer
+
+
+def training_inputs(args, plan: RunPlan, model_config, mesh, pretrained_tokenizer):
+    """(task, model, text data or None), everything checkable before compiling: data and
+    task against the model, the mesh against the parameters (UsageError)."""
+    from jaxformer.train.task import training_task  # noqa: PLC0415
+
+    train_config = plan.train_config
+    try:
         task = training_task(model_config, train_config)
         model = task.model_class(model_config)
         setup.check_mesh_fits(model, mesh)
         data = None
         if task.device_batch is None:  # host-fed: the text of --data
             data = setup.text_data(train_config, setup.lm_run_tokenizer(
-                out, model_config, train_config, saved_run.saved if args.resume else {},
-                pretrained_tokenizer))
+                plan.out, model_config, train_config,
+                plan.saved_run.saved if args.resume else {}, pretrained_tokenizer))
             task = training_task(model_config, train_config, data)
         task.check(model_config)
     except ValueError as error:
         raise UsageError(str(error)) from error
+    return task, model, data
 
-    primary = distributed.is_primary()  # writes the run directory and prints
-    if not args.resume and primary:  # a fine-tuning run stands alone: its copies
-        Run.create(out, model_config, train_config, init=args.init,
-                   init_tokenizer=pretrained_tokenizer,
-                   chat_template=None if args.init is None else source_chat_template(args.init),
-                   preset=None if args.init else preset, mesh=mesh_spec_string(mesh),
-                   processes=jax.process_count())
-    if args.resume and saved_run.init:
-        preset = f"fine-tuned {saved_run.init['path']}"
-    elif args.init is not None:
-        preset = f"fine-tuned {args.init}"
 
-    if primary:
-        print(f"jaxformer train: {train_config.task} task, {preset} model "
-              f"({model_config.norm}-LN, {model_config.dtype}), mesh "
-              f"{mesh_spec_string(mesh)}, {distributed.describe()}, run dir {out}",
-              flush=True)
-        if model_config.cpu_tuning:
-            print("jaxformer train: CPU tuning on (jaxformer.backends.cpu; same results up to "
-                  "rounding; --no-cpu-tuning turns it off)", flush=True)
+def create_run_dir(args, plan: RunPlan, model_config, mesh, pretrained_tokenizer) -> None:
+    """A new run's directory; a fine-tuning run stands alone: its copies of --init's
+    tokenizer and chat template."""
+    import jax  # noqa: PLC0415
+
+    from jaxformer.parallel.partitioning import mesh_spec_string  # noqa: PLC0415
+    from jaxformer.train.run import Run  # noqa: PLC0415
+
+    Run.create(plan.out, model_config, plan.train_config, init=args.init,
+               init_tokenizer=pretrained_tokenizer,
+               chat_template=None if args.init is None else source_chat_template(args.init),
+               preset=None if args.init else plan.preset, mesh=mesh_spec_string(mesh),
+               processes=jax.process_count())
+
+
+def model_description(args, plan: RunPlan):
+    """The preset's name, or what the run fine-tunes."""
+    if args.resume and plan.saved_run.init:
+        return f"fine-tuned {plan.saved_run.init['path']}"
+    if args.init is not None:
+        return f"fine-tuned {args.init}"
+    return plan.preset
+
+
+def announce(plan: RunPlan, model_config, mesh, description) -> None:
+    """The run's first lines: task, model, mesh, processes, directory, CPU tuning."""
+    from jaxformer.parallel import distributed  # noqa: PLC0415
+    from jaxformer.parallel.partitioning import mesh_spec_string  # noqa: PLC0415
+
+    print(f"jaxformer train: {plan.train_config.task} task, {description} model "
+          f"({model_config.norm}-LN, {model_config.dtype}), mesh "
+          f"{mesh_spec_string(mesh)}, {distributed.describe()}, run dir {plan.out}",
+          flush=True)
+    if model_config.cpu_tuning:
+        print("jaxformer train: CPU tuning on (jaxformer.backends.cpu; same results up to "
+              "rounding; --no-cpu-tuning turns it off)", flush=True)
+
+
+def fit_run(args, plan: RunPlan, model_config, mesh, task, init_params):
+    """`train.fit` on the run directory; a damaged checkpoint is a UsageError."""
+    from jaxformer.train.checkpoint import CheckpointError  # noqa: PLC0415
+    from jaxformer.train.loop import fit  # noqa: PLC0415
+    from jaxformer.train.run import CHECKPOINTS  # noqa: PLC0415
+
     try:
-        result = fit(model_config, train_config, checkpoint_dir=checkpoint_dir,
-                     resume=args.resume, save_every=args.save_every, log_every=args.log_every,
-                     progress=not args.no_progress,
-                     metrics_file=os.path.join(out, "metrics.jsonl"), mesh=mesh, task=task,
-                     eval_every=args.eval_every, fallback=args.fallback,
-                     init_params=init_params, donate_init_params=True)
+        return fit(model_config, plan.train_config,
+                   checkpoint_dir=os.path.join(plan.out, CHECKPOINTS), resume=args.resume,
+                   save_every=args.save_every, log_every=args.log_every,
+                   progress=not args.no_progress,
+                   metrics_file=os.path.join(plan.out, "metrics.jsonl"), mesh=mesh, task=task,
+                   eval_every=args.eval_every, fallback=args.fallback,
+                   init_params=init_params, donate_init_params=True)
     except CheckpointError as error:
         raise UsageError(str(error)) from error
-    except NonFiniteLossError as error:
-        print(f"jaxformer train: {error}", file=sys.stderr)
-        return 1
-    step = int(result.state.step)
-    if result.interrupted and primary:
-        print(f"jaxformer train: interrupted at step {step}; checkpoint saved in "
-              f"{out}/checkpoints. Continue with: jaxformer train --out {out} --resume",
-              file=sys.stderr)
-    if result.interrupted:
-        return 130
 
-    # The rest (evaluation, figures, summary) is process 0's, on its own devices.
-    params, local_mesh = distributed.host_copy(result.state.params), mesh
+
+def report(args, plan: RunPlan, model_config, mesh, task, model, data, result, params,
+           started: float) -> None:
+    """Process 0's end of the run on its own devices: evaluation, figures, summary
+    (`params`: the trained parameters' host copy)."""
+    import jax  # noqa: PLC0415
+
+    from jaxformer.parallel.partitioning import make_mesh  # noqa: PLC0415
+
+    local_mesh = mesh
     if jax.process_count() > 1:
-        if not primary:
-            return 0
         local_mesh = make_mesh(devices=jax.local_devices())
     if data is not None:
         summary = train_report.finish_lm(args, model, params, local_mesh, result, data,
-                                         train_config, out)
+                                         plan.train_config, plan.out)
     else:
         summary = train_report.finish_seq2seq(args, model, params, local_mesh, task,
-                                              train_config, model_config, out)
-    train_report.write_summary(out, summary, result, params, started)
-    return 0
+                                              plan.train_config, model_config, plan.out)
+    train_report.write_summary(plan.out, summary, result, params, started)

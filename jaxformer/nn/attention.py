@@ -46,7 +46,7 @@ from jaxformer.config import TransformerConfig
 from jaxformer.nn import checks, lora, tuning
 from jaxformer.nn.attention_select import jax_nn_mask_arguments, resolved_attention_impl
 from jaxformer.nn.blockwise import blockwise_attention
-from jaxformer.nn.mask_structure import MaskSpec, dense_mask
+from jaxformer.nn.mask_structure import LayerKindMask, MaskSpec, densified
 from jaxformer.nn.splash import splash_attention
 from jaxformer.nn.tuning import apply_dropout
 from jaxformer.nn.norms import layer_norm
@@ -60,16 +60,6 @@ class KV(NamedTuple):
 
     key: jnp.ndarray
     value: jnp.ndarray
-
-
-class LayerKindMask(NamedTuple):
-    """The self-attention mask of a scanned layer in a stack of mixed kinds: the
-    traced per-layer flag `is_local` picks `local` (with the window) or `global_`.
-    (A MaskSpec's window is static, so it cannot be selected with `jnp.where`.)"""
-
-    is_local: jnp.ndarray
-    local: MaskSpec
-    global_: MaskSpec
 
 
 def structured_attention(query_BHTK: jnp.ndarray, key_BGSK: jnp.ndarray,
@@ -101,16 +91,6 @@ def shared_rows(batch: int, kv_batch: int, mask) -> int:
         raise ValueError(f"queries that share keys take a mask of shape (1|{kv_batch}, 1, 1, "
                          f"S) or None, got {getattr(mask, 'shape', type(mask).__name__)}")
     return batch // kv_batch
-
-
-def densified(mask, num_queries: int, num_keys: int) -> Optional[jnp.ndarray]:
-    """`mask` as a dense boolean (B|1, 1, T, S) (None and dense arrays as they are)."""
-    if isinstance(mask, LayerKindMask):
-        return jnp.where(mask.is_local, dense_mask(mask.local, num_queries, num_keys),
-                         dense_mask(mask.global_, num_queries, num_keys))
-    if isinstance(mask, MaskSpec):
-        return dense_mask(mask, num_queries, num_keys)
-    return mask
 
 
 @jax.custom_jvp

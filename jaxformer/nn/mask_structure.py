@@ -29,12 +29,15 @@ This is how the fused kernels take masks (`jax.nn.dot_product_attention`'s
 `CausalMask` / `LocalMask` and segment ids), so one spec serves every
 implementation; `dense_mask` gives the (B, 1, T, S) boolean for the dense path
 and for arbitrary patterns that have no structure.
+
+`LayerKindMask` picks, per scanned layer of a mixed stack, a local or a global spec;
+`densified` turns any of these masks into the dense boolean.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import flax.struct
 import jax.numpy as jnp
@@ -224,3 +227,23 @@ def first_key_block(spec: MaskSpec, q_start: Int, block_k: int, num_key_blocks: 
     lowest_key = spec.q_offset + q_start - (spec.window - 1)
     first = jnp.clip(lowest_key // block_k, 0, num_key_blocks - width)
     return first
+
+
+class LayerKindMask(NamedTuple):
+    """The self-attention mask of a scanned layer in a stack of mixed kinds: the
+    traced per-layer flag `is_local` picks `local` (with the window) or `global_`.
+    (A MaskSpec's window is static, so it cannot be selected with `jnp.where`.)"""
+
+    is_local: jnp.ndarray
+    local: MaskSpec
+    global_: MaskSpec
+
+
+def densified(mask, num_queries: int, num_keys: int) -> Optional[jnp.ndarray]:
+    """`mask` as a dense boolean (B|1, 1, T, S) (None and dense arrays as they are)."""
+    if isinstance(mask, LayerKindMask):
+        return jnp.where(mask.is_local, dense_mask(mask.local, num_queries, num_keys),
+                         dense_mask(mask.global_, num_queries, num_keys))
+    if isinstance(mask, MaskSpec):
+        return dense_mask(mask, num_queries, num_keys)
+    return mask

@@ -40,8 +40,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxformer.nn.attention import KV, LayerKindMask
-from jaxformer.nn.mask_structure import MaskSpec
+from jaxformer.nn.attention import KV
+from jaxformer.nn.mask_structure import LayerKindMask, MaskSpec
 from jaxformer.config import TransformerConfig
 from jaxformer.nn.layers import DecoderLayer, EncoderLayer
 from jaxformer.nn.rope import layer_frequencies

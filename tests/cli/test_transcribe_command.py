@@ -11,7 +11,8 @@ import pytest
 from jaxformer.cli.main import main
 from jaxformer.models import whisper
 
-from conftest import REPO, whisper_ct2_runtime, whisper_model_dir
+from conftest import REPO, whisper_ct2_runtime
+from model_files import whisper_model_dir
 
 FOX = os.path.join(REPO, "tests", "data", "fox_espeak.wav")
 FOX_44K = os.path.join(REPO, "tests", "data", "fox_espeak_44k_stereo.wav")

@@ -10,7 +10,7 @@ import pytest
 from jaxformer.errors import FileFormatError
 from jaxformer.interop.ct2 import read_ct2
 
-from conftest import whisper_model_dir
+from model_files import whisper_model_dir
 
 
 def _string(text):

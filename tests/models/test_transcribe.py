@@ -23,7 +23,8 @@ import pytest
 from jaxformer.errors import FileFormatError
 from jaxformer.models import whisper
 
-from conftest import whisper_ct2_runtime, whisper_model_dir
+from conftest import whisper_ct2_runtime
+from model_files import whisper_model_dir
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "data")
 FOX = os.path.join(DATA, "fox_espeak.wav")

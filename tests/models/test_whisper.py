@@ -13,7 +13,7 @@ import jaxformer as jf
 from jaxformer.models import whisper as whisper_lib
 from jaxformer.interop.flat import CheckpointMismatch
 
-from conftest import whisper_model_dir
+from model_files import whisper_model_dir
 
 N_NEW = 48
 

@@ -12,7 +12,8 @@ import pytest
 from jaxformer.decode.loop import TRACE_COUNTS
 from jaxformer.models import whisper
 
-from conftest import REPO, whisper_ct2_runtime, whisper_model_dir
+from conftest import REPO, whisper_ct2_runtime
+from model_files import whisper_model_dir
 
 FOX = f"{REPO}/tests/data/fox_espeak.wav"
 SR = whisper.SAMPLE_RATE

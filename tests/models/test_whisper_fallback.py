@@ -158,7 +158,8 @@ def test_sampled_copies_of_one_encoded_window_equal_repeated_windows():
     its cross-attention keys/values projected once and repeated) samples exactly what
     three copies of the window's features would (same seed, same tokens), and
     `Windows.decode` takes that path."""
-    from conftest import REPO, whisper_model_dir  # noqa: PLC0415
+    from conftest import REPO  # noqa: PLC0415
+    from model_files import whisper_model_dir  # noqa: PLC0415
 
     w = whisper.load(whisper_model_dir())
     vocab = list(w.vocab)

@@ -14,7 +14,7 @@ av = pytest.importorskip("av", reason="needs the media extra: pip install 'jaxfo
 from jaxformer.errors import FileFormatError  # noqa: E402
 from jaxformer.models import whisper  # noqa: E402
 
-from conftest import whisper_model_dir  # noqa: E402
+from model_files import whisper_model_dir  # noqa: E402
 
 FOX = os.path.join(os.path.dirname(__file__), os.pardir, "data", "fox_espeak.wav")
 # container -> (file name, audio codec, video codec or None)

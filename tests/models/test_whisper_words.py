@@ -10,7 +10,7 @@ import pytest
 from jaxformer.models import whisper
 from jaxformer.models.whisper import words as words_lib
 
-from conftest import whisper_model_dir
+from model_files import whisper_model_dir
 
 FOX = "tests/data/fox_espeak.wav"
 SR = 16000

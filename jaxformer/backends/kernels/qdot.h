@@ -1,5 +1,5 @@
-// Integer dot products, llama.cpp's scheme, for qmatmul.cc (included inside its anonymous
-// namespace, after Problem): each row of x is quantized per weight block to int8,
+// Integer dot products, llama.cpp's scheme, for qmatmul.cc (on qtypes.h's
+// Problem): each row of x is quantized per weight block to int8,
 //
 //   xq[k] = round(x[k] 127 / amax)  (ties to even),  dx = amax / 127   (amax = max |x| of the block)
 //
@@ -25,6 +25,20 @@
 //     low then high nibbles); block % 32 == 0.
 // int8 weights enter as |q| against x carrying q's sign (ggml's Q8_0 dot): the unsigned
 // operand stays <= 128.
+
+#ifndef JAXFORMER_KERNELS_QDOT_H_
+#define JAXFORMER_KERNELS_QDOT_H_
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "qtypes.h"
+
+namespace jaxformer::qmatmul {
 
 #if defined(__AVX2__)
 constexpr bool kIntegerDot = true;
@@ -465,3 +479,7 @@ void IntRowsOf(const Problem& p, int64_t t) {
 }
 
 #endif  // __AVX2__
+
+}  // namespace jaxformer::qmatmul
+
+#endif  // JAXFORMER_KERNELS_QDOT_H_

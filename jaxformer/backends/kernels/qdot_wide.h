@@ -1,6 +1,6 @@
 // Many rows against a transposed block layout (a tied embedding table, the logits of a
-// serving step's slots), for qmatmul.cc (included inside its anonymous namespace, after
-// qdot.h): the rows of x in the lanes of a 512-bit vector, where the CPU has AVX-512 VNNI.
+// serving step's slots), for qmatmul.cc (on qtypes.h's Problem): the rows of x in the
+// lanes of a 512-bit vector, where the CPU has AVX-512 VNNI.
 //
 // qdot.h's IntRowDots holds 32 k of one row of x per vector and must add each vector's
 // lanes up (RowSums) at every block: at 32 rows that horizontal work, not the products,
@@ -14,6 +14,16 @@
 // rounded), y += (d dx) s + c xsum (c = m, -8 d for int4_sym, 0 for int8_block), in float32, in
 // block order (so within float rounding of IntRowDots, not bit for bit: it adds the
 // c xsum terms apart).
+
+#ifndef JAXFORMER_KERNELS_QDOT_WIDE_H_
+#define JAXFORMER_KERNELS_QDOT_WIDE_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "qtypes.h"
+
+namespace jaxformer::qmatmul {
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 constexpr bool kWideDot = true;
@@ -125,3 +135,7 @@ void WideRowsOf(const Problem& p, int64_t t) {
 }
 
 #endif  // AVX-512 VNNI
+
+}  // namespace jaxformer::qmatmul
+
+#endif  // JAXFORMER_KERNELS_QDOT_WIDE_H_

@@ -34,13 +34,17 @@
 #endif
 
 #include "parallel.h"
+#include "qdot.h"
+#include "qdot_wide.h"
+#include "qtypes.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t NT = 64;   // output columns per tile
+using namespace jaxformer::qmatmul;  // qtypes.h, qdot.h, qdot_wide.h
+
 constexpr int64_t BT = 4;    // rows of x per pass over a tile's weights
 // Below K N weights, no threads: waking the pool costs more than it saves until the
 // weights are several MB (measured on 2 shared cores, issue 42, a chain of matmuls on
@@ -50,43 +54,6 @@ constexpr int64_t BT = 4;    // rows of x per pass over a tile's weights
 // the integer paths at B 8, 576x1536 and 1536x576 out of cache, threaded 1.0-1.19x the
 // serial time, so K N B did not pay as the bound either).
 constexpr int64_t SERIAL = 1 << 22;
-constexpr int64_t VT = 16;   // weight rows per task (transposed layout)
-
-enum class Fmt { kInt8, kInt8Block, kInt4, kInt4Sym };
-
-inline float HalfToFloat(uint16_t h) {
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#endif
-  uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
-  if (exp == 0) {
-    if (man == 0) {
-      bits = sign;
-    } else {  // subnormal: normalise
-      uint32_t e = 0;
-      while (!(man & 0x400u)) { man <<= 1; ++e; }
-      bits = sign | ((113 - e) << 23) | ((man & 0x3ffu) << 13);
-    }
-  } else if (exp == 31) {
-    bits = sign | 0x7f800000u | (man << 13);
-  } else {
-    bits = sign | ((exp + 112) << 23) | (man << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline void HalvesToFloats(const uint16_t* src, float* dst, int64_t n) {
-  int64_t i = 0;
-#if defined(__F16C__)
-  for (; i + 8 <= n; i += 8) {
-    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
-  }
-#endif
-  for (; i < n; ++i) dst[i] = HalfToFloat(src[i]);
-}
 
 // x[0] + ... + x[n - 1]: 8 partial sums (AVX) where n % 8 == 0, a chain of adds
 // waiting on each other's latency otherwise.
@@ -105,31 +72,6 @@ inline float BlockSum(const float* x, int64_t n) {
   return s;
 }
 
-struct Problem {
-  Fmt fmt;
-  bool transposed;
-  int64_t B, K, N, block;
-  const float* x;
-  const void* q;
-  const void* scale;     // float32 (int8) or float16 bits
-  const uint16_t* offset;  // int4 only
-  float* y;
-  std::vector<float> xsum;  // (B, K / block): block sums of x, as rounded on the
-                            // integer path (4-bit layouts)
-  bool integer = false;     // integer dot products (qdot.h): xs, xd below
-  int64_t width = NT;       // columns per task (N-last layout)
-  std::vector<int8_t> xs;   // (B, K / block, stream bytes): x quantized per block (qdot.h)
-  std::vector<float> xd;    // (B, K / block): its block scales
-  std::vector<float> xdt;   // the same by groups of rows (qdot.h, transposed)
-  bool wide = false;        // rows in the vector lanes (qdot_wide.h): xw, xdw, xsw, bp
-  int64_t bp = 0;
-  std::vector<int8_t> xw;
-  std::vector<float> xdw, xsw;
-  std::vector<int32_t> xqw;
-};
-
-#include "qdot.h"
-#include "qdot_wide.h"
 
 // The R rows b0 .. b0 + R of y, columns n0 .. n0 + W (W = NT when FULL, else nt).
 template <int R, bool FULL>
