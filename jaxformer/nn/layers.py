@@ -392,8 +392,10 @@ class DecoderLayer(nn.Module):
                     pages = readable(paged_kv.read(updated))
                     return KV((pages.key, kv.key), (pages.value, kv.value))
 
-                # On a tuned CPU the pool is read in place by a kernel (`paged_kv.heads`).
-                heads = paged_kv.heads(updated, seen, self_mask, self.config)
+                # On a tuned CPU the pool is read in place by a kernel (`paged_kv.heads`),
+                # which reads every position of a row: a local layer's band needs the mask.
+                heads = None if self.local else paged_kv.heads(updated, seen, self_mask,
+                                                               self.config)
                 out = self.self_attn(h_BTD, None if heads else seen(), self_mask,
                                      positions_BT=positions_BT, deterministic=deterministic,
                                      inv_freq=inv_freq, heads=heads)

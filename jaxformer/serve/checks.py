@@ -27,9 +27,6 @@ def check_engine_args(config: TransformerConfig, *, slots, max_len, page_size, n
     if max_len > config.decoder_len:
         raise ValueError(f"max_len={max_len} exceeds the model's context "
                          f"{config.decoder_len} (config.decoder_max_len or max_len)")
-    if any(config.local_layers(config.num_decoder_layers)):
-        raise ValueError("the engine does not serve sliding-window (local) layers yet: "
-                         f"sliding_window={config.sliding_window}; use jaxformer.generate")
 
 
 def check_params(p: SamplingParams, *, vocab_size: int, tokenizer) -> None:

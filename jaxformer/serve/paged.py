@@ -74,13 +74,29 @@ def call_decoder(module, *args, **kwargs):
     return module.decoder(*args, **kwargs)
 
 
-def paged_mask(lengths_S: jnp.ndarray, read_slots: int, new: int) -> jnp.ndarray:
-    """(S, 1, C, read_slots + C): query i of row s sees page slots < L_s and new keys <= i."""
-    past_SK = jnp.arange(read_slots)[None, :] < lengths_S[:, None]
-    causal_CC = jnp.arange(new)[None, :] <= jnp.arange(new)[:, None]
+def paged_mask(lengths_S: jnp.ndarray, read_slots: int, new: int,
+               window: Optional[int] = None) -> jnp.ndarray:
+    """(S, 1, C, read_slots + C): query i of row s sees page slots < L_s and new keys <= i;
+    with `window` (a local layer's), only keys less than `window` positions back (page
+    slot p is position p, new key j position L_s + j)."""
+    slots_K, new_C = jnp.arange(read_slots), jnp.arange(new)
+    past_SK = slots_K[None, :] < lengths_S[:, None]
+    causal_CC = new_C[None, :] <= new_C[:, None]
     past_SCK = jnp.broadcast_to(past_SK[:, None, :], (lengths_S.shape[0], new, read_slots))
     causal_SCC = jnp.broadcast_to(causal_CC[None], (lengths_S.shape[0], new, new))
+    if window is not None:
+        queries_SC = lengths_S[:, None] + new_C[None, :]
+        past_SCK = past_SCK & (queries_SC[:, :, None] - slots_K[None, None, :] < window)
+        causal_SCC = causal_SCC & (new_C[:, None] - new_C[None, :] < window)[None]
     return jnp.concatenate([past_SCK, causal_SCC], axis=-1)[:, None]
+
+
+def layer_masks(config: TransformerConfig, lengths_S: jnp.ndarray, read_slots: int,
+                new: int) -> tuple[jnp.ndarray, Optional[jnp.ndarray]]:
+    """(the global layers' `paged_mask`, the local layers' or None without local layers)."""
+    local = any(config.local_layers(config.num_decoder_layers))
+    return (paged_mask(lengths_S, read_slots, new),
+            paged_mask(lengths_S, read_slots, new, config.sliding_window) if local else None)
 
 
 def paged_forward(model, params, pools: Pools, table_SM: jnp.ndarray, lengths_S: jnp.ndarray,
@@ -116,9 +132,12 @@ def paged_forward(model, params, pools: Pools, table_SM: jnp.ndarray, lengths_S:
     slots_SC = pool_slots(table_SM, positions_SC, valid_SC, page_size)
     caches = tuple(PagedKV(kv, table_SP, slots_SC, page_size, axis, start_B=lengths_S)
                    for kv in pools)
+    # Local layers attend through the same pages with their window's band (`ring_mask`:
+    # the decoder's mask of local layers; no ring index: the pages are not a ring).
+    mask, local_mask = layer_masks(model.config, lengths_S, pages * page_size, new)
     out, caches = model.apply(
-        {"params": params}, tokens_SC, paged_mask(lengths_S, pages * page_size, new),
-        None, None, positions_BT=positions_SC, caches=caches, deterministic=True,
+        {"params": params}, tokens_SC, mask, None, None, positions_BT=positions_SC,
+        caches=caches, ring_mask=local_mask, deterministic=True,
         hidden=logits_at is not None, method=call_decoder)
     if logits_at is not None:  # out: the final normed states (S, C, D)
         out = model.apply({"params": params}, at_positions(out, logits_at),
@@ -159,7 +178,8 @@ def scanned_forward(model, params, pools: Pools, table_SM: jnp.ndarray,
     table_SP = jnp.asarray(table_SM)[:, :pages]
     positions_SC = lengths_S[:, None] + jnp.arange(new)[None, :]
     slots_SC = pool_slots(table_SM, positions_SC, valid_SC, page_size)
-    mask = paged_mask(lengths_S, pages * page_size, new)
+    mask, local_mask = layer_masks(config, lengths_S, pages * page_size, new)
+    mask = mask if local_mask is None else local_mask  # one kind: all local, or none
     decoder = dict(params["decoder"])
     layers = decoder.pop(stacking.STACKED)
     rest = {"params": {**params, "decoder": decoder}}
