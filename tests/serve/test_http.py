@@ -7,12 +7,11 @@ from __future__ import annotations
 import http.client
 import json
 import time
-import urllib.error
 import urllib.request
 
 import pytest
 
-from tests.serve.server_fixture import running
+from tests.serve.server_fixture import post, running
 from tests.serve.fake_engine import BYTES, FAIL_TEXT, FakeEngine
 
 openai = pytest.importorskip("openai", reason="needs the `test` extra (the openai client)")
@@ -47,19 +46,6 @@ def server():
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server[1] + "/v1", api_key="unused", max_retries=0)
-
-
-def post(url, path, body, headers=None):
-    """(status, headers, JSON body) of a raw POST (no client-side checks)."""
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(url + path, data=data, method="POST",
-                                     headers={"Content-Type": "application/json",
-                                              **(headers or {})})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, response.headers, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, error.headers, json.loads(error.read())
 
 
 def test_models_lists_base_and_adapters(client):
