@@ -2,12 +2,12 @@
 
 `decode.sampling` picks with one setting per call (static); an engine step
 holds requests with different temperatures, top-k, top-p, min-p and seeds side
-by side, so here they are (S,) arrays. The rules are the same: greedy is the
-argmax of the raw logits (temperature 0); else temperature, then top-k (ties
-at the k-th value kept), then top-p (the smallest most likely set whose mass
-reaches p), then min-p (tokens at least min_p times as likely as the most likely
-one, as vLLM, llama.cpp and transformers define it), then a categorical draw with
-the row's key
+by side, so here they are (S,) arrays. The rules are the same (min-p is the
+engine's only): greedy is the argmax of the raw logits (temperature 0); else
+temperature, then top-k (ties at the k-th value kept), then top-p (the smallest
+most likely set whose mass reaches p), then min-p (the tokens at least min_p
+times as likely as the most likely one, as vLLM, llama.cpp and transformers
+define it), then a categorical draw with the row's key
 `fold_in(PRNGKey(seed), position)`: a request's samples depend on its own seed
 and positions only, never on its neighbours.
 """
