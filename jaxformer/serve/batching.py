@@ -63,6 +63,7 @@ def slot_params(slots: list[Optional[Slot]]) -> select.SlotParams:
         temperature=column(lambda p: p.temperature, np.float32, 0.0),
         top_k=column(lambda p: p.top_k or 0, np.int32, 0),
         top_p=column(lambda p: 1.0 if p.top_p is None else p.top_p, np.float32, 1.0),
+        min_p=column(lambda p: p.min_p, np.float32, 0.0),
         seed=column(lambda p: p.seed, np.uint32, 0))
 
 

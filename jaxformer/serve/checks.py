@@ -8,7 +8,7 @@ from typing import Any, Optional
 import numpy as np
 
 from jaxformer.config import TransformerConfig, is_finite_number
-from jaxformer.serve.request import Request, SamplingParams
+from jaxformer.serve.request import MIN_TEMPERATURE, Request, SamplingParams
 from jaxformer.serve.select import MAX_LOGPROBS
 
 
@@ -33,12 +33,19 @@ def check_params(p: SamplingParams, *, vocab_size: int, tokenizer) -> None:
     if not isinstance(p, SamplingParams):
         raise TypeError(f"params must be a SamplingParams, got {type(p).__name__}")
     positive_int("max_tokens", p.max_tokens)
-    if not (is_finite_number(p.temperature) and p.temperature >= 0):
-        raise ValueError(f"temperature must be a finite number >= 0, got {p.temperature!r}")
-    if p.top_k is not None:
-        positive_int("top_k", p.top_k)
+    if not (is_finite_number(p.temperature)
+            and (p.temperature == 0 or p.temperature >= MIN_TEMPERATURE)):
+        raise ValueError(f"temperature must be 0 (greedy) or a finite number >= "
+                         f"{MIN_TEMPERATURE}, got {p.temperature!r}")
+    if p.top_k is not None and (isinstance(p.top_k, bool) or not isinstance(p.top_k, int)
+                                or not 1 <= p.top_k <= vocab_size):
+        # the bound also keeps it in the int32 the compiled step takes
+        raise ValueError(f"top_k must be an int in 1..{vocab_size} (the vocabulary), "
+                         f"got {p.top_k!r}")
     if p.top_p is not None and not (is_finite_number(p.top_p) and 0 < p.top_p <= 1):
         raise ValueError(f"top_p must be in (0, 1], got {p.top_p!r}")
+    if not (is_finite_number(p.min_p) and 0 <= p.min_p <= 1):
+        raise ValueError(f"min_p must be in [0, 1], got {p.min_p!r}")
     if isinstance(p.seed, bool) or not isinstance(p.seed, int) or not 0 <= p.seed < 2 ** 32:
         raise ValueError(f"seed must be an int in [0, 2**32), got {p.seed!r}")
     if p.logprobs is not None and (isinstance(p.logprobs, bool) or not isinstance(p.logprobs, int)

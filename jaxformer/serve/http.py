@@ -164,7 +164,7 @@ class Api:
         if n > limit:
             raise ApiError(f"this model's maximum context length is {limit} tokens; the "
                            f"prompt has {n}", param, code="context_length_exceeded")
-        vocab = getattr(self.served.tokenizer, "vocab_size", None)
+        vocab = self.vocab_size()
         if vocab is not None and any(not 0 <= i < vocab for i in prompt_ids):
             raise ApiError(f"prompt token ids must be in [0, {vocab})", param)
         # The engine ends a request whose context fills up with finish_reason "length".
@@ -172,11 +172,16 @@ class Api:
         max_tokens = max(1, min(room, sampling.max_tokens or room))
         self.next_id += 1
         params = SamplingParams(max_tokens=max_tokens, temperature=sampling.temperature,
-                                top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed,
+                                top_k=sampling.top_k, top_p=sampling.top_p,
+                                min_p=sampling.min_p, seed=sampling.seed,
                                 stop=sampling.stop, logprobs=sampling.logprobs, echo=echo)
         return Request(prompt_ids=list(prompt_ids), params=params,
                        request_id=f"req-{self.next_id}", adapter=adapter,
                        constraint=constraint)
+
+    def vocab_size(self) -> Optional[int]:
+        """The tokenizer's vocabulary (prompt ids' and top_k's bound), None if unknown."""
+        return getattr(self.served.tokenizer, "vocab_size", None)
 
     def encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -199,7 +204,7 @@ class Api:
                         media_type=CONTENT_TYPE)
 
     async def completions(self, http: HttpRequest):
-        body = parse_completion(await self.body(http))
+        body = parse_completion(await self.body(http), vocab_size=self.vocab_size())
         adapter = self.adapter(body.model)
         sampling, echo = body.sampling, body.echo
         if sampling.stream and len(body.prompts) > 1:
@@ -300,7 +305,7 @@ class Api:
             raise ApiError(f"response_format: {error}"[:400], "response_format") from error
 
     async def chat(self, http: HttpRequest):
-        body = parse_chat(await self.body(http))
+        body = parse_chat(await self.body(http), vocab_size=self.vocab_size())
         adapter = self.adapter(body.model)
         prompt = self.chat_prompt(body.messages)
         request = self.request(prompt, body.sampling, param="messages", adapter=adapter,

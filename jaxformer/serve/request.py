@@ -20,6 +20,11 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"          # this request failed; the engine goes on
 
 
+# The smallest temperature above 0 (greedy): logits / t must stay finite in float32
+# (vLLM takes the same 1e-5 as its greedy threshold).
+MIN_TEMPERATURE = 1e-5
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding choices; temperature 0 is greedy.
@@ -31,6 +36,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: Optional[int] = None
     top_p: Optional[float] = None
+    min_p: float = 0.0                  # keep tokens >= min_p * the top token's probability
     seed: int = 0
     stop: tuple[str, ...] = ()          # stop strings (text never includes them)
     stop_ids: tuple[int, ...] = ()      # stop token ids (EOS always stops)

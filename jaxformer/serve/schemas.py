@@ -1,24 +1,46 @@
 """The OpenAI request bodies the server takes, checked field by field (no JAX here).
 
-    body = parse_completion(json_dict, defaults)     # POST /v1/completions
-    body = parse_chat(json_dict, defaults)           # POST /v1/chat/completions
+    body = parse_completion(json_dict, vocab_size=V)     # POST /v1/completions
+    body = parse_chat(json_dict, vocab_size=V)           # POST /v1/chat/completions
 
 Each parser returns a frozen dataclass or raises `ApiError` naming the first
 field that is wrong (`param`), which the server sends as OpenAI's error body
-with status 400. Fields the server does not implement are refused when set to
-anything but their neutral value (`n: 2`, `logit_bias: {...}`, `tools: [...]`),
-never silently ignored; fields that change nothing here (`user`, `metadata`)
-are accepted. The limits on numbers are OpenAI's.
+with status 400, before any work. Every field is one of three kinds, never
+silently ignored:
+
+  applied (`COMPLETION_FIELDS`, `CHAT_FIELDS`): checked and passed to the engine;
+  refused unless neutral (`COMPLETION_NEUTRAL`, `CHAT_NEUTRAL`): features the
+    server does not implement (`n: 2`, `logit_bias: {...}`, `tools: [...]`);
+  labels (`LABEL_FIELDS`: `user`, `metadata`): the caller's bookkeeping, which
+    by definition changes no output.
+
+Any other field (vLLM's `repetition_penalty`, a typo) is refused, as OpenAI
+refuses an unrecognized argument; a null value counts as absent. The limits on
+numbers are OpenAI's, narrowed to what the engine holds: top_k at most the
+vocabulary, a temperature of 0 (greedy) or one whose scaled logits stay finite.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
+
+from jaxformer.serve.request import MIN_TEMPERATURE
 
 # Largest top-n logprobs a request may ask for (OpenAI: 5 for completions, 20 for chat).
 MAX_LOGPROBS = 20
+# top_k's bound when the vocabulary is not known: the engine's int32 column.
+MAX_TOP_K = 2 ** 31 - 1
+
+# The fields each endpoint applies (module docstring).
+SAMPLING_FIELDS = frozenset({"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
+                             "stop", "stream", "stream_options"})
+COMPLETION_FIELDS = SAMPLING_FIELDS | {"model", "prompt", "logprobs", "echo"}
+CHAT_FIELDS = SAMPLING_FIELDS | {"model", "messages", "max_completion_tokens", "logprobs",
+                                 "top_logprobs", "response_format"}
+LABEL_FIELDS = frozenset({"user", "metadata"})
+MESSAGE_FIELDS = frozenset({"role", "content"})
 
 
 class ApiError(Exception):
@@ -44,6 +66,7 @@ class Sampling:
     temperature: float
     top_p: Optional[float]
     top_k: Optional[int]
+    min_p: float                       # 0: off
     seed: int
     stop: tuple[str, ...]
     logprobs: Optional[int]            # top-n per token; None = no logprobs
@@ -93,12 +116,39 @@ def _refuse_unless_neutral(body: dict, neutral: dict) -> None:
                            name)
 
 
-_NEUTRAL = {
-    "n": lambda v: v == 1, "best_of": lambda v: v == 1,
-    "presence_penalty": lambda v: v == 0, "frequency_penalty": lambda v: v == 0,
-    "logit_bias": lambda v: v == {}, "suffix": lambda v: v == "",
-    "tools": lambda v: v == [], "functions": lambda v: v == [],
+def _refuse_unknown(fields: dict, known, where: str = "") -> None:
+    """ApiError naming the first non-null field of `fields` not in `known`."""
+    for name, value in fields.items():
+        if value is not None and name not in known:
+            raise ApiError(f"unrecognized request argument {where}{name}: this server does "
+                           "not implement it"[:300], f"{where}{name}", code="unknown_field")
+
+
+def _is_exactly(neutral) -> Callable:
+    """A check that a value is `neutral` and of its type (`n: true` is not `n: 1`)."""
+    return lambda v: type(v) is type(neutral) and v == neutral
+
+
+COMPLETION_NEUTRAL = {
+    "n": _is_exactly(1), "best_of": _is_exactly(1),
+    "presence_penalty": lambda v: _is_number(v) and v == 0,
+    "frequency_penalty": lambda v: _is_number(v) and v == 0,
+    "logit_bias": _is_exactly({}), "suffix": _is_exactly(""),
 }
+CHAT_NEUTRAL = {
+    "n": _is_exactly(1),
+    "presence_penalty": COMPLETION_NEUTRAL["presence_penalty"],
+    "frequency_penalty": COMPLETION_NEUTRAL["frequency_penalty"],
+    "logit_bias": _is_exactly({}), "tools": _is_exactly([]), "functions": _is_exactly([]),
+    "tool_choice": _is_exactly("none"), "function_call": _is_exactly("none"),
+}
+
+
+def _refuse_unapplied(body: dict, applied, neutral: dict) -> None:
+    _refuse_unless_neutral(body, neutral)
+    _refuse_unknown(body, applied | LABEL_FIELDS | set(neutral))
+    _get(body, "user", lambda v: isinstance(v, str), "a string")
+    _get(body, "metadata", lambda v: isinstance(v, dict), "an object")
 
 
 def _require_object(body) -> dict:
@@ -123,24 +173,41 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(stop)
 
 
-def _sampling(body: dict, *, max_tokens: Optional[int], logprobs: Optional[int]) -> Sampling:
-    temperature = _get(body, "temperature", lambda v: _is_number(v) and 0 <= v <= 2,
-                       "a number in [0, 2]", 1.0)
-    top_p = _get(body, "top_p", lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]")
-    # top_k is vLLM's and llama.cpp's extension; 0 and -1 mean "off" there too.
-    top_k = _get(body, "top_k", lambda v: _is_int(v) and v >= -1, "an integer >= -1")
-    seed = _get(body, "seed", lambda v: _is_int(v) and -2 ** 63 <= v < 2 ** 64, "an integer", 0)
-    stream = _get(body, "stream", lambda v: isinstance(v, bool), "true or false", False)
+def _temperature(body: dict) -> float:
+    return float(_get(body, "temperature",
+                      lambda v: _is_number(v) and (v == 0 or MIN_TEMPERATURE <= v <= 2),
+                      f"0 (greedy) or a number in [{MIN_TEMPERATURE}, 2]", 1.0))
+
+
+def _include_usage(body: dict) -> bool:
     options = _get(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
+    _refuse_unknown(options, {"include_usage"}, "stream_options.")
     usage = options.get("include_usage", False)
     if not isinstance(usage, bool):
         raise ApiError(f"stream_options.include_usage must be true or false, got {usage!r}",
                        "stream_options")
-    return Sampling(max_tokens=max_tokens, temperature=float(temperature),
+    return usage
+
+
+def _sampling(body: dict, *, max_tokens: Optional[int], logprobs: Optional[int],
+              vocab_size: Optional[int]) -> Sampling:
+    top_p = _get(body, "top_p", lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]")
+    # top_k and min_p are vLLM's and llama.cpp's extensions; top_k 0 and -1 mean "off"
+    # there too. top_k beyond the vocabulary keeps all (and would overflow the engine).
+    most = MAX_TOP_K if vocab_size is None else vocab_size
+    top_k = _get(body, "top_k", lambda v: _is_int(v) and -1 <= v <= most,
+                 f"an integer in [-1, {most}] (0 and -1: off)")
+    min_p = _get(body, "min_p", lambda v: _is_number(v) and 0 <= v <= 1, "a number in [0, 1]",
+                 0.0)
+    seed = _get(body, "seed", lambda v: _is_int(v) and -2 ** 63 <= v < 2 ** 64,
+                "an integer in [-2**63, 2**64)", 0)
+    stream = _get(body, "stream", lambda v: isinstance(v, bool), "true or false", False)
+    usage = _include_usage(body)
+    return Sampling(max_tokens=max_tokens, temperature=_temperature(body),
                     top_p=None if top_p is None or top_p == 1 else float(top_p),
                     top_k=None if top_k is None or top_k <= 0 else top_k,
-                    seed=seed % 2 ** 32, stop=_stop(body), logprobs=logprobs,
-                    stream=stream, include_usage=usage and stream)
+                    min_p=float(min_p), seed=seed % 2 ** 32, stop=_stop(body),
+                    logprobs=logprobs, stream=stream, include_usage=usage and stream)
 
 
 def _prompts(prompt) -> tuple:
@@ -159,10 +226,11 @@ def _prompts(prompt) -> tuple:
                    "of lists of token ids (non-empty)", "prompt")
 
 
-def parse_completion(body: Any) -> CompletionBody:
-    """A POST /v1/completions body (OpenAI's legacy completions, as lm-eval sends it)."""
+def parse_completion(body: Any, *, vocab_size: Optional[int] = None) -> CompletionBody:
+    """A POST /v1/completions body (OpenAI's legacy completions, as lm-eval sends it);
+    `vocab_size`: the model's, top_k's bound."""
     body = _require_object(body)
-    _refuse_unless_neutral(body, _NEUTRAL)
+    _refuse_unapplied(body, COMPLETION_FIELDS, COMPLETION_NEUTRAL)
     if "prompt" not in body:
         raise ApiError("prompt is required", "prompt")
     prompts = _prompts(body["prompt"])
@@ -174,7 +242,7 @@ def parse_completion(body: Any) -> CompletionBody:
     if max_tokens == 0 and not echo:
         raise ApiError("max_tokens must be >= 1 unless echo is true (then 0 scores the "
                        "prompt only)", "max_tokens")
-    sampling = _sampling(body, max_tokens=max_tokens, logprobs=logprobs)
+    sampling = _sampling(body, max_tokens=max_tokens, logprobs=logprobs, vocab_size=vocab_size)
     if echo and sampling.stream:
         raise ApiError("echo is not supported with stream", "echo")
     return CompletionBody(model=_model(body), prompts=prompts, sampling=sampling, echo=echo)
@@ -213,6 +281,7 @@ def _messages(body: dict) -> tuple[dict, ...]:
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise ApiError(f"messages[{i}] must be an object", f"messages[{i}]")
+        _refuse_unknown(message, MESSAGE_FIELDS, f"messages[{i}].")  # a `name` would be lost
         role = message.get("role")
         if role not in ROLES:
             raise ApiError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got "
@@ -246,19 +315,28 @@ def _response_format(body: dict) -> Optional[dict]:
                    f"{kind!r}"[:300], "response_format")
 
 
-def parse_chat(body: Any) -> ChatBody:
-    """A POST /v1/chat/completions body."""
+def _chat_max_tokens(body: dict) -> Optional[int]:
+    """max_completion_tokens (OpenAI's newer name) or max_tokens; both must agree."""
+    given = [_get(body, name, lambda v: _is_int(v) and v >= 1, "an integer >= 1")
+             for name in ("max_completion_tokens", "max_tokens")]
+    if None not in given and given[0] != given[1]:
+        raise ApiError(f"max_tokens ({given[1]}) and max_completion_tokens ({given[0]}) "
+                       "disagree; send one", "max_tokens")
+    return given[0] if given[0] is not None else given[1]
+
+
+def parse_chat(body: Any, *, vocab_size: Optional[int] = None) -> ChatBody:
+    """A POST /v1/chat/completions body; `vocab_size`: the model's, top_k's bound."""
     body = _require_object(body)
-    _refuse_unless_neutral(body, {**_NEUTRAL, "tool_choice": lambda v: v == "none"})
+    _refuse_unapplied(body, CHAT_FIELDS, CHAT_NEUTRAL)
     messages = _messages(body)
-    limit = ("max_completion_tokens" if body.get("max_completion_tokens") is not None
-             else "max_tokens")
-    max_tokens = _get(body, limit, lambda v: _is_int(v) and v >= 1, "an integer >= 1")
+    max_tokens = _chat_max_tokens(body)
     want = _get(body, "logprobs", lambda v: isinstance(v, bool), "true or false", False)
     top = _get(body, "top_logprobs", lambda v: _is_int(v) and 0 <= v <= MAX_LOGPROBS,
                f"an integer in [0, {MAX_LOGPROBS}]")
     if top is not None and not want:
         raise ApiError("top_logprobs needs logprobs: true", "top_logprobs")
-    sampling = _sampling(body, max_tokens=max_tokens, logprobs=(top or 0) if want else None)
+    sampling = _sampling(body, max_tokens=max_tokens, logprobs=(top or 0) if want else None,
+                         vocab_size=vocab_size)
     return ChatBody(model=_model(body), messages=messages, sampling=sampling,
                     response_format=_response_format(body))

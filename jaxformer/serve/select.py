@@ -1,11 +1,13 @@
 """Per-row token selection for the engine's step: each slot its own settings and key.
 
 `decode.sampling` picks with one setting per call (static); an engine step
-holds requests with different temperatures, top-k, top-p and seeds side by
-side, so here they are (S,) arrays. The rules are the same: greedy is the
-argmax of the raw logits (temperature 0); else temperature, then top-k (ties
-at the k-th value kept), then top-p (the smallest most likely set whose mass
-reaches p), then a categorical draw with the row's key
+holds requests with different temperatures, top-k, top-p, min-p and seeds side
+by side, so here they are (S,) arrays. The rules are the same (min-p is the
+engine's only): greedy is the argmax of the raw logits (temperature 0); else
+temperature, then top-k (ties at the k-th value kept), then top-p (the smallest
+most likely set whose mass reaches p), then min-p (the tokens at least min_p
+times as likely as the most likely one, as vLLM, llama.cpp and transformers
+define it), then a categorical draw with the row's key
 `fold_in(PRNGKey(seed), position)`: a request's samples depend on its own seed
 and positions only, never on its neighbours.
 """
@@ -24,10 +26,11 @@ MAX_LOGPROBS = 20  # top-n logprobs a request may ask for (OpenAI's bound)
 @flax.struct.dataclass
 class SlotParams:
     """(S,) sampling settings of the rows: temperature 0 = greedy, top_k 0 = all,
-    top_p 1 = all."""
+    top_p 1 = all, min_p 0 = all."""
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
+    min_p: jax.Array
     seed: jax.Array
 
 
@@ -42,7 +45,10 @@ class Picks:
 
 
 def filtered_logits(logits_SV: jnp.ndarray, params: SlotParams) -> jnp.ndarray:
-    """Temperature-scaled, top-k and top-p filtered float32 logits per row."""
+    """Temperature-scaled, top-k, top-p and min-p filtered float32 logits per row.
+
+    Each filter keeps a prefix of the row's sorted logits, so the three are one
+    threshold: the largest of their smallest kept logits."""
     temperature_S1 = jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None]
     logits_SV = logits_SV.astype(jnp.float32) / temperature_S1
     sorted_SV = jnp.sort(logits_SV, axis=-1)[:, ::-1]
@@ -53,8 +59,13 @@ def filtered_logits(logits_SV: jnp.ndarray, params: SlotParams) -> jnp.ndarray:
     sorted_SV = jnp.where(jnp.arange(vocab)[None, :] < k_S1, sorted_SV, NEG)
     probs_SV = jax.nn.softmax(sorted_SV, axis=-1)
     mass_before_SV = jnp.cumsum(probs_SV, axis=-1) - probs_SV
-    kept_SV = (mass_before_SV < params.top_p[:, None]) | (params.top_p[:, None] >= 1)
-    threshold_S1 = jnp.min(jnp.where(kept_SV, sorted_SV, jnp.inf), axis=-1, keepdims=True)
+    first_V = jnp.arange(vocab) == 0  # the most likely token stays, whatever p rounds to
+    kept_SV = ((mass_before_SV < params.top_p[:, None]) | (params.top_p[:, None] >= 1)
+               | first_V[None, :])
+    top_p_floor_S1 = jnp.min(jnp.where(kept_SV, sorted_SV, jnp.inf), axis=-1, keepdims=True)
+    # p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p) (log 0 = -inf: all kept)
+    min_p_floor_S1 = sorted_SV[:, :1] + jnp.log(params.min_p)[:, None]
+    threshold_S1 = jnp.maximum(top_p_floor_S1, min_p_floor_S1)
     return jnp.where(logits_SV >= threshold_S1, logits_SV, NEG)
 
 
@@ -63,7 +74,7 @@ def scaled_filtered_logits(logits_SV: jnp.ndarray, params: SlotParams) -> jnp.nd
     then only the temperature scaling (1 for greedy rows)."""
     logits_SV = logits_SV.astype(jnp.float32)
     temperature_S1 = jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None]
-    filters = jnp.any((params.top_k > 0) | (params.top_p < 1))
+    filters = jnp.any((params.top_k > 0) | (params.top_p < 1) | (params.min_p > 0))
     return jax.lax.cond(filters, lambda: filtered_logits(logits_SV, params),
                         lambda: logits_SV / temperature_S1)
 
@@ -75,7 +86,7 @@ def pick(logits_SV: jnp.ndarray, params: SlotParams, positions_S: jnp.ndarray,
     row asked for top-n logprobs.
 
     Work is skipped at run time (`lax.cond`) when no row needs it: the draw when every
-    row is greedy, the sort of top-k/top-p when no row filters, the top-n when no row
+    row is greedy, the sort of top-k/top-p/min-p when no row filters, the top-n when no row
     asks (a sort of the vocabulary per row costs more than the argmax by 100x on a CPU).
     """
     logits_SV = logits_SV.astype(jnp.float32)

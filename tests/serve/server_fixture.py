@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -35,3 +38,16 @@ def running(app):
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+def post(url, path, body, headers=None):
+    """(status, headers, JSON body) of a raw POST (no client-side checks)."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url + path, data=data, method="POST",
+                                     headers={"Content-Type": "application/json",
+                                              **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.headers, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, error.headers, json.loads(error.read())

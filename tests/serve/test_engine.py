@@ -196,8 +196,45 @@ def test_per_row_filters_equal_decode_sampling(top_k, top_p):
     if top_p:
         ref = sampling.top_p_filter(ref, top_p)
     params = SlotParams(temperature=jnp.full((3,), 0.5), top_k=jnp.full((3,), top_k or 0),
-                        top_p=jnp.full((3,), top_p or 1.0), seed=jnp.zeros((3,), jnp.uint32))
+                        top_p=jnp.full((3,), top_p or 1.0), min_p=jnp.zeros((3,)),
+                        seed=jnp.zeros((3,), jnp.uint32))
     np.testing.assert_array_equal(np.asarray(filtered_logits(logits, params)), np.asarray(ref))
+
+
+def test_min_p_keeps_tokens_at_least_min_p_times_the_top():
+    """Per row: a token stays iff its probability (after temperature) is >= min_p times
+    the top token's, intersected with the row's top-k; kept logits are unchanged."""
+    logits = np.asarray(jax.random.normal(jax.random.PRNGKey(1), (5, 50)) * 3)
+    min_p = np.asarray([0.0, 0.05, 0.3, 1.0, 0.05], np.float32)
+    top_k = np.asarray([0, 0, 0, 0, 3], np.int32)
+    params = SlotParams(temperature=jnp.full((5,), 0.7), top_k=jnp.asarray(top_k),
+                        top_p=jnp.ones((5,)), min_p=jnp.asarray(min_p),
+                        seed=jnp.zeros((5,), jnp.uint32))
+    out = np.asarray(filtered_logits(jnp.asarray(logits), params))
+    scaled = logits.astype(np.float32) / np.float32(0.7)
+    probs = np.exp(scaled - scaled.max(-1, keepdims=True))
+    want = probs >= min_p[:, None] * probs.max(-1, keepdims=True)
+    want[4] &= scaled[4] >= np.sort(scaled[4])[-3]
+    kept = out > sampling.NEG
+    np.testing.assert_array_equal(kept, want)
+    assert kept[0].all() and kept[3].sum() == 1 and 1 < kept[2].sum() < kept[1].sum()
+    np.testing.assert_allclose(out[kept], scaled[kept], rtol=1e-6)
+
+
+@pytest.mark.parametrize("speculative", [0, 3], ids=["plain", "speculative"])
+def test_min_p_one_is_greedy_per_row(lm, speculative):
+    """Temperature 2 with min_p 1.0 keeps only the top token: greedy's tokens for every
+    seed, beside rows of the same prompt with min_p 0 (which then sample other tokens),
+    in the plain and in the speculative (verify) step."""
+    prompt = prompts(11, (5,))[0]
+    greedy = alone(*lm, prompt, 8)
+    eng = engine(lm, slots=4, speculative=speculative)
+    hot = [SamplingParams(max_tokens=8, temperature=2.0, seed=s, min_p=m)
+           for s in range(4) for m in (1.0, 0.0)]
+    handles = [(p.min_p, eng.submit(Request(prompt, p))) for p in hot]
+    eng.run_until_idle()
+    assert [tokens_of(h) for m, h in handles if m == 1.0] == [greedy] * 4
+    assert all(tokens_of(h) != greedy for m, h in handles if m == 0.0)
 
 
 def test_stop_ids_strings_and_logprobs(lm):
@@ -313,6 +350,10 @@ def test_bad_input_is_refused_before_work(lm):
         (Request([3, VOCAB]), "prompt_ids must be ints"),
         (Request([3], SamplingParams(temperature=-1)), "temperature"),
         (Request([3], SamplingParams(top_p=0)), "top_p"),
+        (Request([3], SamplingParams(top_k=VOCAB + 1)), "top_k"),
+        (Request([3], SamplingParams(top_k=10 ** 12)), "top_k"),
+        (Request([3], SamplingParams(min_p=1.5)), "min_p"),
+        (Request([3], SamplingParams(temperature=1e-30)), "temperature"),
         (Request([3], SamplingParams(max_tokens=0)), "max_tokens"),
         (Request([3], SamplingParams(logprobs=21)), "logprobs"),
         (Request([3], SamplingParams(stop=("x",))), "tokenizer"),

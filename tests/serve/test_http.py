@@ -7,17 +7,17 @@ from __future__ import annotations
 import http.client
 import json
 import time
-import urllib.error
 import urllib.request
 
 import pytest
 
-from tests.serve.server_fixture import running
+from tests.serve.server_fixture import post, running
 from tests.serve.fake_engine import BYTES, FAIL_TEXT, FakeEngine
 
 openai = pytest.importorskip("openai", reason="needs the `test` extra (the openai client)")
 pytest.importorskip("starlette", reason="needs the `serve` extra")
 
+from jaxformer.serve import schemas  # noqa: E402
 from jaxformer.serve.http import ServedModel, create_app  # noqa: E402
 
 REPLY = "Hello, world! The end."
@@ -31,29 +31,21 @@ def served(engine, **kw):
                        chat_template=TEMPLATE, **kw)
 
 
+def constraint_of(response_format):
+    """`make_constraint` stand-in: the format itself (the fake engine ignores it)."""
+    return {"compiled": response_format}
+
+
 @pytest.fixture(scope="module")
 def server():
     engine = FakeEngine(REPLY, slots=2, max_queue=2)
-    with running(create_app(served(engine))) as url:
+    with running(create_app(served(engine, make_constraint=constraint_of))) as url:
         yield engine, url
 
 
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server[1] + "/v1", api_key="unused", max_retries=0)
-
-
-def post(url, path, body, headers=None):
-    """(status, headers, JSON body) of a raw POST (no client-side checks)."""
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(url + path, data=data, method="POST",
-                                     headers={"Content-Type": "application/json",
-                                              **(headers or {})})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, response.headers, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, error.headers, json.loads(error.read())
 
 
 def test_models_lists_base_and_adapters(client):
@@ -285,3 +277,159 @@ def test_api_key_is_required_on_v1_routes():
         with urllib.request.urlopen(url + "/health", timeout=30) as response:
             assert response.status == 200  # health checks need no key
     assert engine.started and engine.stopped  # the app's lifespan ran the engine
+
+
+CHAT = {"messages": [{"role": "user", "content": "Hi"}]}
+
+# Each applied field, a value and what the engine's Request must then hold.
+COMPLETION_APPLIED = {
+    "max_tokens": (3, lambda r: r.params.max_tokens == 3),
+    "temperature": (0.5, lambda r: r.params.temperature == 0.5),
+    "top_p": (0.25, lambda r: r.params.top_p == 0.25),
+    "top_k": (7, lambda r: r.params.top_k == 7),
+    "min_p": (0.125, lambda r: r.params.min_p == 0.125),
+    "seed": (42, lambda r: r.params.seed == 42),
+    "stop": ("END", lambda r: r.params.stop == ("END",)),
+    "logprobs": (2, lambda r: r.params.logprobs == 2),
+    "echo": (True, lambda r: r.params.echo),
+    "model": ("tuned", lambda r: r.adapter == "tuned"),
+    "prompt": ([1, 80, 81], lambda r: r.prompt_ids == [1, 80, 81]),
+}
+CHAT_APPLIED = {
+    **{name: COMPLETION_APPLIED[name] for name in
+       ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "model")},
+    "max_completion_tokens": (4, lambda r: r.params.max_tokens == 4),
+    "logprobs": (True, lambda r: r.params.logprobs == 0),
+    "messages": ([{"role": "user", "content": "Yo"}],
+                 lambda r: BYTES.decode(r.prompt_ids) == "<user>Yo\n<assistant>"),
+    "response_format": ({"type": "regex", "regex": "a+"},
+                        lambda r: r.constraint == {"compiled": {"type": "regex",
+                                                                "regex": "a+"}}),
+}
+# Applied fields whose effect is on the response, tested above by name.
+APPLIED_ELSEWHERE = {
+    "stream": "test_sse_framing_raw, test_chat_stream_and_logprobs",
+    "stream_options": "test_chat_stream_and_logprobs (include_usage)",
+    "top_logprobs": "test_chat_stream_and_logprobs",
+}
+
+
+def test_every_applied_field_has_a_test():
+    """A field added to the schema needs a row above (or a named test)."""
+    assert set(COMPLETION_APPLIED) | {"stream", "stream_options"} == schemas.COMPLETION_FIELDS
+    assert set(CHAT_APPLIED) | set(APPLIED_ELSEWHERE) == schemas.CHAT_FIELDS
+
+
+@pytest.mark.parametrize("field", sorted(COMPLETION_APPLIED))
+def test_each_completion_field_reaches_the_engine(server, field):
+    engine, url = server
+    value, holds = COMPLETION_APPLIED[field]
+    status, _, out = post(url, "/v1/completions", {"prompt": "Hi", field: value})
+    assert status == 200, out
+    assert holds(engine.requests[-1]), engine.requests[-1]
+
+
+@pytest.mark.parametrize("field", sorted(CHAT_APPLIED))
+def test_each_chat_field_reaches_the_engine(server, field):
+    engine, url = server
+    value, holds = CHAT_APPLIED[field]
+    status, _, out = post(url, "/v1/chat/completions", {**CHAT, field: value})
+    assert status == 200, out
+    assert holds(engine.requests[-1]), engine.requests[-1]
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "Hi", "repetition_penalty": 1.1}, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "Hi", "tools": []}, "tools"),          # a chat field
+    ("/v1/completions", {"prompt": "Hi", "presence_penalty": 0.5}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "Hi", "frequency_penalty": -1}, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "Hi", "logit_bias": {"5": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "Hi", "best_of": 2}, "best_of"),
+    ("/v1/completions", {"prompt": "Hi", "suffix": "x"}, "suffix"),
+    ("/v1/completions", {"prompt": "Hi", "n": True}, "n"),
+    ("/v1/completions", {"prompt": "Hi", "stream": True,
+                         "stream_options": {"continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
+    ("/v1/chat/completions", {**CHAT, "echo": True}, "echo"),          # a completions field
+    ("/v1/chat/completions", {**CHAT, "n": 2}, "n"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools"),
+    ("/v1/chat/completions", {**CHAT, "tool_choice": "auto"}, "tool_choice"),
+    ("/v1/chat/completions", {**CHAT, "function_call": "auto"}, "function_call"),
+    ("/v1/chat/completions", {**CHAT, "presence_penalty": 1}, "presence_penalty"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "name": "bo"}]},
+     "messages[0].name"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 3, "max_completion_tokens": 4},
+     "max_tokens"),
+    ("/v1/chat/completions", {**CHAT, "user": 7}, "user"),
+])
+def test_unimplemented_fields_are_refused_by_name(server, path, body, param):
+    engine, url = server
+    submitted = len(engine.requests)
+    status, _, error = post(url, path, body)
+    assert status == 400 and error["error"]["param"] == param, error
+    assert param.split(".")[-1] in error["error"]["message"]
+    assert len(engine.requests) == submitted
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "Hi", "n": 1, "best_of": 1, "presence_penalty": 0,
+                         "frequency_penalty": 0.0, "logit_bias": {}, "suffix": "",
+                         "user": "u1", "metadata": {"k": "v"}, "repetition_penalty": None}),
+    ("/v1/chat/completions", {**CHAT, "n": 1, "tools": [], "tool_choice": "none",
+                              "logit_bias": {}, "user": "u1", "store": None,
+                              "max_tokens": 4, "max_completion_tokens": 4}),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "x",
+                                            "refusal": None, "tool_calls": None}]}),
+], ids=["completion", "chat", "echoed-assistant-message"])
+def test_neutral_values_labels_and_nulls_are_accepted(server, path, body):
+    status, _, out = post(server[1], path, body)
+    assert status == 200, out
+
+
+VOCAB = BYTES.vocab_size
+
+
+@pytest.mark.parametrize("field, value, allowed", [
+    ("top_k", 10 ** 12, f"[-1, {VOCAB}]"),       # overflowed the engine's int32 (issue 65)
+    ("top_k", VOCAB + 1, f"[-1, {VOCAB}]"),
+    ("top_k", -2, f"[-1, {VOCAB}]"),
+    ("temperature", 2.5, "[1e-05, 2]"),
+    ("temperature", 1e-30, "[1e-05, 2]"),          # logits / t overflow float32
+    ("top_p", 1.5, "(0, 1]"),
+    ("min_p", 1.5, "[0, 1]"),
+    ("min_p", -0.1, "[0, 1]"),
+    ("seed", 2 ** 64, "[-2**63, 2**64)"),
+    ("seed", -2 ** 63 - 1, "[-2**63, 2**64)"),
+    ("logprobs", 21, "[0, 20]"),
+    ("max_tokens", -1, ">= 0"),
+])
+def test_out_of_range_numbers_are_400_with_the_range(server, field, value, allowed):
+    engine, url = server
+    submitted = len(engine.requests)
+    status, _, error = post(url, "/v1/completions", {"prompt": "Hi", field: value})
+    assert status == 400 and error["error"]["param"] == field, error
+    assert allowed in error["error"]["message"], error
+    assert len(engine.requests) == submitted
+
+
+@pytest.mark.parametrize("field, value, allowed", [
+    ("top_k", 10 ** 12, f"[-1, {VOCAB}]"),
+    ("min_p", 2, "[0, 1]"),
+    ("top_logprobs", 21, "[0, 20]"),
+    ("max_tokens", 0, ">= 1"),
+    ("max_completion_tokens", 0, ">= 1"),
+])
+def test_out_of_range_chat_numbers_are_400_with_the_range(server, field, value, allowed):
+    status, _, error = post(server[1], "/v1/chat/completions",
+                            {**CHAT, "logprobs": True, field: value})
+    assert status == 400 and error["error"]["param"] == field, error
+    assert allowed in error["error"]["message"], error
+
+
+def test_edge_values_are_accepted(server):
+    engine, url = server
+    for field, value in (("top_k", VOCAB), ("top_k", -1), ("temperature", 1e-5),
+                         ("min_p", 0), ("min_p", 1), ("seed", -2 ** 63)):
+        status, _, out = post(url, "/v1/completions", {"prompt": "Hi", field: value})
+        assert status == 200, (field, value, out)
+    assert engine.requests[-1].params.seed == (-2 ** 63) % 2 ** 32
