@@ -11,7 +11,9 @@ to XLA's intra-op threads. On an AVX2 CPU the 4-bit and int8_block layouts (GGUF
 Q4_1, Q4_0, Q8_0) round x per block to int8 and take integer dot products, as
 llama.cpp does (`integer_dot`; `kernels/qdot.h` states the rounding); from 8 rows of
 x on, a transposed block layout (Q4_0, Q4_1, Q8_0) takes the rows in the lanes of 512-bit vectors on an
-AVX-512 VNNI CPU (`kernels/qdot_wide.h`: a serving step's logits).
+AVX-512 VNNI CPU (`kernels/qdot_wide.h`: a serving step's logits). GGUF's K-quants
+(`nn.kquant`'s q4_k, q5_k, q6_k) take `kernels/kquant.cc`: float sums per sub-block
+over the stored bytes, N-last kernels only (a K-quant tied table takes the plain path).
 
 The build is lazy: the source ships in the package and is compiled on first use with
 the system's C++ compiler (`$CXX`, else g++ or c++; -O3 -march=native) against
@@ -52,12 +54,18 @@ from jax import lax
 
 from jaxformer.backends import cpu
 
-FORMATS = ("int8", "int8_block", "int4", "int4_sym")
+# kernels/kquant.cc (N-last kernels only): each K-quant's parts in its arguments' order.
+K_PARTS = {"q4_k": ("q", "scale", "min", "sub_scale", "sub_min"),
+           "q5_k": ("q", "q_high", "scale", "min", "sub_scale", "sub_min"),
+           "q6_k": ("q", "q_high", "scale", "sub_scale")}
+K_FORMATS = tuple(K_PARTS)
+FORMATS = ("int8", "int8_block", "int4", "int4_sym") + K_FORMATS
 KERNELS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels")
 SOURCE = os.path.join(KERNELS, "qmatmul.cc")
 # Built into the same library: the paged attention of a serving step
 # (`backends.paged_attention`), target PAGED_TARGET.
-SOURCES = (SOURCE, os.path.join(KERNELS, "paged_attention.cc"))
+SOURCES = (SOURCE, os.path.join(KERNELS, "paged_attention.cc"),
+           os.path.join(KERNELS, "kquant.cc"))
 HEADERS = (os.path.join(KERNELS, "qtypes.h"),  # included by SOURCES: part of the cache key
            os.path.join(KERNELS, "qdot.h"),
            os.path.join(KERNELS, "qdot_wide.h"),
@@ -67,7 +75,10 @@ FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 TARGETS = {"int8": ("jaxformer_qmatmul_int8", "JaxformerQmatmulInt8"),
            "int8_block": ("jaxformer_qmatmul_int8_block", "JaxformerQmatmulInt8Block"),
            "int4": ("jaxformer_qmatmul_int4", "JaxformerQmatmulInt4"),
-           "int4_sym": ("jaxformer_qmatmul_int4_sym", "JaxformerQmatmulInt4Sym")}
+           "int4_sym": ("jaxformer_qmatmul_int4_sym", "JaxformerQmatmulInt4Sym"),
+           "q4_k": ("jaxformer_qmatmul_q4_k", "JaxformerQmatmulQ4K"),
+           "q5_k": ("jaxformer_qmatmul_q5_k", "JaxformerQmatmulQ5K"),
+           "q6_k": ("jaxformer_qmatmul_q6_k", "JaxformerQmatmulQ6K")}
 _STATE = {"tried": False, "path": None, "integer": False}
 _LOCK = threading.Lock()
 
@@ -181,13 +192,16 @@ def matmul(x: jnp.ndarray, parts: dict, fmt: str, block: int,
     q = parts["q"]
     n = q.shape[0] if transposed else int(np.prod(q.shape[1:], dtype=np.int64))
     matrix = (n, -1) if transposed else (-1, n)  # q and the block scales as 2-D arrays
+    out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+    if fmt in K_FORMATS:  # every part as 2-D (rows, N)
+        call = jax.ffi.ffi_call(TARGETS[fmt][0], out, vmap_method="sequential")
+        return call(x, *(parts[part].reshape(matrix) for part in K_PARTS[fmt]))
     args = [x, q.reshape(matrix)]
     if fmt == "int8":
         args.append(parts["scale"].astype(jnp.float32).reshape(n))
     else:
         args += [parts[part].reshape(matrix) for part in ("scale", "offset") if part in parts]
-    call = jax.ffi.ffi_call(TARGETS[fmt][0], jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32),
-                            vmap_method="sequential")
+    call = jax.ffi.ffi_call(TARGETS[fmt][0], out, vmap_method="sequential")
     return call(*args, block=np.int64(block), transposed=bool(transposed))
 
 
@@ -197,7 +211,8 @@ def dot(x: jnp.ndarray, parts: dict, fmt: str, block: int,
     """`plain(x, parts)` (x (B, K) float32 -> (B, N) float32), computed by `matmul`
     on the CPU of a tuned process whose kernel is built; elsewhere, and in any
     lowering for another platform, `plain` itself. Gradients are `plain`'s."""
-    if fmt not in FORMATS or x.dtype != jnp.float32 or not enabled():
+    if fmt not in FORMATS or x.dtype != jnp.float32 or not enabled() or (
+            transposed and fmt in K_FORMATS):
         return plain(x, parts)
 
     @jax.custom_vjp

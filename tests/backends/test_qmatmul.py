@@ -26,6 +26,8 @@ from conftest import REPO
 # (all below the kernel's serial bound: one thread)
 SHAPES = [(32, 1), (96, 70), (64, 130), (576, 200)]
 BATCHES = [1, 3, 8, 13]  # 13: a full pass of 8 rows (the integer paths) and one of 5
+# The layouts of blocks of 32 (the K-quants' super-blocks of 256: their own tests below).
+FORMATS = tuple(fmt for fmt in qmatmul.FORMATS if fmt not in qmatmul.K_FORMATS)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +90,7 @@ def _check(got, x, parts, fmt, transposed, block=32, msg=""):
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["kn", "nk"])
 @pytest.mark.parametrize("batch", BATCHES)
-@pytest.mark.parametrize("fmt", qmatmul.FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_kernel_equals_dequantize_then_dot(built, fmt, batch, transposed):
     shapes = SHAPES + ([(37, 70)] if fmt == "int8" else [])  # per-channel: any K
     for k, n in shapes:
@@ -98,13 +100,51 @@ def test_kernel_equals_dequantize_then_dot(built, fmt, batch, transposed):
         _check(got, x, parts, fmt, transposed, msg=f"{fmt} B={batch} K={k} N={n}")
 
 
+# K (a whole number of 256-row super-blocks) x N: N ragged against the 64-column tiles;
+# the last above the serial bound (threads).
+K_SHAPES = [(256, 1), (512, 70), (768, 130), (2048, 2100)]
+
+
+@pytest.mark.parametrize("batch", [1, 5])
+@pytest.mark.parametrize("fmt", qmatmul.K_FORMATS)
+def test_k_quant_kernel_equals_dequantize_then_dot(built, fmt, batch):
+    """kernels/kquant.cc reads the stored K-quant parts: x times the dequantized kernel
+    (llama.cpp's values) at float rounding; a tied table (transposed) takes the plain path."""
+    for k, n in K_SHAPES:
+        x, parts = _case(fmt, batch, k, n)
+        got = jax.jit(lambda x, p: qmatmul.matmul(x, p, fmt, 32))(x, parts)
+        _check(got, x, parts, fmt, False, msg=f"{fmt} B={batch} K={k} N={n}")
+
+
+def test_a_tuned_k_quant_model_calls_the_kernel_for_its_layers(built, make_lm, monkeypatch):
+    """A mix of K-quants: each N-last kernel a custom call of its own layout, the logits
+    the untuned model's to float rounding (no integer dot products: x is not rounded)."""
+    config = jf.llama(d_model=256, num_heads=4, num_kv_heads=2, d_ff=512, tgt_vocab_size=64,
+                      src_vocab_size=64, max_len=32)
+    model, params = make_lm(config, seed=2)
+    layouts = (("decoder/layers_0/ffn/wo", "q6_k"), ("decoder/layers_1/ffn/wi", "q5_k"),
+               ("decoder/layers_1/self_attn/key", "q6_k"))
+    qconfig, qparams = quantize_params(config, params, "q4_k", embed_quant="q6_k",
+                                       quant_layouts=layouts)
+    tokens = jnp.asarray(np.arange(3, 13).reshape(1, 10), jnp.int32)
+    want = _forward(qconfig)(qparams, tokens)
+    monkeypatch.setattr(cpu, "process_tuned", lambda: True)
+    tuned = _forward(qconfig)
+    text = tuned.trace(qparams, tokens).lower().as_text()
+    counts = {fmt: text.count(f"@{qmatmul.TARGETS[fmt][0]}(") for fmt in qmatmul.TARGETS}
+    assert counts == {"int8": 0, "int8_block": 0, "int4": 0, "int4_sym": 0,
+                      "q4_k": 7 * 2 - 3, "q5_k": 1, "q6_k": 2}  # the tied q6_k table: plain
+    np.testing.assert_allclose(tuned(qparams, tokens), want, rtol=0,
+                               atol=2e-5 * float(jnp.abs(want).max()))
+
+
 def test_kernel_reads_multi_axis_outputs_and_other_blocks(built):
     """A (K, heads, head_dim) kernel flattens to (K, N); blocks of 64, and of 16 (whose
     4-bit half-blocks are shorter than the transposed kernel's 16 lanes)."""
     rng = np.random.default_rng(1)
     w = rng.standard_normal((128, 3, 24)).astype(np.float32)
     x = jnp.asarray(rng.standard_normal((2, 128)), jnp.float32)
-    for fmt in qmatmul.FORMATS:
+    for fmt in FORMATS:
         for block in (16, 64):
             parts = quant.quantize(w, fmt, block, 0)
             got = qmatmul.matmul(x, parts, fmt, block)
@@ -118,7 +158,7 @@ def test_kernel_reads_multi_axis_outputs_and_other_blocks(built):
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["kn", "nk"])
-@pytest.mark.parametrize("fmt", qmatmul.FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_kernel_shares_large_products_out_to_threads(built, fmt, transposed):
     """K N = 4.3 M weights, above the kernel's serial bound (2^22): tasks on XLA's pool."""
     x, parts = _case(fmt, 3, 2048, 2080, transposed, seed=4)
@@ -127,7 +167,7 @@ def test_kernel_shares_large_products_out_to_threads(built, fmt, transposed):
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["kn", "nk"])
-@pytest.mark.parametrize("fmt", qmatmul.FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_many_rows_as_a_serving_step_sends_them(built, fmt, transposed):
     """16 to 80 rows (a serving step's slots; from 8 rows the transposed block layouts take
     16 rows to a 512-bit vector on an AVX-512 VNNI CPU, kernels/qdot_wide.h): one group, two,
@@ -164,7 +204,7 @@ def test_int8_block_odd_blocks(built):
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["kn", "nk"])
-@pytest.mark.parametrize("fmt", qmatmul.FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_a_non_finite_x_gives_nan_rows_as_the_float_product_does(built, fmt, transposed):
     """NaN, inf or -inf in one block of a row of x: that row's outputs are NaN where the
     float product's are not finite (the integer path rounds x per block: a NaN scale),
@@ -191,7 +231,7 @@ CONFIG = jf.llama(d_model=64, num_heads=4, num_kv_heads=2, d_ff=128, tgt_vocab_s
 def lm(make_lm):
     _, params = make_lm(CONFIG, seed=1)
     tokens = jnp.asarray(np.random.default_rng(2).integers(3, 48, (2, 12)), jnp.int32)
-    return {fmt: quantize_params(CONFIG, params, fmt) for fmt in qmatmul.FORMATS}, tokens
+    return {fmt: quantize_params(CONFIG, params, fmt) for fmt in FORMATS}, tokens
 
 
 def _forward(config):  # a new function each time: traced again, under the current gate
@@ -207,7 +247,7 @@ def _model_tolerance(fmt):
     return 6e-2 if integer else 2e-5
 
 
-@pytest.mark.parametrize("fmt", qmatmul.FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_tuned_model_equals_the_untuned_one(built, lm, fmt, monkeypatch):
     models, tokens = lm
     config, params = models[fmt]
