@@ -72,16 +72,17 @@ def quiet_stderr():
             os.close(saved)
 
 
-def q8_0_file(source: str, work: str) -> str:
-    """llama.cpp's Q8_0 requantization of `source` (made once, in `work`)."""
+def requantized_file(source: str, work: str, kind: str = "Q8_0") -> str:
+    """llama.cpp's requantization of `source` to `kind` ("Q8_0", "Q4_K_M": an
+    LLAMA_FTYPE_MOSTLY_* name), made once, in `work`."""
     lc = llama_cpp()
-    out = os.path.join(work, os.path.basename(source).replace("Q4_1", "Q8_0"))
+    out = os.path.join(work, os.path.basename(source).replace("Q4_1", kind))
     if out == os.path.join(work, os.path.basename(source)):
-        out = os.path.join(work, "q8_0-" + os.path.basename(source))
+        out = os.path.join(work, f"{kind.lower()}-" + os.path.basename(source))
     if not os.path.exists(out):
         os.makedirs(work, exist_ok=True)
         params = lc.llama_model_quantize_default_params()
-        params.ftype = lc.LLAMA_FTYPE_MOSTLY_Q8_0
+        params.ftype = getattr(lc, f"LLAMA_FTYPE_MOSTLY_{kind}")
         params.allow_requantize = True
         with quiet_stderr():
             code = lc.llama_model_quantize(source.encode(), (out + ".part").encode(),
@@ -120,7 +121,7 @@ def main() -> None:
     parser.add_argument("--out", default=OUT)
     args = parser.parse_args()
     source = smollm2_path()
-    files = {"Q4_1": source, "Q8_0": q8_0_file(source, args.work)}
+    files = {"Q4_1": source, "Q8_0": requantized_file(source, args.work)}
     ids = prompt_ids(source)
     arrays = {"prompt_lengths": np.array([len(i) for i in ids], np.int32),
               "prompt_ids": np.concatenate([np.asarray(i, np.int32) for i in ids])}

@@ -1,4 +1,6 @@
-"""Quantized decoding: SmolLM2-135M from its Q4_1 and Q8_0 GGUF files, jaxformer (the
+"""Quantized decoding: SmolLM2-135M from its Q4_1 GGUF file and llama.cpp's Q8_0 and Q4_K_M
+requantizations of it (Q4_K_M: Q4_K / Q6_K where a kernel's input is a multiple of 256,
+Q5_0 / Q8_0 for SmolLM2's 576-wide inputs), jaxformer (the
 blocks kept, `load(path, quantize="keep")`) against llama.cpp on the same files and
 against jaxformer's float32 load, with this machine's memory bandwidth measured in the
 same run.
@@ -33,7 +35,8 @@ Python package, LLAMA_CPP_LIB_PATH with libllama.so). Run (5-10 minutes on 2 cor
 
 Prints a table, then one JSON line with param_bytes_ratio_vs_f32 (Q4_1 kept / float32),
 decode_ratio_vs_llamacpp_b1 / _b8 (jaxformer Q4_1 / llama.cpp Q4_1),
-decode_ratio_vs_f32_b1 (jaxformer Q4_1 / jaxformer float32), bandwidth_fraction_b1,
+decode_ratio_vs_f32_b1 (jaxformer Q4_1 / jaxformer float32), param_bytes_ratio_q4k_vs_f32
+and decode_ratio_vs_llamacpp_b1_q4k / _b8_q4k (the same for Q4_K_M), bandwidth_fraction_b1,
 max_rel_logit_err_vs_llamacpp, kv_cache_bytes_ratio_int8, and every measurement.
 
   tuning      --tuning both (the default) runs everything twice: as above with JAX's
@@ -215,7 +218,8 @@ def measure(args) -> dict:
     from jaxformer.text import checkpoint_tokenizer  # noqa: PLC0415
 
     source = ref.smollm2_path()
-    files = {"Q4_1": source, "Q8_0": ref.q8_0_file(source, args.work)}
+    files = {"Q4_1": source, "Q8_0": ref.requantized_file(source, args.work),
+             "Q4_K_M": ref.requantized_file(source, args.work, "Q4_K_M")}
     ids = checkpoint_tokenizer(source).encode(PROMPT).ids
     max_len = len(ids) + args.new_tokens + 8
     results, rows = {"threads": args.threads, "new_tokens": args.new_tokens}, []
@@ -271,6 +275,9 @@ def measure(args) -> dict:
         decode_ratio_vs_llamacpp_b1=ratio("jaxformer_Q4_1_b1", "llamacpp_Q4_1_b1"),
         decode_ratio_vs_llamacpp_b8=ratio("jaxformer_Q4_1_b8", "llamacpp_Q4_1_b8"),
         decode_ratio_vs_f32_b1=ratio("jaxformer_Q4_1_b1", "jaxformer_float32_b1"),
+        param_bytes_ratio_q4k_vs_f32=results["param_MB_Q4_K_M"] / results["param_MB_float32"],
+        decode_ratio_vs_llamacpp_b1_q4k=ratio("jaxformer_Q4_K_M_b1", "llamacpp_Q4_K_M_b1"),
+        decode_ratio_vs_llamacpp_b8_q4k=ratio("jaxformer_Q4_K_M_b8", "llamacpp_Q4_K_M_b8"),
         bandwidth_fraction_b1=results["param_MB_Q4_1"] * 1e6
         * results["jaxformer_Q4_1_b1_tok_s"] / bandwidth,
         kv_cache_bytes_ratio_int8=cache_bytes(init_cache(config.replace(
