@@ -77,7 +77,7 @@ def requantized_file(source: str, work: str, kind: str = "Q8_0") -> str:
     LLAMA_FTYPE_MOSTLY_* name), made once, in `work`."""
     lc = llama_cpp()
     out = os.path.join(work, os.path.basename(source).replace("Q4_1", kind))
-    if out == os.path.join(work, os.path.basename(source)):
+    if os.path.basename(out) == os.path.basename(source):
         out = os.path.join(work, f"{kind.lower()}-" + os.path.basename(source))
     if not os.path.exists(out):
         os.makedirs(work, exist_ok=True)
