@@ -10,7 +10,8 @@ import pytest
 import jaxformer as jf
 from jaxformer.decode import api as decoding
 from jaxformer.decode import cache as cache_lib
-from jaxformer.nn.kv_quant import QuantKV
+from jaxformer.nn.attention import KV
+from jaxformer.nn.kv_quant import QuantKV, dequantize_kv, quantize_kv
 
 # Layers L, G, L: window 3 < the prompts; GQA; head_dim 16.
 CONFIG = jf.tiny(num_encoder_layers=0, num_decoder_layers=3, num_kv_heads=2, d_model=64,
@@ -52,6 +53,33 @@ def test_int8_cache_through_chunks_and_segments(lm, float_run, options):
     got = decoding.generate(jf.DecoderOnlyLM(INT8), params, prompt, max_new_tokens=10,
                             prompt_lengths=lengths, **options)
     np.testing.assert_array_equal(got.tokens, float_run.tokens)
+
+
+@pytest.mark.parametrize("head_axis", [1, 2], ids=["heads_major", "jax_layout"])
+def test_int8_scales_are_per_head_and_token_and_round_within_half_a_step(head_axis):
+    """Guards the int8 cache's scales taken over the wrong axis (shared across heads or
+    tokens: the engine's 2 % logit tolerance lets it pass): each (head, token)'s scale is
+    its own absmax over K / 127, and every value comes back within half a step of that
+    scale, on heads and tokens whose magnitudes differ by orders of magnitude."""
+    rng = np.random.default_rng(11)
+    batch, heads, tokens, dim = 2, 3, 5, 16
+    magnitude = 10.0 ** rng.uniform(-3, 2, (batch, heads, tokens, 1))
+    keys_BGTK = (rng.normal(size=(batch, heads, tokens, dim)) * magnitude).astype(np.float32)
+    values_BGTK = (rng.normal(size=(batch, heads, tokens, dim)) * magnitude[:, ::-1]
+                   ).astype(np.float32)
+    in_layout = (lambda x: x) if head_axis == 1 else (lambda x: np.swapaxes(x, 1, 2))
+    quantized = quantize_kv(KV(jnp.asarray(in_layout(keys_BGTK)),
+                               jnp.asarray(in_layout(values_BGTK))))
+    back = dequantize_kv(quantized, jnp.float32)
+    for x, q, scale, got in ((keys_BGTK, quantized.key, quantized.key_scale, back.key),
+                             (values_BGTK, quantized.value, quantized.value_scale, back.value)):
+        x = in_layout(x)
+        own_scale = np.abs(x).max(-1) / 127.0
+        assert q.dtype == jnp.int8 and scale.shape == x.shape[:-1]
+        np.testing.assert_allclose(np.asarray(scale), own_scale, rtol=1e-6, atol=0)
+        error = np.abs(np.asarray(got) - x)
+        assert (error <= 0.5 * own_scale[..., None] * (1 + 1e-5)).all()
+        assert error.max() > 0  # it did round
 
 
 def test_int8_cache_holds_int8_in_under_a_third_of_the_bytes():

@@ -99,6 +99,41 @@ def test_compiles_once_per_bucket_not_per_request(lm):
     assert scorer.traces == traces
 
 
+def greedy_next(model, params, ids):
+    """The model's argmax token after `ids` (a full forward pass, PAD after them)."""
+    tokens = np.zeros((1, WINDOW), np.int32)
+    tokens[0, :len(ids)] = ids
+    return int(forward(model)(params, tokens)[0, len(ids) - 1].argmax())
+
+
+def test_is_greedy_checks_every_token_of_a_continuation_not_only_the_last(lm):
+    """Guards `is_greedy` looking only at the last token: three-token continuations
+    whose last token (and the ones after the miss) are the argmax given what precedes
+    them, but whose first or middle token is not, are not greedy; the all-argmax one
+    is."""
+    model, params, scorer = lm
+    context = [1, 7, 19, 33, 4]
+
+    def continue_greedily(prefix, count):
+        ids = list(prefix)
+        for _ in range(count):
+            ids.append(greedy_next(model, params, ids))
+        return ids[len(prefix):]
+
+    def not_the_argmax_after(ids):
+        return 3 if greedy_next(model, params, ids) != 3 else 4
+
+    all_greedy = continue_greedily(context, 3)
+    first_missed = [not_the_argmax_after(context)]
+    first_missed += continue_greedily(context + first_missed, 2)
+    middle_missed = all_greedy[:1] + [not_the_argmax_after(context + all_greedy[:1])]
+    middle_missed += continue_greedily(context + middle_missed, 1)
+    pairs = [(context, all_greedy), (context, first_missed), (context, middle_missed)]
+    got = [greedy for _, greedy in scorer.loglikelihoods(pairs)]
+    assert got == [True, False, False]
+    assert got == [alone(model, params, *pair)[1] for pair in pairs]
+
+
 def test_layout_of_a_context_and_two_endings():
     """The packing module's docstring example, array by array."""
     rows = pack([([10, 11, 12], [20, 21, 22]), ([10, 11, 12], [30, 31, 32, 33])], window=8)

@@ -355,3 +355,28 @@ def test_the_plain_array_reader_reads_what_gguf_reads(tmp_path, qlm):
     for mine, theirs in zip(got.tensors, want.tensors):
         assert (mine.tensor_type, mine.data_offset) == (theirs.tensor_type, theirs.data_offset)
         np.testing.assert_array_equal(mine.data, theirs.data)
+
+
+@pytest.mark.parametrize("kind, fmt", [(Q.Q4_1, "int4"), (Q.Q4_0, "int4_sym"),
+                                       (Q.Q8_0, "int8_block")], ids=["Q4_1", "Q4_0", "Q8_0"])
+def test_kept_blocks_dequantize_to_the_gguf_references_values(kind, fmt):
+    """Guards the kept Q4_1 offset's sign (its "min", w = d * q + m): the blocks kept
+    as they are dequantize to exactly what the `gguf` package (llama.cpp's reference)
+    dequantizes, on weights whose blocks have negative and positive minimums. (The
+    load test compares against the file's own float load, which reads the same kept
+    blocks.)"""
+    from jaxformer.interop import gguf_blocks  # noqa: PLC0415
+    from jaxformer.nn import quant  # noqa: PLC0415
+
+    rng = np.random.default_rng(7)
+    w = (rng.normal(size=(6, 96)) + rng.uniform(-2, 2, (6, 1))).astype(np.float32)
+    raw = gguf.quants.quantize(w, kind)
+    parts, exact = gguf_blocks.decode(raw, kind, 96)
+    assert exact and set(parts) == set(quant.parts_of(fmt))
+    want = np.asarray(gguf.quants.dequantize(raw, kind), np.float32).reshape(6, 96)
+    np.testing.assert_array_equal(np.asarray(quant.dequantize(parts, fmt, 32, -1)), want)
+    np.testing.assert_array_equal(gguf_blocks.encode(parts, kind), raw)
+    if kind == Q.Q4_1:  # the offset is llama.cpp's "min": each block's smallest value
+        offsets = np.asarray(parts["offset"], np.float32)
+        np.testing.assert_array_equal(offsets, want.reshape(6, 3, 32).min(-1))
+        assert (offsets < 0).any() and (offsets > 0).any()

@@ -71,6 +71,40 @@ def test_one_new_key_lands_in_its_slot_only(axis):
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("axis,stacked", [(2, False), (1, False), (2, True)],
+                         ids=["heads_major", "jax_layout", "stacked"])
+def test_every_position_written_reads_back_at_its_position(axis, stacked):
+    """Guards a page's last position going into the next page: two rows write all
+    their positions 0 .. 3Z - 1 (each page's last one included) at the slots
+    table[p // Z] * Z + p % Z, in one scatter; reading the rows' pages gives position p
+    at index p, and the pool's other pages keep what they held."""
+    rng = np.random.default_rng(5)
+    keys, values = (rng.normal(size=(G, P, K)).astype(np.float32) for _ in range(2))
+    table = np.asarray([[3, 1, 5], [2, 6, 4]], np.int32)
+    positions = np.arange(3 * Z)
+    slots = (table[:, positions // Z] * Z + positions % Z).astype(np.int32)
+    new_BGCK = rng.normal(size=(2, G, 3 * Z, K)).astype(np.float32)
+    new = KV(new_BGCK, new_BGCK + 1)
+    if axis == 1:
+        new = KV(*(np.swapaxes(x, 1, 2) for x in new))
+    pool = KV(layout(keys, axis), layout(values, axis))
+    if stacked:
+        pool = KV(*(np.stack([x, x + 2]) for x in pool))
+    cache = PagedKV(pool, table, slots, Z, axis, np.int32(1) if stacked else None)
+    written = write(cache, new)
+    pages = read(cache.with_pool(written))
+    for got, x in zip(pages, (new_BGCK, new_BGCK + 1)):
+        got = np.asarray(got) if axis == 2 else np.swapaxes(np.asarray(got), 1, 2)
+        np.testing.assert_array_equal(got, x)
+    untouched = [page * Z + i for page in range(N + 1) if page not in table
+                 for i in range(Z)]
+    for got, before in zip(written, pool):
+        layer = np.asarray(got)[1] if stacked else np.asarray(got)
+        was = np.asarray(before)[1] if stacked else np.asarray(before)
+        np.testing.assert_array_equal(np.take(layer, untouched, axis=axis),
+                                      np.take(was, untouched, axis=axis))
+
+
 def test_int8_pool_pages_its_scales():
     rng = np.random.default_rng(1)
     arrays = [rng.integers(-127, 128, (1, G, P, K)).astype(np.int8) for _ in range(2)]

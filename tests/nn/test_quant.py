@@ -54,6 +54,24 @@ def test_quantize_then_dequantize_is_within_half_a_step(fmt):
     assert np.abs(back - w).max() > 0  # it did quantize
 
 
+def test_int4_dequantizes_as_scale_times_q_plus_offset():
+    """Guards the int4 (GGUF Q4_1) offset's sign: hand-made blocks of known q, scale and
+    offset (of both signs) dequantize to scale * q + offset, along either axis."""
+    rng = np.random.default_rng(4)
+    q = rng.integers(0, 16, (3, 64)).astype(np.uint8)  # 3 rows of two 32-blocks
+    scale = rng.uniform(0.1, 1.0, (3, 2)).astype(np.float16)
+    offset = np.asarray([[-1.5, 0.75], [2.0, -0.25], [-3.0, 1.0]], np.float16)
+    want = (np.repeat(scale.astype(np.float32), 32, axis=1) * q
+            + np.repeat(offset.astype(np.float32), 32, axis=1))
+    parts = {"q": np.asarray(quant.pack(q, 1, 32)), "scale": scale, "offset": offset}
+    np.testing.assert_allclose(np.asarray(quant.dequantize(parts, "int4", 32, -1)), want,
+                               rtol=1e-6, atol=1e-6)
+    transposed = {"q": np.asarray(quant.pack(q.T, 0, 32)), "scale": scale.T,
+                  "offset": offset.T}
+    np.testing.assert_allclose(np.asarray(quant.dequantize(transposed, "int4", 32, 0)),
+                               want.T, rtol=1e-6, atol=1e-6)
+
+
 def test_pack_is_ggufs_nibble_order_and_unpack_inverts_it():
     q = np.arange(64, dtype=np.uint8) % 16  # two blocks of 32
     packed = np.asarray(quant.pack(q, 0, 32))

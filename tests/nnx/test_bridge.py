@@ -150,6 +150,41 @@ def test_an_optimizer_step_equals_the_same_step_on_the_linen_tree(make_lm):
                   np.asarray(params["embed"]["embedding"])).max() > 1e-3  # it trained
 
 
+def test_the_nnx_loss_drops_out_only_with_a_dropout_key(make_lm):
+    """Guards the NNX loss never turning dropout on: with dropout 0.3, two dropout keys
+    give two losses, each other than the deterministic one; without a key it is the
+    deterministic loss, which is the loss of the same parameters with dropout 0 (key
+    or no key) and the Linen model's eval-mode loss."""
+    from jaxformer.train.data import LMBatch
+    from jaxformer.train.loss import loss_and_metrics, model_logits
+
+    rates = dict(attention_dropout=0.3, residual_dropout=0.3, embedding_dropout=0.3,
+                 ffn_dropout=0.3)
+    model, params = make_lm(jf.llama(num_kv_heads=2, **rates))
+    plain = jf.DecoderOnlyLM(model.config.replace(**dict.fromkeys(rates, 0.0)))
+    tokens = np.asarray(random_tokens(5, (2, 7), 16))
+    batch = LMBatch(inputs=tokens[:, :-1], labels=tokens[:, 1:],
+                    weights=np.ones((2, 6), np.float32),
+                    positions=np.tile(np.arange(6, dtype=np.int32), (2, 1)),
+                    segments=np.ones((2, 6), np.int32))
+    module = jnnx.to_nnx(model, params)
+    plain_module = jnnx.to_nnx(plain, params)
+
+    def loss(m, key=None):
+        return float(jnnx.loss_fn(m, batch, dropout_key=key)[0])
+
+    deterministic = loss(module)
+    first, second = loss(module, jax.random.key(1)), loss(module, jax.random.key(2))
+    assert first != second
+    assert abs(first - deterministic) > 1e-4 and abs(second - deterministic) > 1e-4
+    assert loss(module, jax.random.key(1)) == first  # a key is one draw
+    assert loss(plain_module) == deterministic
+    assert loss(plain_module, jax.random.key(1)) == deterministic
+    logits, labels, weights = model_logits(model, params, batch)
+    eval_loss = loss_and_metrics(logits, labels, model.config.pad_id, 0.0, weights)[0]
+    np.testing.assert_allclose(deterministic, float(eval_loss), rtol=1e-6)
+
+
 SHARDED = textwrap.dedent("""
     import json
     import jax

@@ -135,3 +135,28 @@ def test_regex_output_matches(constrained_greedy, smollm2_grammars):
     text = constrained_greedy(chat("Do you like fruit, and how many do you eat?"),
                               smollm2_grammars.regex(pattern), 20)
     assert re.fullmatch(pattern, text), text
+
+
+def test_done_waits_while_an_accepting_match_may_still_go_on():
+    """Guards `done()` reporting done as soon as EOS is allowed: after "ab" the regex
+    `ab(c)?` is a full match, but "c" may still follow, so it is not done; a JSON
+    integer may always take another digit, so it is never done before EOS."""
+    tokenizer = ByteTokenizer()
+    grammars = Grammars(tokenizer, vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id)
+    code = lambda ch: ord(ch) + 3  # noqa: E731
+    constraint = grammars.regex("ab(c)?")
+    constraint.advance(code("a"))
+    constraint.advance(code("b"))
+    allowed = np.flatnonzero(constraint.allowed()).tolist()
+    assert sorted(allowed) == sorted([code("c"), tokenizer.eos_id])
+    assert not constraint.done()
+    constraint.advance(code("c"))
+    assert np.flatnonzero(constraint.allowed()).tolist() == [tokenizer.eos_id]
+    assert constraint.done()
+
+    number = grammars.json_schema({"type": "integer"})
+    for ch in "42":
+        number.advance(code(ch))
+        allowed = number.allowed()
+        assert allowed[tokenizer.eos_id] and allowed[code("7")]
+        assert not number.done()

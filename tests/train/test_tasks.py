@@ -162,3 +162,52 @@ def test_a_task_name_maps_to_one_task_type():
     assert TextTask.model_class is DecoderOnlyLM and SyntheticTask.model_class is Transformer
     with pytest.raises(ValueError, match="unknown task 'copyy' .*copy, reverse, sort, lm"):
         task_type("copyy")
+
+
+def test_successive_training_batches_differ_and_a_seed_repeats_its_stream():
+    """Guards a synthetic task that draws the same batch at every step (the loss still
+    falls, so nothing else notices): the batches of steps 0, 1, 2 of one seed all differ,
+    the same seed gives the same stream, and another seed another stream."""
+    import jaxformer as jf
+    from jaxformer.train import TrainConfig, training_task
+
+    model = jf.tiny(num_encoder_layers=1, num_decoder_layers=1)
+    task = training_task(model, TrainConfig(task="copy", batch_size=8, max_len=6))
+
+    def stream(seed):
+        return [jax.device_get(task.device_batch(seed, step)).src for step in range(3)]
+
+    first = stream(0)
+    for earlier in range(3):
+        for later in range(earlier + 1, 3):
+            assert not np.array_equal(first[earlier], first[later]), (earlier, later)
+    for again, original in zip(stream(0), first):
+        np.testing.assert_array_equal(again, original)
+    assert not any(np.array_equal(a, b) for a, b in zip(stream(1), first))
+
+
+def test_fit_trains_step_s_on_the_batch_of_step_s():
+    """Guards the training loop asking for one step's batch at every step: the steps
+    `fit` trains on are 0, 1, 2, in order (step 0's batch is drawn once more before, to
+    compile the step)."""
+    import dataclasses
+
+    import jaxformer as jf
+    from jaxformer.train import TrainConfig, fit, training_task
+    from jaxformer.train.task import SyntheticTask
+
+    drawn_steps = []
+
+    @dataclasses.dataclass(frozen=True)
+    class RecordingTask(SyntheticTask):
+        def device_batch(self, seed, step):
+            jax.debug.callback(lambda s: drawn_steps.append(int(s)), step, ordered=True)
+            return super().device_batch(seed, step)
+
+    model = jf.tiny(num_encoder_layers=1, num_decoder_layers=1)
+    tc = TrainConfig(task="copy", steps=3, batch_size=8, warmup_steps=1, max_len=6)
+    base = training_task(model, tc)
+    fit(model, tc, task=RecordingTask(base.task, base.batch_size), progress=False,
+        log_every=1)
+    jax.effects_barrier()
+    assert drawn_steps[-3:] == [0, 1, 2] and set(drawn_steps) == {0, 1, 2}
