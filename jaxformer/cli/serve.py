@@ -184,12 +184,17 @@ def lora_adapters(args, model, params) -> dict:
     return adapters
 
 
-def scan_layers(args) -> bool:
-    """--scan-layers as given, else scanned when the weights are quantized: their
+def scan_layers(args, config) -> bool:
+    """--scan-layers as given, else scanned when the weights are quantized and the layers
+    can be (`serve.checks.scan_refusal`: one layer kind, one layout a kernel): their
     per-layer slice is then small enough that the scan costs nothing per step, and it
     halves the idle memory (benchmarks/NOTES.md, fifth session: SmolLM2 Q4_1 tuned,
     c1 88.6 against 63.0 tokens/s, c32 122.9 against 126.8, idle 512 against 800 MB)."""
-    return bool(args.quantize) if args.scan_layers is None else args.scan_layers
+    from jaxformer.serve.checks import scan_refusal  # noqa: PLC0415
+
+    if args.scan_layers is None:
+        return bool(args.quantize) and scan_refusal(config) is None
+    return args.scan_layers
 
 
 def run(args) -> int:
@@ -215,7 +220,7 @@ def run(args) -> int:
                         prefill_chunk=args.prefill_chunk,
                         prefix_cache=not args.no_prefix_cache, max_queue=args.max_queue,
                         adapters=adapters, speculative=args.speculative,
-                        scan_layers=scan_layers(args))
+                        scan_layers=scan_layers(args, model.config))
     except ValueError as error:
         raise UsageError(str(error)) from error
     adapter_names = tuple(adapters)

@@ -29,6 +29,20 @@ def check_engine_args(config: TransformerConfig, *, slots, max_len, page_size, n
                          f"{config.decoder_len} (config.decoder_max_len or max_len)")
 
 
+def scan_refusal(config: TransformerConfig) -> Optional[str]:
+    """Why the engine cannot run `config`'s layers as one scan (`Engine(scan_layers=True)`),
+    or None: a scan runs one layer kind over arrays of one shape a layer."""
+    if len(set(config.local_layers(config.num_decoder_layers))) > 1:
+        return (f"scan_layers=True runs one layer kind, but attention_pattern="
+                f"{config.attention_pattern!r} mixes local and global layers: serve it "
+                "unrolled (scan_layers=False)")
+    if any("layers_" in path for path, _ in config.quant_layouts):
+        return ("scan_layers=True stacks the layers, whose kernels here have layouts of their "
+                "own (config.quant_layouts, a GGUF file mixing block types): serve it "
+                "unrolled (scan_layers=False)")
+    return None
+
+
 def check_params(p: SamplingParams, *, vocab_size: int, tokenizer) -> None:
     if not isinstance(p, SamplingParams):
         raise TypeError(f"params must be a SamplingParams, got {type(p).__name__}")

@@ -47,7 +47,7 @@ from jaxformer.nn.attention import kv_length_axis
 from jaxformer.nn.model import DecoderOnlyLM
 from jaxformer.serve import batching, paged, programs, spec_step
 from jaxformer.serve.batching import bucket, page_rows, slot_params, want_top
-from jaxformer.serve.checks import check_engine_args, check_request
+from jaxformer.serve.checks import check_engine_args, check_request, scan_refusal
 from jaxformer.serve.handle import Handle
 from jaxformer.serve.pages import PagePool, PageTable
 from jaxformer.serve.request import FinishReason, QueueFull, Request, TokenEvent
@@ -112,14 +112,8 @@ class Engine:
         num_pages = slots * self.max_pages if num_pages is None else num_pages
         if not isinstance(scan_layers, bool):
             raise TypeError(f"scan_layers must be a bool, got {scan_layers!r}")
-        if scan_layers and len(set(config.local_layers(config.num_decoder_layers))) > 1:
-            raise ValueError(f"scan_layers=True runs one layer kind, but attention_pattern="
-                             f"{config.attention_pattern!r} mixes local and global layers: "
-                             "serve it unrolled (scan_layers=False)")
-        if scan_layers and any("layers_" in path for path, _ in config.quant_layouts):
-            raise ValueError("scan_layers=True stacks the layers, whose kernels here have "
-                             "layouts of their own (config.quant_layouts, a GGUF file mixing "
-                             "block types): serve it unrolled (scan_layers=False)")
+        if scan_layers and scan_refusal(config):
+            raise ValueError(scan_refusal(config))
         self.scan_layers = scan_layers
 
         def layout(tree):  # per-layer, or stacked for `paged.scanned_forward`

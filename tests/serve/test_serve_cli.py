@@ -166,9 +166,17 @@ def test_sigterm_drains_the_stream_in_flight_and_exits_0(server):
     ([], False), (["--quantize", "int8"], True), (["--quantize", "int8", "--no-scan-layers"], False),
     (["--scan-layers"], True)])
 def test_layers_are_scanned_by_default_with_quantized_weights(flags, scanned):
-    """--scan-layers: as given; unset, scanned exactly when the weights are quantized."""
+    """--scan-layers: as given; unset, scanned exactly when the weights are quantized and
+    the layers can be: not for mixed local/global layers, nor per-kernel layouts."""
+    import jaxformer as jf  # noqa: PLC0415
     from jaxformer.cli.main import build_parser  # noqa: PLC0415
     from jaxformer.cli.serve import scan_layers  # noqa: PLC0415
 
     args = build_parser().parse_args(["serve", "--model", "m.gguf"] + flags)
-    assert scan_layers(args) is scanned
+    config = jf.llama()
+    assert scan_layers(args, config) is scanned
+    mixed = config.replace(sliding_window=4, attention_pattern="LG")
+    layouts = config.replace(weight_quant="int8_block", quant_layouts=(
+        ("decoder/layers_0/ffn/wo", "int8"),))
+    for unscannable in (mixed, layouts):  # the default unrolls; an explicit flag stands
+        assert scan_layers(args, unscannable) is (scanned and "--scan-layers" in flags)
