@@ -192,6 +192,17 @@ def _check_lora(c) -> None:
             f"must name distinct projections (at least one with lora_rank > 0), "
             f"got {c.lora_targets!r}")
 
+def _quantized_inputs(c, formats: tuple) -> dict:
+    """{name: size} of the kernel input axes that a layout among `formats` splits."""
+    inputs = {}
+    if c.quant_format("embed") in formats:
+        inputs["d_model"] = c.d_model
+    if c.weight_quant in formats:
+        inputs.update({"d_model": c.d_model, "d_ff": c.d_ff,
+                       "num_heads * head_dim": c.num_heads * c.head_dim})
+    return inputs
+
+
 def _check_quant(c) -> None:
     for name, extra in (("weight_quant", (None,)), ("embed_quant", (None, "float"))):
         require(getattr(c, name) in extra + WEIGHT_QUANT, name,
@@ -214,24 +225,10 @@ def _check_quant(c) -> None:
             "(each layer's arrays must have one shape): set scan_layers=False")
     require(not layouts or (c.weight_quant is not None or c.quant_format("embed")),
             "quant_layouts", "needs weight_quant or embed_quant set (the roles' layouts)")
-    blocks = ("int4", "int4_sym", "int8_block")
-    inputs = {}
-    if c.quant_format("embed") in blocks:
-        inputs["d_model"] = c.d_model
-    if c.weight_quant in blocks:
-        inputs.update({"d_model": c.d_model, "d_ff": c.d_ff,
-                       "num_heads * head_dim": c.num_heads * c.head_dim})
-    for name, size in inputs.items():
-        require(size % block == 0, "quant_block",
-                f"{block} does not divide {name}={size} (a kernel's input axis, "
-                "split into blocks)")
-    super_inputs = {}
-    if c.quant_format("embed") in K_QUANT:
-        super_inputs["d_model"] = c.d_model
-    if c.weight_quant in K_QUANT:
-        super_inputs.update({"d_model": c.d_model, "d_ff": c.d_ff,
-                             "num_heads * head_dim": c.num_heads * c.head_dim})
-    for name, size in super_inputs.items():
-        require(size % 256 == 0, "weight_quant",
-                f"K-quant layouts take super-blocks of 256 values, which do not divide "
-                f"{name}={size} (a kernel's input axis): use a block layout there")
+    for formats, size, field, what in (
+            (("int4", "int4_sym", "int8_block"), block, "quant_block",
+             f"{block} does not divide {{}} (a kernel's input axis, split into blocks)"),
+            (K_QUANT, 256, "weight_quant", "K-quant layouts take super-blocks of 256 values, "
+             "which do not divide {} (a kernel's input axis): use a block layout there")):
+        for name, value in _quantized_inputs(c, formats).items():
+            require(value % size == 0, field, what.format(f"{name}={value}"))

@@ -231,33 +231,28 @@ ffi::Error Q6KImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
 
 }  // namespace
 
+#define JAXFORMER_KQUANT_BIND(...)                                          \
+  ffi::Ffi::Bind()                                                          \
+      .Ctx<ffi::ThreadPool>()                                               \
+      .Arg<ffi::Buffer<ffi::F32>>() __VA_ARGS__                             \
+      .Ret<ffi::Buffer<ffi::F32>>()
+
+// x, then the parts in qmatmul.K_PARTS' order.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxformerQmatmulQ4K, Q4KImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                              JAXFORMER_KQUANT_BIND(.Arg<ffi::Buffer<ffi::U8>>()
+                                                    .Arg<ffi::Buffer<ffi::F16>>()
+                                                    .Arg<ffi::Buffer<ffi::F16>>()
+                                                    .Arg<ffi::Buffer<ffi::U8>>()
+                                                    .Arg<ffi::Buffer<ffi::U8>>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxformerQmatmulQ5K, Q5KImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                              JAXFORMER_KQUANT_BIND(.Arg<ffi::Buffer<ffi::U8>>()
+                                                    .Arg<ffi::Buffer<ffi::U8>>()
+                                                    .Arg<ffi::Buffer<ffi::F16>>()
+                                                    .Arg<ffi::Buffer<ffi::F16>>()
+                                                    .Arg<ffi::Buffer<ffi::U8>>()
+                                                    .Arg<ffi::Buffer<ffi::U8>>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxformerQmatmulQ6K, Q6KImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                              JAXFORMER_KQUANT_BIND(.Arg<ffi::Buffer<ffi::U8>>()
+                                                    .Arg<ffi::Buffer<ffi::U8>>()
+                                                    .Arg<ffi::Buffer<ffi::F16>>()
+                                                    .Arg<ffi::Buffer<ffi::S8>>()));
