@@ -58,6 +58,20 @@ log = logging.getLogger(__name__)
 RATE_WINDOW_S = 10.0  # tokens_per_s is measured over this many recent seconds
 
 
+def scan_refusal(config) -> Optional[str]:
+    """Why `Engine(scan_layers=True)` cannot serve `config` (its layers are not all
+    alike), or None if it can."""
+    if len(set(config.local_layers(config.num_decoder_layers))) > 1:
+        return (f"scan_layers=True runs one layer kind, but attention_pattern="
+                f"{config.attention_pattern!r} mixes local and global layers: "
+                "serve it unrolled (scan_layers=False)")
+    if any("layers_" in path for path, _ in config.quant_layouts):
+        return ("scan_layers=True stacks the layers, whose kernels here have "
+                "layouts of their own (config.quant_layouts, a GGUF file mixing "
+                "block types): serve it unrolled (scan_layers=False)")
+    return None
+
+
 class Engine:
     """Slots over a paged KV cache with continuous batching (module docstring).
 
@@ -112,14 +126,8 @@ class Engine:
         num_pages = slots * self.max_pages if num_pages is None else num_pages
         if not isinstance(scan_layers, bool):
             raise TypeError(f"scan_layers must be a bool, got {scan_layers!r}")
-        if scan_layers and len(set(config.local_layers(config.num_decoder_layers))) > 1:
-            raise ValueError(f"scan_layers=True runs one layer kind, but attention_pattern="
-                             f"{config.attention_pattern!r} mixes local and global layers: "
-                             "serve it unrolled (scan_layers=False)")
-        if scan_layers and any("layers_" in path for path, _ in config.quant_layouts):
-            raise ValueError("scan_layers=True stacks the layers, whose kernels here have "
-                             "layouts of their own (config.quant_layouts, a GGUF file mixing "
-                             "block types): serve it unrolled (scan_layers=False)")
+        if scan_layers and (refusal := scan_refusal(config)) is not None:
+            raise ValueError(refusal)
         self.scan_layers = scan_layers
 
         def layout(tree):  # per-layer, or stacked for `paged.scanned_forward`
