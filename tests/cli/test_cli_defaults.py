@@ -138,8 +138,12 @@ def test_the_ready_line_names_the_weights_and_the_tuning(files, file, flags, wei
         env={**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"})
     try:
         line = process.stdout.readline().rstrip()
-        assert line == (f"serving q41.gguf on http://127.0.0.1:{port} (weights: {weights}; "
-                        f"CPU tuning {tuning})"), line + process.stderr.read()
-    finally:
+    finally:  # stopped before its stderr is read (that reads to the end)
         process.send_signal(signal.SIGTERM)
-        process.wait(60)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    assert line == (f"serving q41.gguf on http://127.0.0.1:{port} (weights: {weights}; "
+                    f"CPU tuning {tuning})"), line + process.stderr.read()
