@@ -3,15 +3,17 @@ requantizations of it (Q4_K_M: Q4_K / Q6_K where a kernel's input is a multiple 
 Q5_0 / Q8_0 for SmolLM2's 576-wide inputs), jaxformer (the
 blocks kept, `load(path, quantize="keep")`) against llama.cpp on the same files and
 against jaxformer's float32 load, with this machine's memory bandwidth measured in the
-same run.
+same run. The headline figures are what `jaxformer generate --model FILE` runs with no
+flag: the blocks kept and the CPU tuned (its defaults); the untuned run and the
+float32 load (`--dequantize`) are beside them (see tuning).
 
   decode      greedy, prompt "The capital of France is" (6 tokens) then N new tokens
               (--new-tokens, default 32), batch 1 and 8 (the prompt repeated); tokens/s
               = B * N / wall time of prefill + N steps (compile excluded). Every side
               is compiled / loaded first, then --repeats interleaved rounds time each
               side once; tokens/s from the median time, ratios the median of the
-              per-round ratios. jaxformer: `jaxformer.generate` (one jitted scan), JAX's
-              defaults (then tuned: see tuning). llama.cpp: its C API through llama-cpp-python's
+              per-round ratios. jaxformer: `jaxformer.generate` (one jitted scan), the
+              CPU tuned (then untuned: see tuning). llama.cpp: its C API through llama-cpp-python's
               ctypes bindings, B sequences in one llama_batch per step, greedy argmax on
               the host, --threads threads (default 2: this machine's cores).
   bandwidth   a STREAM-like triad a = b + s c over three float32 arrays of 256 MB each
@@ -39,14 +41,16 @@ decode_ratio_vs_f32_b1 (jaxformer Q4_1 / jaxformer float32), param_bytes_ratio_q
 and decode_ratio_vs_llamacpp_b1_q4k / _b8_q4k (the same for Q4_K_M), bandwidth_fraction_b1,
 max_rel_logit_err_vs_llamacpp, kv_cache_bytes_ratio_int8, and every measurement.
 
-  tuning      --tuning both (the default) runs everything twice: as above with JAX's
-              defaults, then again in a child process that calls
-              `jaxformer.backends.cpu.tune_process()` first, as a user does (the
-              quantized layers then call the C++ kernel of `backends.qmatmul`, built
-              on first use); its table follows, and its keys join the JSON line with
-              the suffix "_tuned" (decode_ratio_vs_llamacpp_b1_tuned, ...: tuned
-              jaxformer against llama.cpp timed in the same child). --tuning off / on:
-              one of the two only.
+  tuning      --tuning both (the default) runs everything twice: as above after
+              `jaxformer.backends.cpu.tune_process()` (before JAX starts, as the
+              commands do on a CPU by default: the quantized layers then call the C++
+              kernel of `backends.qmatmul`, built on first use), then again in a child
+              process with JAX's defaults (`--no-cpu-tuning`); its table follows, and
+              its keys join the JSON line with the suffix "_untuned"
+              (decode_ratio_vs_llamacpp_b1_untuned, ...: untuned jaxformer against
+              llama.cpp timed in the same child). --tuning on / off: one of the two
+              only. (Before issue 65 the headline keys were the untuned run's and the
+              tuned ones carried the suffix "_tuned".)
 """
 
 from __future__ import annotations
@@ -187,24 +191,25 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tuning", choices=("both", "off", "on"), default="both",
-                        help="JAX's defaults, cpu.tune_process() (a child process), or both")
+                        help="cpu.tune_process() (the commands' default on a CPU), JAX's "
+                             "defaults, or both (the untuned run in a child process)")
     args = parser.parse_args()
-    if args.tuning == "on":
+    if args.tuning in ("both", "on"):
         from jaxformer.backends import cpu  # noqa: PLC0415
 
-        cpu.tune_process()  # before JAX's backend starts, as a user's program does
+        cpu.tune_process()  # before JAX's backend starts, as the commands do on a CPU
     results = measure(args)
     if args.tuning == "both":
         child = subprocess.run(
-            [sys.executable, os.path.abspath(__file__), "--tuning", "on", "--work", args.work,
+            [sys.executable, os.path.abspath(__file__), "--tuning", "off", "--work", args.work,
              "--threads", str(args.threads), "--new-tokens", str(args.new_tokens),
              "--repeats", str(args.repeats)], capture_output=True, text=True)
         if child.returncode != 0:
-            sys.exit(f"the tuned run failed:\n{child.stderr[-3000:]}")
+            sys.exit(f"the untuned run failed:\n{child.stderr[-3000:]}")
         lines = child.stdout.strip().splitlines()
-        print("tuned (jaxformer.backends.cpu.tune_process()):")
+        print("untuned (JAX's defaults: --no-cpu-tuning):")
         print("\n".join(lines[:-1]))
-        results.update({f"{key}_tuned": value for key, value in json.loads(lines[-1]).items()
+        results.update({f"{key}_untuned": value for key, value in json.loads(lines[-1]).items()
                         if key not in ("threads", "new_tokens")})
     print(json.dumps(results))
 

@@ -31,6 +31,11 @@ target `llama-server`, and never committed):
       --skip-server-spec  # shorter
   python benchmarks/serve.py --concurrency ""      # only the baseline, prefix cache, speculation
   python benchmarks/serve.py --scan-layers         # the server's layers scanned
+  python benchmarks/serve.py --dequantize --no-cpu-tuning   # float32, JAX's defaults
+jaxformer is started as a user starts it: `jaxformer serve --model FILE` with no flag
+for the weights or the tuning (the file's blocks kept, the CPU tuned: the server's
+defaults; the same as the earlier `--quantize keep --cpu-tuning`); --dequantize,
+--quantize and --no-cpu-tuning pass through to it.
   python benchmarks/serve.py --window-model  # + a sliding-window model (Gemma 3's shape)
 Prints a table, then one JSON line: throughput_ratio_vs_llamacpp_c1/_c8/_c32 (and
 _c8_window with --window-model),
@@ -196,12 +201,15 @@ def jaxformer_server(args, slots: int, max_len: int, *, prefix_cache: bool = Tru
                    [] if prefix_cache else ["--no-prefix-cache"])
     if warm:  # every engine program compiled before it listens (minutes)
         command += ["--warm-up"]
+    # No flag: the command a user types (the file's blocks kept, the CPU tuned).
     if args.quantize:
         command += ["--quantize", args.quantize]
+    if args.dequantize:
+        command += ["--dequantize"]
     if args.scan_layers:
         command += ["--scan-layers"]
-    if args.cpu_tuning:
-        command += ["--cpu-tuning"]
+    if not args.cpu_tuning:
+        command += ["--no-cpu-tuning"]
     return Server(command, port, "jaxformer serve")
 
 
@@ -395,12 +403,17 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=0,
                         help="requests per concurrency (default: 2 at 1, else N)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
-    parser.add_argument("--quantize", help="jaxformer serve --quantize (default: float32)")
+    weights = parser.add_mutually_exclusive_group()
+    weights.add_argument("--quantize", help="jaxformer serve --quantize (default: none, the "
+                                            "GGUF file's blocks kept)")
+    weights.add_argument("--dequantize", action="store_true",
+                         help="jaxformer serve --dequantize (float32 weights)")
     parser.add_argument("--scan-layers", action="store_true",
-                        help="jaxformer serve --scan-layers (the decoder layers as one scan)")
-    parser.add_argument("--cpu-tuning", action="store_true",
-                        help="jaxformer serve --cpu-tuning (with --quantize keep: the C++ "
-                             "integer kernel)")
+                        help="jaxformer serve --scan-layers (the decoder layers as one scan; "
+                             "default: the server's, scanned with quantized layers)")
+    parser.add_argument("--cpu-tuning", action=argparse.BooleanOptionalAction, default=True,
+                        help="jaxformer serve's CPU tuning (default: on, as the server's; "
+                             "--no-cpu-tuning: jaxformer serve --no-cpu-tuning)")
     parser.add_argument("--hf-requests", type=int, default=1)
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-prefix", action="store_true")
@@ -470,12 +483,13 @@ def main() -> None:
 
 
 def rss_budget_mb(args) -> float:
-    """The model's parameter bytes (as served: float32, or --quantize's) + the c=1
-    server's KV pool + 300 MB."""
+    """The model's parameter bytes (as served: the file's blocks kept, float32 with
+    --dequantize, or --quantize's) + the c=1 server's KV pool + 300 MB."""
     from jaxformer.models import load as load_model  # noqa: PLC0415
     from jaxformer.nn import param_bytes  # noqa: PLC0415
 
-    model, params, _ = load_model(args.gguf, quantize=args.quantize)
+    model, params, _ = load_model(args.gguf, quantize=args.quantize or (
+        None if args.dequantize else "auto"))  # what jaxformer serve loads
     c = model.config
     head_dim = c.head_dim or c.d_model // c.num_heads
     kv = 2 * c.num_decoder_layers * (c.num_kv_heads or c.num_heads) * head_dim * 1024 * 4

@@ -24,6 +24,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (jaxformer.cli.compile_cache): tests never write there, nor load from there. A test
 # of the default sets its own XDG_CACHE_HOME and unsets this.
 os.environ["JAXFORMER_COMPILE_CACHE"] = "off"
+# JAX's backend up from the start: the commands tune a CPU process by default
+# (`cli.runs.cpu_tuning`, process state that must precede the backend), and a command
+# run in-process must not tune the whole test process (tuned programs round otherwise
+# in the last bits); tests of the tuning start a subprocess.
+jax.devices()
 FIRST_REAL_ID = 3  # ids 0, 1, 2 are pad, bos, eos in every config here
 
 # A crashed worker's test runs once more on its replacement (tests/crash_rerun.py).

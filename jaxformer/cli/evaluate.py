@@ -18,7 +18,8 @@ import json
 import time
 
 from jaxformer.cli.args import at_least, positive_int
-from jaxformer.cli.runs import add_quantize_flag, language_model
+from jaxformer.cli.runs import (add_cpu_tuning_flags, add_weights_flags, cpu_tuning,
+                                language_model, weights_request)
 from jaxformer.cli.usage import UsageError
 
 
@@ -39,12 +40,14 @@ def add_parser(commands, add_common_flags) -> None:
                              "by the model's context)")
     parser.add_argument("--batch", type=positive_int, default=8, help="windows per batch (default 8)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    add_quantize_flag(parser)
+    add_weights_flags(parser)
+    add_cpu_tuning_flags(parser)
     add_common_flags(parser)
     parser.set_defaults(func=run)
 
 
 def run(args) -> int:
+    cpu_tuning(args.cpu_tuning)  # before JAX starts
     from jaxformer.train.data import TextData, document_paths  # noqa: PLC0415
     from jaxformer.train.evaluation import evaluate_lm  # noqa: PLC0415
 
@@ -52,7 +55,7 @@ def run(args) -> int:
         document_paths(args.data)
     except ValueError as error:
         raise UsageError(f"--data: {error}") from error
-    model, params, tokenizer = language_model(args.run, args.model, args.quantize)
+    model, params, tokenizer = language_model(args.run, args.model, weights_request(args))
     context = model.config.decoder_len
     seq_len = args.seq_len or min(512, context)
     if seq_len > context:

@@ -16,7 +16,8 @@ from typing import Optional
 from jaxformer.cli import args as args_lib
 from jaxformer.cli.args import positive_int
 from jaxformer.cli.chat import chat_prompts, read_template
-from jaxformer.cli.runs import add_quantize_flag, language_model, load_run
+from jaxformer.cli.runs import (add_cpu_tuning_flags, add_weights_flags, cpu_tuning,
+                                language_model, load_run, weights_request)
 from jaxformer.cli.streaming import TextStream
 from jaxformer.cli.usage import UsageError
 
@@ -47,7 +48,8 @@ def add_parsers(commands, add_common_flags) -> None:
     generate.add_argument("--prefill-chunk", type=positive_int, metavar="N",
                           help="fill the KV cache N prompt tokens at a time (bounded memory "
                                "for long prompts; default: the whole prompt in one pass)")
-    add_quantize_flag(generate)
+    add_weights_flags(generate)
+    add_cpu_tuning_flags(generate)
     add_common_flags(generate)
     generate.set_defaults(func=generate_command)
 
@@ -81,10 +83,11 @@ def add_sampling_flags(parser, *, temperature: Optional[float]) -> None:
 
 
 def generate_command(args) -> int:
+    cpu_tuning(args.cpu_tuning)  # before JAX starts
     if args.system is not None and not args.chat:
         raise UsageError("--system needs --chat")
     template = read_template(args.model, args.run) if args.chat else None
-    model, params, tokenizer = language_model(args.run, args.model, args.quantize)
+    model, params, tokenizer = language_model(args.run, args.model, weights_request(args))
     temperature = args.temperature if args.temperature is not None else (
         0.8 if args.run is not None else 0.0)
     if args.chat:

@@ -4,6 +4,7 @@ behind one interface, what is wrong with either as one-line UsageErrors."""
 
 from __future__ import annotations
 
+import argparse
 import os
 
 from jaxformer.cli.usage import UsageError
@@ -58,6 +59,52 @@ def add_quantize_flag(parser, what: str = "") -> None:
                              "Q8_0/Q4_0/Q4_1 blocks as they are")
 
 
+def add_weights_flags(parser) -> None:
+    """--quantize or --dequantize, for the commands that run a language model (generate,
+    eval, serve): a GGUF file's quantized blocks are kept unless --dequantize asks for
+    float32 (`weights_request`)."""
+    choice = parser.add_mutually_exclusive_group()
+    choice.add_argument("--quantize", choices=QUANTIZE,
+                        help="hold the weights quantized (weight-only): int8 per channel, "
+                             "int4 blocks of 32 (GGUF Q4_1's layout), ...; keep: a GGUF "
+                             "file's blocks as they are (the default for a quantized GGUF "
+                             "file)")
+    choice.add_argument("--dequantize", action="store_true",
+                        help="a GGUF file's quantized blocks dequantized to float32 weights "
+                             "(default: kept as they are, as llama.cpp runs them; a float "
+                             "GGUF file or a Hugging Face directory is float either way)")
+
+
+def weights_request(args):
+    """What `language_model` is asked to load: --quantize as given, None (float) with
+    --dequantize, else "auto" (a quantized GGUF file's blocks kept, anything else float:
+    `jaxformer.models.load`)."""
+    if args.quantize is not None:
+        return args.quantize
+    return None if args.dequantize else "auto"
+
+
+def add_cpu_tuning_flags(parser) -> None:
+    """--cpu-tuning / --no-cpu-tuning (dest cpu_tuning, on by default), as `train`'s."""
+    parser.add_argument("--cpu-tuning", action=argparse.BooleanOptionalAction, default=True,
+                        help="on a CPU (the default there), jaxformer.backends.cpu's tuning: "
+                             "quantized weights run through its C++ integer kernel, decode "
+                             "loops in its compiler settings; glibc keeps freed memory "
+                             "(more resident memory); --no-cpu-tuning leaves JAX's defaults")
+
+
+def describe_weights(config, request) -> str:
+    """The weights a loaded model runs, in words: "kept GGUF blocks (int4, q6_k)",
+    "quantized int8" or its float dtype ("float32")."""
+    layouts = {config.weight_quant, config.quant_format("embed"),
+               *(layout for _, layout in config.quant_layouts)} - {None, "float"}
+    if not layouts:
+        return str(config.param_dtype)
+    names = ", ".join(sorted(layouts))
+    return f"kept GGUF blocks ({names})" if request in ("auto", "keep") else \
+        f"quantized ({names})"
+
+
 def cpu_tuning(wanted: bool) -> bool:
     """Ask for CPU tuning (`backends.cpu.tune_process`: its allocator and dispatch
     settings; quantized weights then run through its C++ kernel) if `wanted` and JAX
@@ -100,7 +147,9 @@ def load_pretrained(model_path, flag: str = "--model", quantize=None):
 def language_model(run_dir=None, model_path=None, quantize=None):
     """(DecoderOnlyLM, params, tokenizer) of a `--task lm` run (`run_dir`) or of a
     pretrained checkpoint (`model_path`: a Hugging Face directory or a GGUF file);
-    `quantize` (`--quantize`): its kernels quantized, weight-only.
+    `quantize` (`--quantize`): its kernels quantized, weight-only; "auto" (the
+    commands' default, `weights_request`): a GGUF file's quantized blocks kept, else
+    float.
 
     The tokenizer has the interface of `jaxformer.train.data` (encode to an id
     array without specials, decode, pad/bos/eos ids, byte_count).
@@ -109,6 +158,8 @@ def language_model(run_dir=None, model_path=None, quantize=None):
     from jaxformer.text import JSONTokenizer  # noqa: PLC0415
 
     if run_dir is not None:
+        if quantize == "auto":  # a run's weights are as it saved them
+            quantize = None
         if quantize == "keep":
             raise UsageError("--quantize keep keeps a GGUF file's blocks (--model); a run's "
                              "weights are float: --quantize int8 or int4")

@@ -7,15 +7,20 @@
 --model is a GGUF file, a Hugging Face directory or a run directory of `jaxformer
 train --task lm`. Each --lora NAME=RUN_DIR is a fine-tuned run of that model,
 served beside it: a request whose `model` is NAME uses it (its LoRA merged in).
-Routes, errors and limits: `jaxformer.serve.http`; metrics at /metrics. Once
-the socket listens, one line `serving NAME on http://HOST:PORT` goes to stdout.
---warm-up compiles every program the engine's steps use before it listens
-(`Engine.warm_up`); without it each is compiled at its first use. --scan-layers
-runs the decoder layers as one scan (`Engine(scan_layers=True)`): each program
-compiles faster and holds a fraction of the memory, for a slower step with float
-weights; it is the default with --quantize (--no-scan-layers to unroll). SIGTERM or
-Ctrl-C: no new connections, running requests finish for at most --drain-timeout
-seconds, exit 0.
+Routes, errors and limits: `jaxformer.serve.http`; metrics at /metrics.
+
+By default a GGUF file's quantized blocks are served as they are (as llama.cpp
+does; --dequantize: float32 weights) and, on a CPU, the process runs
+`jaxformer.backends.cpu`'s tuning (--no-cpu-tuning: JAX's defaults). Once the
+socket listens, one line goes to stdout: `serving NAME on http://HOST:PORT
+(weights: kept GGUF blocks (int4, int8_block); CPU tuning on)` (or `float32`,
+`quantized (int8)`; `off`). --warm-up compiles every program the engine's steps
+use before it listens (`Engine.warm_up`); without it each is compiled at its first
+use. --scan-layers runs the decoder layers as one scan (`Engine(scan_layers=True)`):
+each program compiles faster and holds a fraction of the memory, for a slower step
+with float weights; it is the default with quantized layers that are all alike
+(--no-scan-layers to unroll). SIGTERM or Ctrl-C: no new connections, running
+requests finish for at most --drain-timeout seconds, exit 0.
 """
 
 from __future__ import annotations
@@ -25,8 +30,9 @@ import os
 import socket
 
 from jaxformer.cli.args import non_negative_float, non_negative_int, positive_int
-from jaxformer.cli.runs import (add_quantize_flag, cpu_tuning, language_model, load_run,
-                                open_run)
+from jaxformer.cli.runs import (add_cpu_tuning_flags, add_weights_flags, cpu_tuning,
+                                describe_weights, language_model, load_run, open_run,
+                                weights_request)
 from jaxformer.cli.usage import UsageError
 
 DEFAULT_MAX_LEN = 2048  # --max-len when not given (capped by the model's context)
@@ -94,11 +100,8 @@ def add_parser(commands, add_common_flags) -> None:
                              "program compiles ~2x faster and holds ~10 MB instead of ~50-100 "
                              "(SmolLM2, CPU); the step copies each layer's weights out of the "
                              "stack, ~1.4x slower at 8 slots for float weights, even for "
-                             "quantized ones (default: scanned with --quantize, else unrolled)")
-    parser.add_argument("--cpu-tuning", action="store_true",
-                        help="on a CPU, jaxformer.backends.cpu's tuning: quantized weights "
-                             "(--quantize keep on a GGUF file) run through its C++ integer "
-                             "kernel; glibc then keeps freed memory (more resident memory)")
+                             "quantized ones (default: scanned with quantized layers, else "
+                             "unrolled)")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ routes")
     parser.add_argument("--lora", action="append", type=lora_spec, default=[],
                         metavar="NAME=RUN_DIR",
@@ -107,7 +110,8 @@ def add_parser(commands, add_common_flags) -> None:
     parser.add_argument("--drain-timeout", type=non_negative_float, default=30.0,
                         metavar="SECONDS",
                         help="on SIGTERM, how long running requests may finish (default 30)")
-    add_quantize_flag(parser)
+    add_weights_flags(parser)
+    add_cpu_tuning_flags(parser)
     add_common_flags(parser)
     parser.set_defaults(func=run)
 
@@ -156,11 +160,11 @@ def base_model(args):
     from jaxformer.text import chat_template  # noqa: PLC0415
 
     if is_run_directory(args.model):
-        model, params, tokenizer = language_model(args.model, None, args.quantize)
+        model, params, tokenizer = language_model(args.model, None, weights_request(args))
         config, params = merge_lora(model.config, params)
         model, template = DecoderOnlyLM(config), open_run(args.model).chat_template()
     else:
-        model, params, tokenizer = language_model(None, args.model, args.quantize)
+        model, params, tokenizer = language_model(None, args.model, weights_request(args))
         try:
             template = chat_template(args.model)
         except ValueError as error:
@@ -185,16 +189,17 @@ def lora_adapters(args, model, params) -> dict:
 
 
 def scan_layers(args, config) -> bool:
-    """--scan-layers as given, else scanned when the weights are quantized and the layers
-    can be (`serve.checks.scan_refusal`: one layer kind, one layout a kernel): their
-    per-layer slice is then small enough that the scan costs nothing per step, and it
-    halves the idle memory (benchmarks/NOTES.md, fifth session: SmolLM2 Q4_1 tuned,
-    c1 88.6 against 63.0 tokens/s, c32 122.9 against 126.8, idle 512 against 800 MB)."""
+    """--scan-layers as given, else scanned when the layer kernels are quantized (a GGUF
+    file's kept blocks, --quantize) and alike (`serve.checks.scan_refusal`: one layer kind, no
+    kernel of its own layout): their per-layer slice is then small enough that the scan
+    costs nothing per step, and it halves the idle memory (benchmarks/NOTES.md, fifth
+    session: SmolLM2 Q4_1 tuned, c1 88.6 against 63.0 tokens/s, c32 122.9 against 126.8,
+    idle 512 against 800 MB)."""
     from jaxformer.serve.checks import scan_refusal  # noqa: PLC0415
 
-    if args.scan_layers is None:
-        return bool(args.quantize) and scan_refusal(config) is None
-    return args.scan_layers
+    if args.scan_layers is not None:
+        return args.scan_layers
+    return config.weight_quant is not None and scan_refusal(config) is None
 
 
 def run(args) -> int:
@@ -208,6 +213,7 @@ def run(args) -> int:
     check_first(args)
     name = args.name or os.path.basename(os.path.normpath(args.model))
     model, params, tokenizer, template = base_model(args)
+    weights = describe_weights(model.config, weights_request(args))
     context = model.config.decoder_len
     max_len = args.max_len or min(DEFAULT_MAX_LEN, context)
     if max_len > context:
@@ -237,9 +243,15 @@ def run(args) -> int:
                              tokenizer, vocab_size=model.config.tgt_vocab_size,
                              eos_id=model.config.eos_id),
                          drain_timeout=args.drain_timeout)
-    host = f"[{args.host}]" if ":" in args.host else args.host
     run_server(create_app(served, api_key=args.api_key), host=args.host, port=args.port,
                drain_timeout=args.drain_timeout,
-               ready_line=f"serving {name} on http://{host}:{args.port}"
-               + (" (CPU tuning on)" if tuned else ""))
+               ready_line=ready_line(args, name, weights, tuned))
     return 0
+
+
+def ready_line(args, name: str, weights: str, tuned: bool) -> str:
+    """The line printed once the socket listens: the address, the weights served
+    (`describe_weights`) and whether the CPU tuning is on."""
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    return (f"serving {name} on http://{host}:{args.port} (weights: {weights}; "
+            f"CPU tuning {'on' if tuned else 'off'})")

@@ -258,6 +258,29 @@ def kept_formats(file: GGUFFile, config: TransformerConfig) -> dict:
                 quant_layouts=tuple(overrides))
 
 
+def auto_quantize(file: GGUFFile, config: TransformerConfig) -> Optional[str]:
+    """What `quantize="auto"` loads `file` as: "keep" if its layer kernels are quantized
+    (llama.cpp runs a file's blocks as they are), None (float) if they are float. A file
+    whose blocks `kept_formats` cannot keep (layer kernels partly float, one embedding
+    table quantized and the other not) loads as float with a `UserWarning` naming why;
+    a tensor type jaxformer does not decode is refused by name (ValueError)."""
+    file.check_types()
+    try:
+        kept_formats(file, config)
+    except ValueError as error:
+        if _layer_kernel_types(file, config) - FLOAT_TYPES:
+            why = str(error).partition(": load it with")[0]  # not its advice to the caller
+            warnings.warn(f"{why}; loaded as float (dequantized) instead", UserWarning,
+                          stacklevel=3)
+        return None
+    return "keep"
+
+
+def _layer_kernel_types(file: GGUFFile, config: TransformerConfig) -> set:
+    return {file.tensors[e.gguf].tensor_type for e in tensor_table.entries(LLAMA, config)
+            if e.row.kind in tensor_table.KERNELS and e.layer is not None}
+
+
 def quantized_layout(file: GGUFFile, config: TransformerConfig) -> Optional[str]:
     """The layout `kept_formats` gives the layer kernels, or None if they are float."""
     try:
@@ -352,17 +375,20 @@ def load_gguf(path, *, rope: str = "half", dtype: str = "float32", max_len: int 
     unsupported architecture is refused from the first metadata entries.
     `progress`: a bar on stderr while tensors are dequantized (None: if stderr
     is a terminal; True / False force it on / off). `quantize`: None (float32
-    kernels), "keep" (the file's Q8_0 / Q4_0 / Q4_1 blocks kept as they are:
-    `kept_formats`) or a layout of `nn.quant` ("int8", "int4", ...: the
+    kernels), "keep" (the file's quantized blocks kept as they are: `kept_formats`),
+    "auto" ("keep" if the layer kernels are quantized, else float: `auto_quantize`;
+    the command line's default) or a layout of `nn.quant` ("int8", "int4", ...: the
     dequantized kernels quantized again, `nn.quant_params.quantize_params`).
     """
-    if quantize not in (None, "keep"):
+    if quantize not in (None, "keep", "auto"):
         check_format(quantize)
     arch = read_architecture(path)
     if arch is not None:  # else the full parse below finds it (or its absence)
         check_architecture(path, arch)
     file = read_gguf(path)
     config = config_from_gguf(file, rope=rope, dtype=dtype, max_len=max_len)
+    if quantize == "auto":
+        quantize = auto_quantize(file, config)
     if quantize not in (None, "keep"):
         held = quantized_layout(file, config)
         if held == quantize:

@@ -37,14 +37,19 @@ def load(path, *, dtype: str = "float32", max_len: Optional[int] = None,
     `quantize`: None (float kernels); a layout of `jaxformer.nn.quant` ("int8",
     "int4", "int4_sym", "int8_block"): weight-only post-training quantization of
     the loaded float kernels (`nn.quant_params.quantize_params`); "keep": a GGUF
-    file's Q8_0 / Q4_0 / Q4_1 blocks kept as they are (`models.llama.kept_formats`;
-    another block type is refused by name). Anything else is refused before reading.
+    file's quantized blocks kept as they are (`models.llama.kept_formats`; a block
+    type jaxformer does not decode is refused by name); "auto": "keep" for a GGUF file
+    whose layer kernels are quantized, else float (a directory, a float GGUF file), as
+    llama.cpp runs a file (`models.llama.auto_quantize`; the command line's default).
+    Anything else is refused before reading.
     """
     from jaxformer.nn.quant import check_format  # noqa: PLC0415
 
-    if quantize not in (None, "keep"):
+    if quantize not in (None, "keep", "auto"):
         check_format(quantize)
     path = os.fspath(path)
+    if os.path.isdir(path) and quantize == "auto":
+        quantize = None  # a Hugging Face directory holds float weights
     if os.path.isdir(path) and quantize is not None:
         if quantize == "keep":
             raise ValueError(f"{path}: quantize='keep' keeps a GGUF file's quantized blocks; "

@@ -112,8 +112,8 @@ class Engine:
         num_pages = slots * self.max_pages if num_pages is None else num_pages
         if not isinstance(scan_layers, bool):
             raise TypeError(f"scan_layers must be a bool, got {scan_layers!r}")
-        if scan_layers and scan_refusal(config):
-            raise ValueError(scan_refusal(config))
+        if scan_layers and (refusal := scan_refusal(config)) is not None:
+            raise ValueError(refusal)
         self.scan_layers = scan_layers
 
         def layout(tree):  # per-layer, or stacked for `paged.scanned_forward`

@@ -380,3 +380,20 @@ def test_kept_blocks_dequantize_to_the_gguf_references_values(kind, fmt):
         offsets = np.asarray(parts["offset"], np.float32)
         np.testing.assert_array_equal(offsets, want.reshape(6, 3, 32).min(-1))
         assert (offsets < 0).any() and (offsets > 0).any()
+
+
+def test_auto_keeps_quantized_blocks_and_loads_the_rest_as_float(tmp_path, qlm):
+    """quantize="auto" (the commands' default): "keep" where the layer kernels are
+    quantized, float for a float file and a directory; a file it cannot keep loads as
+    float with a warning saying why. The library's own default stays float."""
+    from jaxformer.models import load  # noqa: PLC0415
+
+    q41 = quantized_file(tmp_path / "q41.gguf", qlm[1], Q.Q4_1)
+    assert load(q41, quantize="auto")[0].config == load(q41, quantize="keep")[0].config
+    assert load(q41)[0].config.weight_quant is None
+    floats = write_gguf(tmp_path / "f32.gguf", gguf_tensors(qlm[1], QCONFIG), QCONFIG)
+    assert load(floats, quantize="auto")[0].config == load(floats)[0].config
+    partly = quantized_file(tmp_path / "partly.gguf", qlm[1], Q.Q4_1,
+                            override={"blk.0.attn_v.weight": Q.F32})
+    with pytest.warns(UserWarning, match="the file mixes F32, Q4_1; loaded as float"):
+        assert load(partly, quantize="auto")[0].config.weight_quant is None

@@ -182,7 +182,7 @@ def test_cli_generate_equals_the_library_greedy_ids(smollm2, jaxformer_greedy, m
     monkeypatch.setattr(jaxformer.models, "load", lambda p: (model, params, tokenizer))
     eos = model.config.eos_id
     assert main(["generate", "--model", path, *PROMPTS, "--max-new-tokens", str(N_NEW),
-                 "--json"]) == 0
+                 "--json", "--dequantize"]) == 0  # the float load, as patched
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [line["prompt"] for line in lines] == PROMPTS
     for row, line in enumerate(lines):
@@ -206,7 +206,7 @@ def test_cli_eval_equals_transformers_loss(smollm2, hf_model, tmp_path, monkeypa
     text = "The quick brown fox jumps over the lazy dog. JAX transforms functions."
     (tmp_path / "doc.txt").write_text(text)
     assert main(["eval", "--model", path, "--data", str(tmp_path / "doc.txt"),
-                 "--seq-len", "64", "--no-progress"]) == 0
+                 "--seq-len", "64", "--no-progress", "--dequantize"]) == 0
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     c = model.config
     ids = [c.bos_id, *tokenizer.encode(text, add_special_tokens=False).ids, c.eos_id]

@@ -74,7 +74,7 @@ def server(runs):
         env={**os.environ, "PYTHONPATH": REPO})
     line = process.stdout.readline()
     if not (line.startswith("serving base on http://127.0.0.1:")
-            and line.rstrip().endswith("(CPU tuning on)")):
+            and line.rstrip().endswith("(weights: float32; CPU tuning on)")):
         process.kill()
         raise RuntimeError(f"the server did not start: {line}{process.stderr.read()}")
     yield process, f"http://127.0.0.1:{port}"
@@ -162,21 +162,23 @@ def test_sigterm_drains_the_stream_in_flight_and_exits_0(server):
     assert "Traceback" not in process.stderr.read()
 
 
-@pytest.mark.parametrize("flags, scanned", [
-    ([], False), (["--quantize", "int8"], True), (["--quantize", "int8", "--no-scan-layers"], False),
-    (["--scan-layers"], True)])
-def test_layers_are_scanned_by_default_with_quantized_weights(flags, scanned):
-    """--scan-layers: as given; unset, scanned exactly when the weights are quantized and
-    the layers can be: not for mixed local/global layers, nor per-kernel layouts."""
-    import jaxformer as jf  # noqa: PLC0415
+TINY = jf.tiny(num_encoder_layers=0, num_decoder_layers=2)
+
+
+@pytest.mark.parametrize("flags, config, scanned", [
+    ([], TINY, False), ([], TINY.replace(weight_quant="int8"), True),
+    (["--no-scan-layers"], TINY.replace(weight_quant="int8"), False),
+    (["--scan-layers"], TINY, True),
+    ([], TINY.replace(weight_quant="int8_block", quant_layouts=(("decoder/layers_1/ffn/wo",
+                                                                  "int4"),)), False),
+    ([], TINY.replace(weight_quant="int4", attention_pattern="LG",
+                      sliding_window=4), False)],
+    ids=["float", "quantized", "no-scan", "scan", "mixed-layouts", "mixed-layers"])
+def test_layers_are_scanned_by_default_with_quantized_weights(flags, config, scanned):
+    """--scan-layers: as given; unset, scanned exactly when the layer kernels are
+    quantized and alike (the engine scans nothing else)."""
     from jaxformer.cli.main import build_parser  # noqa: PLC0415
     from jaxformer.cli.serve import scan_layers  # noqa: PLC0415
 
     args = build_parser().parse_args(["serve", "--model", "m.gguf"] + flags)
-    config = jf.llama()
     assert scan_layers(args, config) is scanned
-    mixed = config.replace(sliding_window=4, attention_pattern="LG")
-    layouts = config.replace(weight_quant="int8_block", quant_layouts=(
-        ("decoder/layers_0/ffn/wo", "int8"),))
-    for unscannable in (mixed, layouts):  # the default unrolls; an explicit flag stands
-        assert scan_layers(args, unscannable) is (scanned and "--scan-layers" in flags)

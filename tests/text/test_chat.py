@@ -77,7 +77,7 @@ def test_cli_chat_sends_the_templated_ids(smollm2, hf_tokenizer, monkeypatch, ca
     monkeypatch.setattr(jaxformer.decode.stream, "generate_stream", fake_stream)
     capsys.readouterr()
     assert main(["generate", "--model", path, "--chat", "--system", "Be brief.",
-                 "What is 12 times 7?", "--max-new-tokens", "8"]) == 0
+                 "What is 12 times 7?", "--max-new-tokens", "8", "--dequantize"]) == 0
     messages = [{"role": "system", "content": "Be brief."},
                 {"role": "user", "content": "What is 12 times 7?"}]
     want = hf_tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
