@@ -11,9 +11,9 @@ are imported only when a function needs them (the `llm` / `text` extras).
 """
 
 from jaxformer.text.byte import ByteTokenizer, byte_tokenizer, with_bos
-from jaxformer.text.chat import chat_template, render_chat
+from jaxformer.text.chat import chat_template, encode_chat, render_chat
 from jaxformer.text.pretrained import checkpoint_tokenizer, tokenizer_from_dir
 from jaxformer.text.tokenizer_file import JSONTokenizer, training_tokenizer
 
-__all__ = ["ByteTokenizer", "byte_tokenizer", "with_bos", "chat_template", "render_chat",
+__all__ = ["ByteTokenizer", "byte_tokenizer", "with_bos", "chat_template", "encode_chat", "render_chat",
            "checkpoint_tokenizer", "tokenizer_from_dir", "JSONTokenizer", "training_tokenizer"]
