@@ -30,18 +30,15 @@ def read_template(model_path: Optional[str], run_dir: Optional[str] = None) -> s
 def chat_prompts(template: str, tokenizer, texts: list[str],
                  system: Optional[str] = None) -> list[list[int]]:
     """The ids of each text as a one-turn conversation ready for the assistant's reply,
-    the template writing the special tokens (none are added by the tokenizer)."""
-    from jaxformer.text import render_chat  # noqa: PLC0415
+    the template writing the special tokens (`text.encode_chat`, the server's encoder)."""
+    from jaxformer.text import encode_chat  # noqa: PLC0415
 
-    specials = {f"{role}_token": tokenizer.token_text(getattr(tokenizer, f"{role}_id"))
-                for role in ("bos", "eos", "pad")}
     prompts = []
     for text in texts:
         messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": text}]
         try:
-            rendered = render_chat(template, messages, **specials)
+            prompts.append(encode_chat(template, tokenizer, messages))
         except (ValueError, ImportError) as error:
             raise UsageError(f"--chat: {error}") from error
-        prompts.append(tokenizer.encode(rendered).tolist())
     return prompts

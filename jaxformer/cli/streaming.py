@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import sys
 
+from jaxformer.text.detokenize import Detokenizer
+
 
 class TextStream:
     """Prints `prompt`, then the continuation's text as it grows, one row's picks at a time.
 
-    The whole continuation is decoded again at every step: a byte-level or
-    SentencePiece token may end inside a character, or change how the text
-    before it reads; only a stable extension of what was printed is written, so
-    the printed text ends equal to `tokenizer.decode(ids)`.
+    Each pick's share of the text comes from `text.detokenize.Detokenizer` (the
+    server's): a byte-level or SentencePiece token may end inside a character,
+    whose text comes whole with the token that completes it; `finish` writes the
+    rest of the final text, so the printed text ends equal to `tokenizer.decode(ids)`.
     """
 
     def __init__(self, tokenizer, prompt: str, *, stop: set, row: int = 0, out=None):
         self.tokenizer, self.stop, self.row = tokenizer, set(stop), row
         self.out = sys.stdout if out is None else out
-        self.ids: list[int] = []
+        self.text = Detokenizer(tokenizer)
         self.printed = ""
         self.ended = False
         self.out.write(prompt)
@@ -30,11 +32,7 @@ class TextStream:
         if self.ended or token in self.stop:
             self.ended = True
             return
-        self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd") or not text.startswith(self.printed):
-            return  # a character is still incomplete
-        self._write(text[len(self.printed):])
+        self._write(self.text.push(token))
 
     def finish(self, text: str) -> None:
         """Print what is left of the final `text` and end the line."""

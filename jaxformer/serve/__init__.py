@@ -12,8 +12,7 @@ verification: pure functions), `spec_decode` (`speculative_generate`: `generate`
 drafts verified per pass), `constraint` (`Grammars`: JSON-schema and regex constraints
 as token masks; outlines-core, imported when a `Grammars` is built), `adapters`
 (fine-tuned runs as the engine's adapters).
-The HTTP server: `schemas` (request bodies checked, `ApiError`), `detokenize` (streamed
-text, stop strings), `generation` (one request through the engine), `responses` (OpenAI
+The HTTP server: `schemas` (request bodies checked, `ApiError`), `generation` (one request through the engine), `responses` (OpenAI
 bodies, SSE), `metrics` (Prometheus text), `http` (the Starlette app: `create_app`,
 `ServedModel`), `server` (uvicorn, drain on SIGTERM: `run_server`). Starlette and
 uvicorn (the `serve` extra) load only with `create_app`/`run_server`.

@@ -13,7 +13,7 @@ pages at the engine's next step.
 
 The text is the engine's (`TokenEvent.text`: stop strings already cut, held
 back while it could start one). Each new token's own share of the text, for
-logprobs' `tokens` and `text_offset`, comes from `detokenize.Detokenizer`.
+logprobs' `tokens` and `text_offset`, comes from `text.detokenize.Detokenizer`.
 Echo: the prompt's events (`TokenEvent.prompt`) arrive first, here as the
 steps' `prompt_entries`; a pick of EOS (or a stop id) that ends an echo request
 is its last entry (text ""), as OpenAI lists it: harnesses scoring a prompt
@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 from typing import AsyncIterator, Optional
 
-from jaxformer.serve.detokenize import Detokenizer, token_texts
+from jaxformer.text.detokenize import Detokenizer, token_texts
 from jaxformer.serve.request import FinishReason, QueueFull, Request
 from jaxformer.serve.schemas import ApiError
 

@@ -277,17 +277,12 @@ class Api:
         if template is None:
             raise ApiError(f"{self.served.name} has no chat template; use /v1/completions",
                            "messages")
-        from jaxformer.text import render_chat  # noqa: PLC0415 - jinja2 on first chat
+        from jaxformer.text import encode_chat  # noqa: PLC0415 - jinja2 on first chat
 
-        tokenizer = self.served.tokenizer
-        name = getattr(tokenizer, "token_text", None) or (lambda i: "")  # bytes: no names
-        specials = {f"{role}_token": name(getattr(tokenizer, f"{role}_id"))
-                    for role in ("bos", "eos", "pad")}
         try:
-            rendered = render_chat(template, list(messages), **specials)
+            return encode_chat(template, self.served.tokenizer, messages)
         except (ValueError, ImportError) as error:
             raise ApiError(str(error), "messages") from error
-        return [int(i) for i in tokenizer.encode(rendered)]
 
     async def constraint(self, response_format):
         """The request's TokenConstraint (compiled off the event loop: a new schema's

@@ -2,12 +2,12 @@
 
 `decode.sampling` picks with one setting per call (static); an engine step
 holds requests with different temperatures, top-k, top-p, min-p and seeds side
-by side, so here they are (S,) arrays. The rules are the same (min-p is the
-engine's only): greedy is the argmax of the raw logits (temperature 0); else
-temperature, then top-k (ties at the k-th value kept), then top-p (the smallest
-most likely set whose mass reaches p), then min-p (the tokens at least min_p
-times as likely as the most likely one, as vLLM, llama.cpp and transformers
-define it), then a categorical draw with the row's key
+by side, so here they are (S,) arrays, given to the same filter chain
+(`sampling.filter_logits`): greedy is the argmax of the raw logits (temperature
+0); else temperature, then top-k (ties at the k-th value kept), then top-p (the
+smallest most likely set whose mass reaches p), then min-p (the tokens at least
+min_p times as likely as the most likely one), then a categorical draw with the
+row's key
 `fold_in(PRNGKey(seed), position)`: a request's samples depend on its own seed
 and positions only, never on its neighbours.
 """
@@ -18,6 +18,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from jaxformer.decode import sampling
 from jaxformer.decode.sampling import NEG, first_argmax
 
 MAX_LOGPROBS = 20  # top-n logprobs a request may ask for (OpenAI's bound)
@@ -45,28 +46,11 @@ class Picks:
 
 
 def filtered_logits(logits_SV: jnp.ndarray, params: SlotParams) -> jnp.ndarray:
-    """Temperature-scaled, top-k, top-p and min-p filtered float32 logits per row.
-
-    Each filter keeps a prefix of the row's sorted logits, so the three are one
-    threshold: the largest of their smallest kept logits."""
-    temperature_S1 = jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None]
-    logits_SV = logits_SV.astype(jnp.float32) / temperature_S1
-    sorted_SV = jnp.sort(logits_SV, axis=-1)[:, ::-1]
-    vocab = logits_SV.shape[-1]
-    k_S1 = jnp.where(params.top_k > 0, jnp.minimum(params.top_k, vocab), vocab)[:, None]
-    kth_S1 = jnp.take_along_axis(sorted_SV, k_S1 - 1, axis=1)
-    logits_SV = jnp.where(logits_SV >= kth_S1, logits_SV, NEG)
-    sorted_SV = jnp.where(jnp.arange(vocab)[None, :] < k_S1, sorted_SV, NEG)
-    probs_SV = jax.nn.softmax(sorted_SV, axis=-1)
-    mass_before_SV = jnp.cumsum(probs_SV, axis=-1) - probs_SV
-    first_V = jnp.arange(vocab) == 0  # the most likely token stays, whatever p rounds to
-    kept_SV = ((mass_before_SV < params.top_p[:, None]) | (params.top_p[:, None] >= 1)
-               | first_V[None, :])
-    top_p_floor_S1 = jnp.min(jnp.where(kept_SV, sorted_SV, jnp.inf), axis=-1, keepdims=True)
-    # p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p) (log 0 = -inf: all kept)
-    min_p_floor_S1 = sorted_SV[:, :1] + jnp.log(params.min_p)[:, None]
-    threshold_S1 = jnp.maximum(top_p_floor_S1, min_p_floor_S1)
-    return jnp.where(logits_SV >= threshold_S1, logits_SV, NEG)
+    """Temperature-scaled (greedy rows: by 1), top-k, top-p and min-p filtered float32
+    logits per row: `decode.sampling.filter_logits` with the rows' settings."""
+    temperature_S = jnp.where(params.temperature > 0, params.temperature, 1.0)
+    return sampling.filter_logits(logits_SV, temperature_S, params.top_k, params.top_p,
+                                  params.min_p)
 
 
 def scaled_filtered_logits(logits_SV: jnp.ndarray, params: SlotParams) -> jnp.ndarray:

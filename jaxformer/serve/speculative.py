@@ -36,7 +36,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from jaxformer.decode.sampling import NEG, top_k_filter, top_p_filter
+from jaxformer.decode import sampling
+from jaxformer.decode.sampling import NEG
 
 __all__ = ["NGRAM", "ngram_draft", "greedy_verify", "rejection_verify", "target_probs"]
 
@@ -133,9 +134,5 @@ def rejection_verify(p_TV: jax.Array, q_kV: jax.Array, draft_k: jax.Array, count
 def target_probs(logits_TV: jax.Array, temperature: float, top_k: Optional[int] = None,
                  top_p: Optional[float] = None) -> jax.Array:
     """(T, V) probabilities of `sampling.make_sampler(temperature, top_k, top_p)`'s draw."""
-    logits_TV = logits_TV.astype(jnp.float32) / temperature
-    if top_k is not None and top_k < logits_TV.shape[-1]:
-        logits_TV = top_k_filter(logits_TV, top_k)
-    if top_p is not None and top_p < 1:
-        logits_TV = top_p_filter(logits_TV, top_p)
+    logits_TV = sampling.filter_logits(logits_TV, temperature, top_k, top_p)
     return jax.nn.softmax(logits_TV, axis=-1)

@@ -2,12 +2,14 @@
 
     template = chat_template("SmolLM2-135M-Instruct.gguf")   # or a Hugging Face directory
     text = render_chat(template, [{"role": "user", "content": "Hi"}], bos_token="<s>")
+    ids = encode_chat(template, tokenizer, [{"role": "user", "content": "Hi"}])
 
 The template comes from `chat_template.jinja` or `tokenizer_config.json` in a
 directory, or the GGUF key `tokenizer.chat_template`. It is rendered as
 `transformers`' `apply_chat_template` renders it (a sandboxed Jinja environment
 with `trim_blocks`/`lstrip_blocks` and the same helper functions); the text
-then goes to the tokenizer without added specials, since the template writes them.
+then goes to the tokenizer without added specials, since the template writes them
+(`encode_chat`: messages to ids, the one encoder of the CLI and the server).
 """
 
 from __future__ import annotations
@@ -75,3 +77,23 @@ def render_chat(template: str, messages: list[dict], *, add_generation_prompt: b
         raise ValueError(f"the chat template is not valid Jinja: {error}") from error
     return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
                            **special_tokens)
+
+
+def encode_chat(template: str, tokenizer, messages, *,
+                add_generation_prompt: bool = True) -> list[int]:
+    """The ids of the conversation `messages` as `template` writes it, ready for the
+    assistant's reply (`jaxformer generate --chat` and the server's /v1/chat/completions).
+
+    BOS and the other specials are the template's: it is given the tokenizer's
+    bos/eos/pad token texts (`token_text`; "" for a tokenizer without names, as bytes)
+    and writes them where the model expects them, and the text is encoded with no
+    specials added, so a template's BOS is never doubled (transformers'
+    `apply_chat_template(tokenize=True)`). Raises ValueError (the template refuses the
+    messages or is not valid Jinja) or ImportError (no jinja2), as `render_chat`.
+    """
+    name = getattr(tokenizer, "token_text", None) or (lambda i: "")
+    specials = {f"{role}_token": name(getattr(tokenizer, f"{role}_id"))
+                for role in ("bos", "eos", "pad")}
+    rendered = render_chat(template, list(messages),
+                           add_generation_prompt=add_generation_prompt, **specials)
+    return [int(i) for i in tokenizer.encode(rendered)]

@@ -47,6 +47,55 @@ def test_top_p_filter_keeps_the_smallest_nucleus():
     np.testing.assert_array_equal(kept(0.01), [True, False, False, False])  # top-1 always kept
 
 
+def test_one_filter_chain_per_row_equals_the_static_settings_ties_included():
+    """`filter_logits` with (B,) settings (the engine's rows) equals it with each row's
+    numbers (generate's), which equals top-k then top-p applied one after the other, to
+    the bit: rows with ties at the k-th value (bfloat16-like logits) included, where
+    the tied tokens all stay and count in the nucleus' mass."""
+    rng = np.random.default_rng(0)
+    logits = np.round(rng.normal(size=(7, 40)) * 3, 0).astype(np.float32)  # many ties
+    logits[5] = np.round(rng.normal(size=40) * 3, 1)
+    logits[6] = -3.0
+    logits[6, :4] = [2.0, 1.0, 1.0, 1.0]  # top-2 keeps 4; its mass: 0.475, 0.175 x 3
+    temperature = np.asarray([0.5, 1.0, 0.7, 2.0, 1.3, 0.9, 1.0], np.float32)
+    top_k = np.asarray([0, 1, 5, 7, 40, 12, 2], np.int32)
+    top_p = np.asarray([1.0, 0.3, 0.8, 0.5, 0.95, 1.0, 0.5], np.float32)
+    min_p = np.asarray([0.0, 0.0, 0.05, 0.0, 0.2, 0.1, 0.0], np.float32)
+    per_row = np.asarray(sampling.filter_logits(jnp.asarray(logits), temperature, top_k,
+                                                top_p, min_p))
+    for b in range(7):
+        row = jnp.asarray(logits[b:b + 1])
+        static = sampling.filter_logits(row, float(temperature[b]), int(top_k[b]) or None,
+                                        float(top_p[b]), float(min_p[b]))
+        np.testing.assert_array_equal(per_row[b:b + 1], static, err_msg=f"row {b}")
+        if not min_p[b]:
+            chained = row / float(temperature[b])
+            if top_k[b]:
+                chained = sampling.top_k_filter(chained, int(top_k[b]))
+            chained = sampling.top_p_filter(chained, float(top_p[b]))
+            np.testing.assert_array_equal(per_row[b:b + 1], chained, err_msg=f"row {b}")
+    kept = per_row > sampling.NEG
+    assert kept[0].all() and kept[1].sum() == (logits[1] == logits[1].max()).sum()
+    assert (logits[2] == np.sort(logits[2])[-5]).sum() > 1  # ties at the 5th value
+    # 0.475 < 0.5: the nucleus reaches the tied tokens (the engine's own chain, which
+    # counted only k of them in the mass, kept token 0 alone).
+    np.testing.assert_array_equal(kept[6], np.arange(40) < 4)
+    assert np.isfinite(per_row).all()
+
+
+def test_make_sampler_min_p():
+    """min_p 1 keeps the most likely token alone; min_p 0 filters nothing."""
+    logits = jnp.log(jnp.array([[0.1, 0.6, 0.3, 1e-9]]))
+    keys = jax.random.split(jax.random.PRNGKey(4), 300)
+    one = jax.vmap(lambda k: sampling.make_sampler(2.0, min_p=1.0)(logits, k))(keys)
+    assert set(np.asarray(one).ravel()) == {1}
+    half = jax.vmap(lambda k: sampling.make_sampler(1.0, min_p=0.4)(logits, k))(keys)
+    assert set(np.asarray(half).ravel()) == {1, 2}  # 0.3 >= 0.4 * 0.6 > 0.1
+    np.testing.assert_array_equal(
+        jax.vmap(lambda k: sampling.make_sampler(1.0, min_p=0.0)(logits, k))(keys),
+        jax.vmap(lambda k: sampling.make_sampler(1.0)(logits, k))(keys))
+
+
 def test_sampler_is_reproducible_and_follows_the_distribution():
     logits = jnp.log(jnp.array([[0.1, 0.6, 0.3, 1e-9]]))
     select = sampling.make_sampler(1.0)
@@ -77,6 +126,8 @@ def test_sampler_is_reproducible_and_follows_the_distribution():
     pytest.param(dict(temperature=float("inf")), "temperature", id="infinite_temperature"),
     pytest.param(dict(top_p=float("nan")), "top_p", id="nan_top_p"),
     pytest.param(dict(top_k=True), "top_k", id="bool_top_k"),
+    pytest.param(dict(min_p=-0.1), "min_p", id="negative_min_p"),
+    pytest.param(dict(min_p=1.5), "min_p", id="min_p_above_one"),
 ])
 def test_make_sampler_rejects_bad_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):

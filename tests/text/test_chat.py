@@ -97,3 +97,24 @@ def test_cli_chat_refusals_are_one_line(smollm2, tmp_path, capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_encode_chat_is_the_template_text_encoded_with_no_specials_added():
+    """`encode_chat` (the CLI's and the server's one encoder): the template writes BOS from
+    the tokenizer's own token text, the tokenizer adds none (no doubled BOS); a tokenizer
+    without token names (bytes) gives the template "" for each special."""
+    from jaxformer.text import ByteTokenizer, encode_chat
+
+    template = ("{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+                "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+
+    class Named(ByteTokenizer):
+        def token_text(self, token_id):
+            return {self.bos_id: "<s>", self.eos_id: "</s>", self.pad_id: "<pad>"}[token_id]
+
+    ids = encode_chat(template, Named(), messages)
+    assert ids == Named().encode("<s><system>Be brief.<user>Hi<assistant>").tolist()
+    assert all(type(i) is int for i in ids)
+    assert encode_chat(template, ByteTokenizer(), iter(messages), add_generation_prompt=False
+                       ) == ByteTokenizer().encode("<system>Be brief.<user>Hi").tolist()

@@ -160,8 +160,7 @@ def _generate_program(model, params, memory_BSD, prefix_BP, rng, temperature, fi
     def select(logits_BV, key):  # the temperature is traced: one program for all of them
         if not sample:
             return sampling.greedy(logits_BV)
-        return jax.random.categorical(key, logits_BV.astype(jnp.float32) / temperature,
-                                      axis=-1).astype(jnp.int32)
+        return sampling.draw(logits_BV, key, temperature)
 
     def logits_fn(token_B, carry, step):
         logits_BV, cache = step_fn(token_B, carry[0], step)

@@ -6,7 +6,8 @@
     token_texts(tokenizer, ids)      # every id's share at once
 
 The server's logprobs name each token by its share (OpenAI's `tokens` and
-`text_offset`: "".join(shares) is the text).
+`text_offset`: "".join(shares) is the text); `jaxformer generate` prints each
+share of one prompt's continuation as its token is picked (`cli.streaming`).
 
 A token's text is the difference between decoding a short window of ids with
 and without it (vLLM's prefix/read offsets), so a SentencePiece word keeps its
