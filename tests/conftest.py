@@ -55,7 +55,7 @@ if _soft != resource.RLIM_INFINITY and _soft < _want and (
 # order inside a file is kept: module fixtures and "last in this file" tests need it).
 LONGEST_FIRST = ("harness/test_lm_eval.py", "cli/test_cli.py", "test_docs.py",
                  "parallel/test_partitioning.py",
-                 "parallel/test_distributed.py", "train/test_finetune.py",
+                 "parallel/test_distributed.py", "train/test_finetune.py", "test_support_matrix.py",
                  "parallel/test_scale_out.py", "models/test_smollm2.py", "nnx/test_bridge.py",
                  "serve/test_engine.py",
                  "serve/test_engine_smollm2.py", "serve/test_engine_spec.py",

@@ -38,7 +38,7 @@ from jaxformer.decode.inputs import check_encdec, decodable
 from jaxformer.decode.cache import memory_cache
 from jaxformer.decode.loop import (TRACE_COUNTS, DecodeResult, cached_logits_fn, decode_jit,
                                    run_in_segments, segment_lengths, segments_for)
-from jaxformer.nn.model import Transformer
+from jaxformer.nn.model import DecoderOnlyLM, Transformer
 
 DEAD = -1e9  # log-probability of a beam that must never be chosen (finite: no NaN)
 
@@ -196,7 +196,13 @@ def beam_search(model: Transformer, params, src_BS, *, max_new_tokens: int, beam
     Returns:
       DecodeResult(tokens (B, N) of the best beam, lengths (B,), scores (B,) its
       length-normalised log-probability).
+    Raises:
+      ValueError for a decoder-only LM, naming beam search and why (its beams start from
+      one BOS per source; a `DecoderOnlyLM` continues prompts: `generate`).
     """
+    if isinstance(model, DecoderOnlyLM):
+        raise ValueError("beam_search decodes encoder-decoder Transformers only (every beam "
+                         "starts from BOS); a DecoderOnlyLM has no beam search: use generate()")
     procs, prefix_BP, prefix_len_B = check_encdec(
         model, src_BS, src_mask, max_new_tokens=max_new_tokens, processors=processors,
         prefix=prefix, prefix_lengths=prefix_lengths)
