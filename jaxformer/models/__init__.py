@@ -4,6 +4,7 @@
 or a GGUF file -> (model, params, tokenizer).
 """
 
+from jaxformer.models.gguf_export import save_gguf
 from jaxformer.models.hf_export import save_hf
 from jaxformer.models.loader import load
 from jaxformer.models.torch_modules import from_torch_decoder_only, from_torch_transformer
@@ -19,6 +20,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["hf", "hf_encdec", "hf_export", "llama", "torch_modules",
-           "whisper", "load", "load_gguf", "save_hf", "from_torch_decoder_only",
+__all__ = ["gguf_export", "hf", "hf_encdec", "hf_export", "llama", "torch_modules",
+           "whisper", "load", "load_gguf", "save_gguf", "save_hf", "from_torch_decoder_only",
            "from_torch_transformer"]
