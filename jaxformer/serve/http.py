@@ -32,6 +32,7 @@ import traceback
 from typing import Callable, Optional
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -403,9 +404,20 @@ def create_app(served: ServedModel, *, api_key: Optional[str] = None) -> Starlet
               ("/v1/chat/completions", api.chat, ["POST"], True),
               ("/health", api.health, ["GET"], False),
               ("/metrics", api.metrics, ["GET"], False)]
+    async def not_routed(request: HttpRequest, error: HTTPException) -> JSONResponse:
+        """The router's errors (an unknown route: 404, a wrong method: 405) as OpenAI
+        error bodies, as every other error of the API."""
+        what = {404: f"no route {request.url.path}",
+                405: f"method {request.method} is not allowed for {request.url.path}"}
+        body = ApiError(what.get(error.status_code, str(error.detail)),
+                        status=error.status_code,
+                        code={404: "not_found", 405: "method_not_allowed"}.get(
+                            error.status_code)).body()
+        return JSONResponse(body, status_code=error.status_code, headers=error.headers)
+
     app = Starlette(routes=[Route(path, api.route(path, endpoint, protected=protected),
                                   methods=methods)
                             for path, endpoint, methods, protected in routes],
-                    lifespan=lifespan)
+                    exception_handlers={HTTPException: not_routed}, lifespan=lifespan)
     app.state.api = api
     return app

@@ -433,3 +433,21 @@ def test_edge_values_are_accepted(server):
         status, _, out = post(url, "/v1/completions", {"prompt": "Hi", field: value})
         assert status == 200, (field, value, out)
     assert engine.requests[-1].params.seed == (-2 ** 63) % 2 ** 32
+
+
+def test_an_unknown_route_and_a_wrong_method_answer_openai_error_bodies(server):
+    """The router's 404 and 405 are JSON error bodies as OpenAI's (clients parse them),
+    not plain text; the server stays up."""
+    _, url = server
+    status, _, body = post(url, "/v1/embeddingz", {"input": "x"})
+    assert status == 404 and body["error"]["code"] == "not_found"
+    assert "/v1/embeddingz" in body["error"]["message"]
+    request = urllib.request.Request(url + "/v1/completions", method="GET")
+    with pytest.raises(urllib.error.HTTPError) as raised:
+        urllib.request.urlopen(request, timeout=30)
+    error = json.loads(raised.value.read())
+    assert raised.value.code == 405 and error["error"]["code"] == "method_not_allowed"
+    assert "GET" in error["error"]["message"] and "POST" in raised.value.headers["allow"]
+    status, _, _ = post(url, "/v1/completions", {"model": "fake", "prompt": "Hi",
+                                                 "max_tokens": 2})
+    assert status == 200
