@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Optional
 
 import numpy as np
@@ -27,6 +28,44 @@ def check_engine_args(config: TransformerConfig, *, slots, max_len, page_size, n
     if max_len > config.decoder_len:
         raise ValueError(f"max_len={max_len} exceeds the model's context "
                          f"{config.decoder_len} (config.decoder_max_len or max_len)")
+
+
+def pool_bytes_needed(config: TransformerConfig, num_pages: int, page_size: int) -> int:
+    """Bytes of the engine's page pools: keys and values of every layer for the pages
+    and the null page (`serve.paged.init_pools`), int8 with float32 scales or the
+    compute dtype."""
+    slots = (num_pages + 1) * page_size
+    per_slot = config.kv_heads * config.head_dim
+    if config.kv_cache_quant == "int8":
+        per_layer = slots * (per_slot + 4 * config.kv_heads)
+    else:
+        per_layer = slots * per_slot * np.dtype(config.compute_dtype).itemsize
+    return 2 * config.num_decoder_layers * per_layer
+
+
+def memory_bytes() -> Optional[int]:
+    """The memory the pools would live in: the first device's limit where JAX reports
+    one (GPU, TPU), else the host's physical memory (a CPU); None if neither is known."""
+    import jax  # noqa: PLC0415
+
+    stats = jax.devices()[0].memory_stats() or {}
+    if stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_pool_fits(config: TransformerConfig, num_pages: int, page_size: int) -> None:
+    """ValueError in one line where the page pools exceed the memory they would live in,
+    before anything is allocated (XLA's own error is a page of RESOURCE_EXHAUSTED)."""
+    need, have = pool_bytes_needed(config, num_pages, page_size), memory_bytes()
+    if have is not None and need > have:
+        raise ValueError(f"the KV page pools need {need / 2 ** 30:,.1f} GiB ({num_pages} pages "
+                         f"of {page_size} tokens, {config.num_decoder_layers} layers), more "
+                         f"than the {have / 2 ** 30:,.1f} GiB of memory here: lower "
+                         "page_size, num_pages, slots or max_len")
 
 
 def scan_refusal(config: TransformerConfig) -> Optional[str]:

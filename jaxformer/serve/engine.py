@@ -47,7 +47,8 @@ from jaxformer.nn.attention import kv_length_axis
 from jaxformer.nn.model import DecoderOnlyLM
 from jaxformer.serve import batching, paged, programs, spec_step
 from jaxformer.serve.batching import bucket, page_rows, slot_params, want_top
-from jaxformer.serve.checks import check_engine_args, check_request, scan_refusal
+from jaxformer.serve.checks import (check_engine_args, check_pool_fits, check_request,
+                                    scan_refusal)
 from jaxformer.serve.handle import Handle
 from jaxformer.serve.pages import PagePool, PageTable
 from jaxformer.serve.request import FinishReason, QueueFull, Request, TokenEvent
@@ -110,6 +111,7 @@ class Engine:
                              f"got {ngram!r}")
         self.max_pages = -(-max_len // page_size)
         num_pages = slots * self.max_pages if num_pages is None else num_pages
+        check_pool_fits(config, num_pages, page_size)
         if not isinstance(scan_layers, bool):
             raise TypeError(f"scan_layers must be a bool, got {scan_layers!r}")
         if scan_layers and (refusal := scan_refusal(config)) is not None:

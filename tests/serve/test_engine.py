@@ -372,6 +372,21 @@ def test_bad_input_is_refused_before_work(lm):
         engine(lm, page_size=0)
 
 
+def test_a_pool_larger_than_the_memory_is_refused_in_one_line(lm):
+    """page_size 10**9: the pools' bytes against the machine's memory, refused before
+    anything is allocated (XLA's RESOURCE_EXHAUSTED is a 52-line page); a pool that fits
+    is what `init_pools` allocates, byte for byte."""
+    from jaxformer.serve import checks, paged  # noqa: PLC0415
+
+    with pytest.raises(ValueError, match=r"the KV page pools need [\d,.]+ GiB \(3 pages of "
+                                         r"1000000000 tokens, 2 layers\), more than the"):
+        engine(lm, page_size=10 ** 9)
+    for change in ({}, {"kv_cache_quant": "int8"}):
+        config = CONFIG.replace(**change)
+        assert checks.pool_bytes_needed(config, 5, 4) == paged.pool_bytes(
+            paged.init_pools(config, 5, 4))
+
+
 def test_adapters_choose_their_parameters(lm, make_lm):
     model, base = lm
     _, other = make_lm(CONFIG, seed=11)
