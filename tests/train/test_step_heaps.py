@@ -83,6 +83,8 @@ def test_heaps_keep_the_steps_memory_mapped_and_change_no_value():
     # The plain step faults its whole block of temporaries in at every step; the heaps
     # are mostly kept. What remains is what glibc trims off the top of a thread's heap
     # after the step (MADV_DONTNEED, when the free top passes twice its mmap threshold):
-    # a third of the plain step's faults here, from 5 % to 80 % at other sizes.
+    # a third of the plain step's faults here, from 5 % to 80 % at other sizes, and 66 %
+    # once in a clean-clone CI run beside other processes (2026-12-03); without the heaps
+    # the two are equal.
     assert got["faults"]["plain"] > 0.8 * got["temp_pages"], got
-    assert got["faults"]["heaps"] < 0.6 * got["faults"]["plain"], got
+    assert got["faults"]["heaps"] < 0.8 * got["faults"]["plain"], got
