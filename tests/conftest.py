@@ -5,7 +5,6 @@ puts them in on purpose, so "PAD" in a test always means a deliberate PAD.
 """
 
 import gc
-import importlib.util
 import os
 import resource
 
@@ -30,11 +29,6 @@ os.environ["JAXFORMER_COMPILE_CACHE"] = "off"
 # in the last bits); tests of the tuning start a subprocess.
 jax.devices()
 FIRST_REAL_ID = 3  # ids 0, 1, 2 are pad, bos, eos in every config here
-
-# A crashed worker's test runs once more on its replacement (tests/crash_rerun.py).
-if importlib.util.find_spec("xdist") is not None:
-    from tests.crash_rerun import (pytest_handlecrashitem, pytest_report_teststatus,  # noqa: F401
-                                   pytest_terminal_summary, pytest_xdist_make_scheduler)
 
 # A precaution, not a proven fix: two clean-clone runs lost an xdist worker to a segfault
 # inside XLA:CPU's compile of a deep unrolled program (tests/nn/test_stacking.py; the

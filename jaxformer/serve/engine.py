@@ -31,6 +31,7 @@ thread-safe. Greedy tokens equal `decode.generate` of the prompt alone.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import logging
 import threading
@@ -152,7 +153,7 @@ class Engine:
         self.decode_fn, self.prefill_fn = programs.compiled()
         self.speculative, self.ngram = speculative, ngram
         self.drafted, self.accepted_drafts = 0, 0
-        self.shapes, self.compiled_new = set(), False  # `note_shape`
+        self.shapes, self.compiled_new = set(), False  # `compiling`
 
     # -- the client's side (thread-safe) ------------------------------------
 
@@ -243,10 +244,14 @@ class Engine:
                 self.compiled_new = False
                 host_memory.release_freed()  # the compiler's freed host memory, tens of MB
 
-    def note_shape(self, *key) -> None:
-        """A compiled call's static shape and flags: a new one compiled a program."""
-        self.compiled_new |= key not in self.shapes
+    def compiling(self, *key):
+        """The context of a compiled call with static shape and flags `key`: a new one
+        compiles its program, under `programs.COMPILE_LOCK` (one engine compile at a time
+        in the process); a known one just runs."""
+        new = key not in self.shapes
         self.shapes.add(key)
+        self.compiled_new |= new
+        return programs.COMPILE_LOCK if new else contextlib.nullcontext()
 
     def run_until_idle(self) -> None:
         """Step on the calling thread until nothing is queued or running (no `start`)."""
@@ -390,23 +395,23 @@ class Engine:
     def run_decode(self, params, table, lengths, tokens, valid, slot_params_S, want_top_,
                    allowed, view_len: int):
         """The compiled decode step (`programs.decode_program`); the pools updated."""
-        self.note_shape("decode", view_len, allowed is None)
-        picks, self.pools = self.decode_fn(
-            self.model, self.page_size, params, self.pools, table, lengths, tokens, valid,
-            slot_params_S, want_top_, np.zeros((1, 1), bool) if allowed is None else allowed,
-            view_len=view_len, masked=allowed is not None)
+        with self.compiling("decode", len(tokens), view_len, allowed is None):
+            picks, self.pools = self.decode_fn(
+                self.model, self.page_size, params, self.pools, table, lengths, tokens, valid,
+                slot_params_S, want_top_, np.zeros((1, 1), bool) if allowed is None else allowed,
+                view_len=view_len, masked=allowed is not None)
         return picks
 
     def run_prefill(self, params, table, starts, tokens, valid, slot_params_R, want_top_,
                     lasts, targets, allowed, view_len: int, echo: bool):
         """The compiled prefill chunk (`programs.prefill_program`); the pools updated."""
         rows, width = tokens.shape
-        self.note_shape("prefill", rows, width, view_len, echo, allowed is None)
-        picks, extra, self.pools = self.prefill_fn(
-            self.model, self.page_size, params, self.pools, table, starts, tokens, valid,
-            slot_params_R, want_top_, lasts, targets,
-            np.zeros((1, 1), bool) if allowed is None else allowed,
-            view_len=view_len, echo=echo, masked=allowed is not None)
+        with self.compiling("prefill", rows, width, view_len, echo, allowed is None):
+            picks, extra, self.pools = self.prefill_fn(
+                self.model, self.page_size, params, self.pools, table, starts, tokens, valid,
+                slot_params_R, want_top_, lasts, targets,
+                np.zeros((1, 1), bool) if allowed is None else allowed,
+                view_len=view_len, echo=echo, masked=allowed is not None)
         return picks, extra
 
     def warm_up(self) -> "Engine":

@@ -9,6 +9,7 @@ size and the view length static and the KV pools donated (updated in place).
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 
 import jax
@@ -20,6 +21,11 @@ from jaxformer.backends import cpu, host_memory
 from jaxformer.serve import batching, paged, select, spec_step
 
 COMPILED: dict = {}
+# Held while an engine call compiles a new program: one such compile at a time in the
+# process, whichever engine or thread calls (a server's warm-up beside another engine's
+# first steps). Two clean-clone CI runs lost a worker to a segfault inside XLA:CPU's
+# compile of an engine step on its thread; the cause was not found (benchmarks/NOTES.md).
+COMPILE_LOCK = threading.Lock()
 
 
 def decode_program(model, page_size, params, pools, table_SM, lengths_S, tokens_S, valid_S,

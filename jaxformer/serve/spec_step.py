@@ -158,11 +158,12 @@ def compiled_verify():
 def run_verify(engine, params, table, lengths, tokens, valid, counts, slot_params, want_top,
                allowed, view_len: int):
     """The compiled verify step (`verify_program`); the engine's pools updated."""
-    engine.note_shape("verify", engine.speculative, view_len, allowed is None)
-    out, engine.pools = compiled_verify()(
-        engine.model, engine.page_size, params, engine.pools, table, lengths, tokens, valid,
-        counts, slot_params, want_top, np.zeros((1, 1), bool) if allowed is None else allowed,
-        view_len=view_len, masked=allowed is not None)
+    with engine.compiling("verify", tokens.shape, view_len, allowed is None):
+        out, engine.pools = compiled_verify()(
+            engine.model, engine.page_size, params, engine.pools, table, lengths, tokens,
+            valid, counts, slot_params, want_top,
+            np.zeros((1, 1), bool) if allowed is None else allowed,
+            view_len=view_len, masked=allowed is not None)
     return out
 
 
