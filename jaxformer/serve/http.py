@@ -14,8 +14,10 @@ Errors are OpenAI's body, {"error": {"message", "type", "param", "code"}}: 400
 for a malformed body or a prompt beyond the context (checked before the engine
 sees it), 401 without the `--api-key` bearer token (on /v1/ routes), 404 for an
 unknown model, 429 with Retry-After when the engine's queue is full, 500 when a
-request fails (the server goes on). A client that disconnects, mid-stream or
-while waiting for a whole answer, has its request cancelled at once.
+request fails (the server goes on). A client that disconnects, mid-stream, while
+waiting for a whole answer or before sending the whole body, has its request
+cancelled at once; that is one line in the log and counts in /metrics as a client
+disconnect (jaxformer_client_disconnects_total), not as an error.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Callable, Optional
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request as HttpRequest
+from starlette.requests import ClientDisconnect, Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -66,7 +68,8 @@ def _error_response(error: ApiError) -> JSONResponse:
 
 class EventStream(Response):
     """A server-sent event stream whose generator is closed the moment the client goes
-    (a disconnect message, or a failed send), so its `finally` frees the request."""
+    (a disconnect message, or a failed send), so its `finally` frees the request;
+    `on_disconnect` is then called too."""
 
     media_type = "text/event-stream"
 
@@ -75,6 +78,7 @@ class EventStream(Response):
         self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"),
                             (b"cache-control", b"no-cache")]
         self.chunks, self.on_close = chunks, on_close
+        self.on_disconnect: Callable[[], None] = lambda: None
 
     async def __call__(self, scope, receive, send) -> None:
         async def pump():
@@ -97,13 +101,16 @@ class EventStream(Response):
             await asyncio.gather(*tasks, return_exceptions=True)
             await self.chunks.aclose()
             self.on_close()  # also when the generator never started
-        if tasks[0] in done and not tasks[0].cancelled() and tasks[0].exception():
-            if not isinstance(tasks[0].exception(), OSError):  # OSError: the client went
-                raise tasks[0].exception()
+        failed = tasks[0].exception() if tasks[0] in done else None
+        if tasks[0] not in done or isinstance(failed, OSError):  # OSError: the client went
+            self.on_disconnect()
+        elif failed:
+            raise failed
 
 
 async def _until_disconnect(http: HttpRequest, work):
-    """Await `work` (a coroutine), cancelled if the client disconnects first."""
+    """Await `work` (a coroutine); ClientDisconnect, `work` cancelled, if the client
+    disconnects first."""
     task = asyncio.ensure_future(work)
 
     async def watch():
@@ -112,12 +119,15 @@ async def _until_disconnect(http: HttpRequest, work):
 
     watcher = asyncio.ensure_future(watch())
     try:
-        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
         if not task.done():
             task.cancel()
-    return await task
+    if task not in done:
+        await asyncio.gather(task, return_exceptions=True)  # its `finally`s have run
+        raise ClientDisconnect()
+    return task.result()
 
 
 class Api:
@@ -125,7 +135,8 @@ class Api:
 
     def __init__(self, served: ServedModel, api_key: Optional[str]):
         self.served, self.api_key = served, api_key
-        self.counts: collections.Counter = collections.Counter()
+        self.counts: collections.Counter = collections.Counter()       # (route, status)
+        self.disconnects: collections.Counter = collections.Counter()  # route
         self.next_id = 0
 
     # -- helpers --------------------------------------------------------------
@@ -201,8 +212,8 @@ class Api:
         return JSONResponse({"status": "ok"})
 
     async def metrics(self, http: HttpRequest):
-        return Response(prometheus_text(self.served.engine.metrics(), self.counts),
-                        media_type=CONTENT_TYPE)
+        return Response(prometheus_text(self.served.engine.metrics(), self.counts,
+                                        self.disconnects), media_type=CONTENT_TYPE)
 
     async def completions(self, http: HttpRequest):
         body = parse_completion(await self.body(http), vocab_size=self.vocab_size())
@@ -352,14 +363,27 @@ class Api:
                         f"{error})"[:400], None, status=500, type="server_error",
                         code="internal_error")
 
+    def client_went(self, path: str, http: HttpRequest) -> None:
+        """A client that disconnected before the whole answer: counted, and one line
+        in the log (it is not the server's failure: no traceback)."""
+        self.disconnects[path] += 1
+        peer = f" from {http.client.host}:{http.client.port}" if http.client else ""
+        print(f"jaxformer serve: {http.method} {path}: the client{peer} disconnected "
+              "before the whole answer", file=sys.stderr, flush=True)
+
     def route(self, path: str, endpoint, *, protected: bool):
         async def handle(http: HttpRequest):
             try:
                 if protected:
                     self.check_key(http)
                 response = await endpoint(http)
+            except ClientDisconnect:  # mid-body or before the answer
+                self.client_went(path, http)
+                return Response(status_code=499)  # nginx's "client closed": never sent
             except Exception as error:  # noqa: BLE001 - one request never takes the server down
                 response = _error_response(self.failure(error))
+            if isinstance(response, EventStream):
+                response.on_disconnect = lambda: self.client_went(path, http)
             self.counts[(path, response.status_code)] += 1
             return response
         return handle

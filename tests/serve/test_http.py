@@ -270,10 +270,16 @@ def test_metrics_prometheus_text(server, client):
         assert json.loads(response.read()) == {"status": "ok"}
 
 
+def scrape(url) -> str:
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
+        return response.read().decode()
+
+
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole-answer"])
 def test_disconnect_cancels_the_request(stream):
     """The engine stalls after two tokens (nothing more is sent): the disconnect itself
-    must cancel the request, not a later failed write."""
+    must cancel the request, not a later failed write; /metrics counts it as a client
+    disconnect, not as a 500."""
     engine = FakeEngine("x" * 200, stall_after=2)
     with running(create_app(served(engine))) as url:
         host, port = url.removeprefix("http://").split(":")
@@ -294,6 +300,10 @@ def test_disconnect_cancels_the_request(stream):
         while engine.live and time.monotonic() < deadline:
             time.sleep(0.01)
         assert engine.live == [], "the handle of a disconnected client was not cancelled"
+        counted = 'jaxformer_client_disconnects_total{route="/v1/completions"} 1'
+        while counted not in scrape(url) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert counted in scrape(url) and 'code="5' not in scrape(url)
 
 
 def test_queue_full_is_429_with_retry_after():
