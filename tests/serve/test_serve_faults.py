@@ -152,3 +152,52 @@ def test_client_faults_are_one_log_line_each_and_counted_as_disconnects(server):
     assert "Traceback" not in open(log).read()
     assert ok_completion(url) == 200
     wait_for(lambda: metrics(url)["jaxformer_running_requests"] == 0, "nothing running")
+
+
+def test_sigterm_past_the_drain_timeout_ends_open_answers_with_an_error(server):
+    """Last in this file: it stops the module's server. A stream and a whole answer
+    outlast --drain-timeout: then the stream ends after whole events with an error
+    event and [DONE] (not cut mid-chunk), the whole answer is a 503 error body; the
+    process exits 0 without a traceback or uvicorn cancelling anything."""
+    from jaxformer.serve.server import END_GRACE_S  # noqa: PLC0415
+
+    process, url, log = server
+    host, port = url.removeprefix("http://").split(":")
+    streamed = http.client.HTTPConnection(host, int(port), timeout=60)
+    streamed.request("POST", "/v1/completions", completion(MAX_LEN - 8, stream=True),
+                     {"Content-Type": "application/json"})
+    stream = streamed.getresponse()
+    assert stream.status == 200
+    first = b"".join(stream.readline() for _ in range(4))  # two events: data line, blank
+    whole = {}
+
+    def await_whole():
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("POST", "/v1/completions", completion(MAX_LEN - 8),
+                     {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        whole.update(status=response.status, body=json.loads(response.read()))
+
+    waiter = threading.Thread(target=await_whole)
+    waiter.start()
+    wait_for(lambda: metrics(url)["jaxformer_running_requests"] == 2, "both to run")
+    signalled = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    rest = stream.read()  # http.client.IncompleteRead if a chunk is cut
+    waiter.join(60)
+    assert process.wait(60) == 0
+    assert DRAIN_TIMEOUT <= time.monotonic() - signalled < DRAIN_TIMEOUT + END_GRACE_S + 30
+
+    events = (first + rest).decode().split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""], events[-3:]
+    assert all(event.startswith("data: ") for event in events[:-1]), events
+    bodies = [json.loads(event.removeprefix("data: ")) for event in events[:-2]]
+    error = bodies[-1]["error"]
+    assert (error["type"], error["code"]) == ("server_error", "shutting_down"), error
+    assert "drain timeout" in error["message"]
+    choices = [body["choices"][0] for body in bodies[:-1]]
+    assert len(choices) >= 2 and {c["text"] for c in choices} == {"a"}
+    assert all(c["finish_reason"] is None for c in choices)  # cut, not finished
+    assert whole["status"] == 503 and whole["body"]["error"]["code"] == "shutting_down"
+    stderr = open(log).read()
+    assert "Traceback" not in stderr and "graceful shutdown exceeded" not in stderr, stderr
