@@ -20,7 +20,8 @@ use. --scan-layers runs the decoder layers as one scan (`Engine(scan_layers=True
 each program compiles faster and holds a fraction of the memory, for a slower step
 with float weights; it is the default with quantized layers that are all alike
 (--no-scan-layers to unroll). SIGTERM or Ctrl-C: no new connections, running
-requests finish for at most --drain-timeout seconds, exit 0.
+requests finish for at most --drain-timeout seconds (then each stream still open
+ends with an error event and [DONE], each answer awaited with a 503), exit 0.
 """
 
 from __future__ import annotations
@@ -243,9 +244,10 @@ def run(args) -> int:
                              tokenizer, vocab_size=model.config.tgt_vocab_size,
                              eos_id=model.config.eos_id),
                          drain_timeout=args.drain_timeout)
-    run_server(create_app(served, api_key=args.api_key), host=args.host, port=args.port,
-               drain_timeout=args.drain_timeout,
-               ready_line=ready_line(args, name, weights, tuned))
+    app = create_app(served, api_key=args.api_key)
+    run_server(app, host=args.host, port=args.port, drain_timeout=args.drain_timeout,
+               ready_line=ready_line(args, name, weights, tuned),
+               on_drain_timeout=app.state.api.end_open_requests)
     return 0
 
 

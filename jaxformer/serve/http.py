@@ -14,8 +14,13 @@ Errors are OpenAI's body, {"error": {"message", "type", "param", "code"}}: 400
 for a malformed body or a prompt beyond the context (checked before the engine
 sees it), 401 without the `--api-key` bearer token (on /v1/ routes), 404 for an
 unknown model, 429 with Retry-After when the engine's queue is full, 500 when a
-request fails (the server goes on). A client that disconnects, mid-stream or
-while waiting for a whole answer, has its request cancelled at once.
+request fails (the server goes on). A client that disconnects, mid-stream, while
+waiting for a whole answer or before sending the whole body, has its request
+cancelled at once; that is one line in the log and counts in /metrics as a client
+disconnect (jaxformer_client_disconnects_total), not as an error. At the drain
+timeout of a shutdown (`Api.end_open_requests`) each open stream ends after its
+current event with an error event (code "shutting_down") and `data: [DONE]`, and
+each whole answer awaited is a 503.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from typing import Callable, Optional
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request as HttpRequest
+from starlette.requests import ClientDisconnect, Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -60,28 +65,65 @@ class ServedModel:
     drain_timeout: float = 30.0                   # engine.stop() on shutdown
 
 
+def _shutting_down() -> ApiError:
+    """What a request still open at the drain timeout gets."""
+    return ApiError("the server shut down before this answer was finished (its drain "
+                    "timeout passed)", None, status=503, type="server_error",
+                    code="shutting_down")
+
+
 def _error_response(error: ApiError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
+async def _until_set(chunks, ending: asyncio.Event, last: bytes):
+    """The items of the async iterator `chunks` until it ends; if `ending` is set first,
+    `last` instead of the next item (whose wait is cancelled), and no more."""
+    ended, chunk = asyncio.ensure_future(ending.wait()), None
+    try:
+        while True:
+            chunk = asyncio.ensure_future(anext(chunks, None))
+            await asyncio.wait([chunk, ended], return_when=asyncio.FIRST_COMPLETED)
+            if not chunk.done():
+                yield last
+                return
+            if chunk.result() is None:
+                return
+            yield chunk.result()
+    finally:  # `chunks` is idle after this (it can be closed)
+        ended.cancel()
+        if chunk is not None and not chunk.done():
+            chunk.cancel()
+            await asyncio.gather(chunk, return_exceptions=True)
+
+
 class EventStream(Response):
     """A server-sent event stream whose generator is closed the moment the client goes
-    (a disconnect message, or a failed send), so its `finally` frees the request."""
+    (a disconnect message, or a failed send), so its `finally` frees the request;
+    `on_disconnect` is then called too. Once `ending` is set (a shutdown's drain
+    timeout) the stream sends `last_events` after its current event and ends: the
+    client never reads half an event."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, chunks, on_close: Callable[[], None]):  # noqa: D107 - no body, no length
+    def __init__(self, chunks, on_close: Callable[[], None], *,  # noqa: D107 - no body, no length
+                 ending: asyncio.Event, last_events: bytes):
         self.status_code, self.background = 200, None
         self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"),
                             (b"cache-control", b"no-cache")]
         self.chunks, self.on_close = chunks, on_close
+        self.ending, self.last_events = ending, last_events
+        self.on_disconnect: Callable[[], None] = lambda: None
 
     async def __call__(self, scope, receive, send) -> None:
         async def pump():
             await send({"type": "http.response.start", "status": self.status_code,
                         "headers": self.raw_headers})
-            async for chunk in self.chunks:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            async with contextlib.aclosing(_until_set(self.chunks, self.ending,
+                                                      self.last_events)) as chunks:
+                async for chunk in chunks:
+                    await send({"type": "http.response.body", "body": chunk,
+                                "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
         async def watch():
@@ -97,27 +139,37 @@ class EventStream(Response):
             await asyncio.gather(*tasks, return_exceptions=True)
             await self.chunks.aclose()
             self.on_close()  # also when the generator never started
-        if tasks[0] in done and not tasks[0].cancelled() and tasks[0].exception():
-            if not isinstance(tasks[0].exception(), OSError):  # OSError: the client went
-                raise tasks[0].exception()
+        failed = tasks[0].exception() if tasks[0] in done else None
+        if tasks[0] not in done or isinstance(failed, OSError):  # OSError: the client went
+            self.on_disconnect()
+        elif failed:
+            raise failed
 
 
-async def _until_disconnect(http: HttpRequest, work):
-    """Await `work` (a coroutine), cancelled if the client disconnects first."""
+async def _until_disconnect(http: HttpRequest, work, ending: asyncio.Event):
+    """Await `work` (a coroutine), cancelled if the client disconnects first
+    (ClientDisconnect) or `ending` is set first (ApiError 503: shutting down)."""
     task = asyncio.ensure_future(work)
 
     async def watch():
         while (await http.receive())["type"] != "http.disconnect":
             pass
 
-    watcher = asyncio.ensure_future(watch())
+    watcher, ended = asyncio.ensure_future(watch()), asyncio.ensure_future(ending.wait())
     try:
-        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait([task, watcher, ended],
+                                     return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
+        ended.cancel()
         if not task.done():
             task.cancel()
-    return await task
+    if task in done:
+        return task.result()
+    await asyncio.gather(task, return_exceptions=True)  # its `finally`s have run
+    if watcher in done:
+        raise ClientDisconnect()
+    raise _shutting_down()
 
 
 class Api:
@@ -125,8 +177,21 @@ class Api:
 
     def __init__(self, served: ServedModel, api_key: Optional[str]):
         self.served, self.api_key = served, api_key
-        self.counts: collections.Counter = collections.Counter()
+        self.counts: collections.Counter = collections.Counter()       # (route, status)
+        self.disconnects: collections.Counter = collections.Counter()  # route
         self.next_id = 0
+        self.ending = asyncio.Event()  # set at a shutdown's drain timeout
+
+    def end_open_requests(self) -> None:
+        """End every open request now (on the event loop: `server.run`'s
+        `on_drain_timeout`): streams after their current event with an error event and
+        [DONE], awaited answers with a 503."""
+        self.ending.set()
+
+    def event_stream(self, chunks, on_close: Callable[[], None]) -> EventStream:
+        return EventStream(chunks, on_close, ending=self.ending,
+                           last_events=responses.sse(_shutting_down().body()) +
+                           responses.SSE_DONE)
 
     # -- helpers --------------------------------------------------------------
 
@@ -201,8 +266,8 @@ class Api:
         return JSONResponse({"status": "ok"})
 
     async def metrics(self, http: HttpRequest):
-        return Response(prometheus_text(self.served.engine.metrics(), self.counts),
-                        media_type=CONTENT_TYPE)
+        return Response(prometheus_text(self.served.engine.metrics(), self.counts,
+                                        self.disconnects), media_type=CONTENT_TYPE)
 
     async def completions(self, http: HttpRequest):
         body = parse_completion(await self.body(http), vocab_size=self.vocab_size())
@@ -215,13 +280,14 @@ class Api:
         model = body.model or self.served.name
         handles = self.submit_all(requests)
         if sampling.stream:
-            return EventStream(self.completion_events(handles[0], requests[0], model, sampling),
-                               handles[0].cancel)
+            return self.event_stream(
+                self.completion_events(handles[0], requests[0], model, sampling),
+                handles[0].cancel)
         only_prompt = sampling.max_tokens == 0
         try:
             results = await _until_disconnect(http, asyncio.gather(*(
                 generation.collect(h, self.served.tokenizer, r, keep_new_tokens=not only_prompt)
-                for h, r in zip(handles, requests))))
+                for h, r in zip(handles, requests))), self.ending)
         finally:  # a disconnect, or one choice failing, ends them all (no-op when done)
             for handle in handles:
                 handle.cancel()
@@ -309,11 +375,11 @@ class Api:
         model = body.model or self.served.name
         handle = generation.submit(self.served.engine, request)
         if body.sampling.stream:
-            return EventStream(self.chat_events(handle, request, model, body.sampling),
-                               handle.cancel)
+            return self.event_stream(self.chat_events(handle, request, model, body.sampling),
+                                     handle.cancel)
         try:
             result = await _until_disconnect(http, generation.collect(
-                handle, self.served.tokenizer, request))
+                handle, self.served.tokenizer, request), self.ending)
         finally:
             handle.cancel()
         logprobs = (None if body.sampling.logprobs is None else
@@ -352,14 +418,27 @@ class Api:
                         f"{error})"[:400], None, status=500, type="server_error",
                         code="internal_error")
 
+    def client_went(self, path: str, http: HttpRequest) -> None:
+        """A client that disconnected before the whole answer: counted, and one line
+        in the log (it is not the server's failure: no traceback)."""
+        self.disconnects[path] += 1
+        peer = f" from {http.client.host}:{http.client.port}" if http.client else ""
+        print(f"jaxformer serve: {http.method} {path}: the client{peer} disconnected "
+              "before the whole answer", file=sys.stderr, flush=True)
+
     def route(self, path: str, endpoint, *, protected: bool):
         async def handle(http: HttpRequest):
             try:
                 if protected:
                     self.check_key(http)
                 response = await endpoint(http)
+            except ClientDisconnect:  # mid-body or before the answer
+                self.client_went(path, http)
+                return Response(status_code=499)  # nginx's "client closed": never sent
             except Exception as error:  # noqa: BLE001 - one request never takes the server down
                 response = _error_response(self.failure(error))
+            if isinstance(response, EventStream):
+                response.on_disconnect = lambda: self.client_went(path, http)
             self.counts[(path, response.status_code)] += 1
             return response
         return handle

@@ -1,6 +1,6 @@
 """The engine's `metrics()` as Prometheus text (exposition format 0.0.4; no JAX here).
 
-    prometheus_text(engine.metrics(), http_counts)   # the body of GET /metrics
+    prometheus_text(engine.metrics(), http_counts, disconnects)   # the body of GET /metrics
 
 Every metric is prefixed `jaxformer_`; a value the engine does not report (an
 engine without speculation has no acceptance rate) is left out rather than
@@ -39,10 +39,11 @@ def _number(value) -> str:
     return repr(int(value)) if value.is_integer() and abs(value) < 2 ** 53 else repr(value)
 
 
-def prometheus_text(engine_metrics: Mapping, http_requests: Mapping[tuple[str, int], int]
-                    ) -> str:
+def prometheus_text(engine_metrics: Mapping, http_requests: Mapping[tuple[str, int], int],
+                    client_disconnects: Mapping[str, int]) -> str:
     """Prometheus text of the engine's metrics and the server's request counts
-    (`http_requests`: (route, status code) -> count)."""
+    (`http_requests`: (route, status code) -> count; `client_disconnects`: route ->
+    requests whose client went before the whole answer)."""
     lines = []
     for key, (name, kind, help_text) in ENGINE_METRICS.items():
         value = engine_metrics.get(key)
@@ -54,4 +55,9 @@ def prometheus_text(engine_metrics: Mapping, http_requests: Mapping[tuple[str, i
               "# TYPE jaxformer_http_requests_total counter"]
     for (route, code), count in sorted(http_requests.items()):
         lines.append(f'jaxformer_http_requests_total{{route="{route}",code="{code}"}} {count}')
+    lines += ["# HELP jaxformer_client_disconnects_total Requests whose client disconnected "
+              "before the whole answer, by route.",
+              "# TYPE jaxformer_client_disconnects_total counter"]
+    for route, count in sorted(client_disconnects.items()):
+        lines.append(f'jaxformer_client_disconnects_total{{route="{route}"}} {count}')
     return "\n".join(lines) + "\n"

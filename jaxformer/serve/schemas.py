@@ -18,6 +18,8 @@ Any other field (vLLM's `repetition_penalty`, a typo) is refused, as OpenAI
 refuses an unrecognized argument; a null value counts as absent. The limits on
 numbers are OpenAI's, narrowed to what the engine holds: top_k at most the
 vocabulary, a temperature of 0 (greedy) or one whose scaled logits stay finite.
+A `response_format` JSON schema must be valid against its metaschema (jsonschema,
+the `structured` extra): a malformed keyword is refused by its path, not ignored.
 """
 
 from __future__ import annotations
@@ -291,6 +293,25 @@ def _messages(body: dict) -> tuple[dict, ...]:
     return tuple(out)
 
 
+def _check_json_schema(schema: dict, where: str) -> None:
+    """ApiError naming the first keyword of `schema` its metaschema refuses (its `$schema`,
+    else draft 2020-12): the constraint compiler would ignore a malformed keyword
+    (`"minimum": "ten"`) and constrain nothing."""
+    try:
+        from jsonschema import Draft202012Validator, SchemaError  # noqa: PLC0415
+        from jsonschema.validators import validator_for  # noqa: PLC0415
+    except ImportError as error:
+        raise ApiError(f"{where}: JSON schemas need jsonschema (pip install "
+                       "'jaxformer[structured]')", "response_format") from error
+    try:
+        validator_for(schema, default=Draft202012Validator).check_schema(schema)
+    except SchemaError as error:  # json_path: "$.properties.age.minimum"
+        raise ApiError(f"{where}{error.json_path[1:]} is invalid: {error.message}"[:300],
+                       "response_format") from error
+    except RecursionError as error:
+        raise ApiError(f"{where} is nested too deeply to check", "response_format") from error
+
+
 def _response_format(body: dict) -> Optional[dict]:
     fmt = body.get("response_format")
     if fmt is None:
@@ -306,6 +327,7 @@ def _response_format(body: dict) -> Optional[dict]:
         if not isinstance(schema, dict):
             raise ApiError("response_format.json_schema.schema must be a JSON schema object",
                            "response_format")
+        _check_json_schema(schema, "response_format.json_schema.schema")
         return {"type": "json_schema", "schema": schema}
     if kind == "regex":  # SGLang's and vLLM's extension
         if not isinstance(fmt.get("regex"), str):

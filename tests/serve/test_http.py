@@ -193,6 +193,52 @@ def test_malformed_chat_is_400_naming_the_field(server, body, param):
     assert status == 400 and error["error"]["param"] == param, error
 
 
+def nested_any_of(depth: int) -> dict:
+    schema = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"anyOf": [schema]}
+    return schema
+
+
+@pytest.mark.parametrize("schema, message", [
+    ({"type": "integer", "minimum": "ten"},
+     "schema.minimum is invalid: 'ten' is not of type 'number'"),
+    ({"type": "object", "required": 5}, "schema.required is invalid: 5 is not of type 'array'"),
+    ({"type": "string", "maxLength": -3},
+     "schema.maxLength is invalid: -3 is less than the minimum of 0"),
+    ({"type": "object", "properties": {"age": {"type": "integer", "minimum": "ten"}}},
+     "schema.properties.age.minimum is invalid"),
+    (nested_any_of(200), "schema is nested too deeply to check"),
+], ids=["minimum-string", "required-int", "negative-max-length", "nested", "too-deep"])
+def test_an_invalid_json_schema_is_400_naming_the_keyword(server, client, schema, message):
+    """A keyword its metaschema refuses is named, not ignored by the constraint (which
+    would then constrain nothing), and refused before the engine sees the request."""
+    engine, _ = server
+    submitted = len(engine.requests)
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(
+            model="fake", messages=[{"role": "user", "content": "x"}],
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "bad", "schema": schema}})
+    error = raised.value.body
+    assert error["param"] == "response_format", error
+    assert error["message"].startswith("response_format.json_schema.schema"), error
+    assert message in error["message"] and "\n" not in error["message"], error
+    assert len(engine.requests) == submitted
+
+
+def test_a_valid_json_schema_reaches_the_constraint(server, client):
+    engine, _ = server
+    schema = {"type": "object", "properties": {"age": {"type": "integer", "minimum": 0},
+                                               "name": {"type": "string", "maxLength": 8}},
+              "required": ["age"]}
+    client.chat.completions.create(
+        model="fake", max_tokens=2, messages=[{"role": "user", "content": "x"}],
+        response_format={"type": "json_schema", "json_schema": {"name": "ok", "schema": schema}})
+    assert engine.requests[-1].constraint == {"compiled": {"type": "json_schema",
+                                                           "schema": schema}}
+
+
 def test_not_json_unknown_model(server):
     status, _, error = post(server[1], "/v1/completions", b"{not json")
     assert status == 400 and "not valid JSON" in error["error"]["message"]
@@ -224,10 +270,16 @@ def test_metrics_prometheus_text(server, client):
         assert json.loads(response.read()) == {"status": "ok"}
 
 
+def scrape(url) -> str:
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
+        return response.read().decode()
+
+
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole-answer"])
 def test_disconnect_cancels_the_request(stream):
     """The engine stalls after two tokens (nothing more is sent): the disconnect itself
-    must cancel the request, not a later failed write."""
+    must cancel the request, not a later failed write; /metrics counts it as a client
+    disconnect, not as a 500."""
     engine = FakeEngine("x" * 200, stall_after=2)
     with running(create_app(served(engine))) as url:
         host, port = url.removeprefix("http://").split(":")
@@ -248,6 +300,10 @@ def test_disconnect_cancels_the_request(stream):
         while engine.live and time.monotonic() < deadline:
             time.sleep(0.01)
         assert engine.live == [], "the handle of a disconnected client was not cancelled"
+        counted = 'jaxformer_client_disconnects_total{route="/v1/completions"} 1'
+        while counted not in scrape(url) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert counted in scrape(url) and 'code="5' not in scrape(url)
 
 
 def test_queue_full_is_429_with_retry_after():
