@@ -220,6 +220,8 @@ class Api:
             return json.loads(await http.body())
         except (ValueError, UnicodeDecodeError) as error:
             raise ApiError(f"the request body is not valid JSON ({error})") from error
+        except RecursionError:  # json.loads gives up near 1000 levels
+            raise ApiError("the request body is nested too deeply to read") from None
 
     def request(self, prompt_ids, sampling, *, param: str, echo: bool = False,
                 adapter=None, constraint=None) -> Request:

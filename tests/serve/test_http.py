@@ -242,6 +242,8 @@ def test_a_valid_json_schema_reaches_the_constraint(server, client):
 def test_not_json_unknown_model(server):
     status, _, error = post(server[1], "/v1/completions", b"{not json")
     assert status == 400 and "not valid JSON" in error["error"]["message"]
+    status, _, error = post(server[1], "/v1/completions", b"[" * 5000 + b"]" * 5000)
+    assert status == 400 and "nested too deeply" in error["error"]["message"]
     status, _, error = post(server[1], "/v1/completions", {"prompt": "x", "model": "gpt-9"})
     assert status == 404 and error["error"]["code"] == "model_not_found"
 
