@@ -19,6 +19,10 @@ passes the failure on. Nothing is cancelled unless it is still running after
 back into a closed loop. Success is unchanged, and so are other threads and the
 loops made outside the block. Python versions without event loop policies
 (3.16) get the plain loops.
+
+`settled_on_failure(every_thread=True)` settles the loops of every thread while
+the block runs: an Orbax save writes its arrays from threads of its own, each
+running a fresh loop, and the same leak follows one failed write (a full disk).
 """
 
 from __future__ import annotations
@@ -82,9 +86,10 @@ class _Policy(_asyncio_name("AbstractEventLoopPolicy") if _HAS_POLICIES else obj
 
     def __init__(self, previous: Any):
         self.previous = previous
+        self.every_thread = 0  # blocks inside that settle every thread's loops
 
     def new_event_loop(self) -> asyncio.AbstractEventLoop:
-        if getattr(_inside, "depth", 0):
+        if getattr(_inside, "depth", 0) or self.every_thread:
             return SettlingEventLoop()
         return self.previous.new_event_loop()
 
@@ -104,9 +109,10 @@ _installed: list = []  # [our policy, the one it replaced, threads inside] while
 
 
 @contextlib.contextmanager
-def settled_on_failure() -> Iterator[None]:
+def settled_on_failure(every_thread: bool = False) -> Iterator[None]:
     """Within the block, a failed `run_until_complete` of an event loop that this
-    thread creates leaves no task pending (see the module docstring)."""
+    thread creates (`every_thread`: that any thread creates) leaves no task pending
+    (see the module docstring)."""
     if not _HAS_POLICIES:
         yield
         return
@@ -118,6 +124,7 @@ def settled_on_failure() -> Iterator[None]:
             ours = _Policy(previous)
             _asyncio_name("set_event_loop_policy")(ours)
             _installed[:] = [ours, previous, 1]
+        _installed[0].every_thread += every_thread
     _inside.depth = getattr(_inside, "depth", 0) + 1
     try:
         yield
@@ -125,6 +132,7 @@ def settled_on_failure() -> Iterator[None]:
         _inside.depth -= 1
         with _lock:
             _installed[2] -= 1
+            _installed[0].every_thread -= every_thread
             if _installed[2] == 0:
                 ours, previous, _ = _installed
                 _installed.clear()
