@@ -39,8 +39,9 @@ writes the run directory; `jaxformer.parallel.distributed`); the mesh spans ever
 host's devices. `--cpu-devices N` splits a CPU into N devices (for trying
 meshes on one machine).
 
-Exit status: 0 done, 1 non-finite loss, 2 bad input or checkpoint,
-130 interrupted by Ctrl-C (after saving a checkpoint).
+Exit status: 0 done, 1 non-finite loss or a checkpoint that could not be written (a
+full disk: the unfinished step is removed, the earlier ones are kept), 2 bad input or
+checkpoint, 130 interrupted by Ctrl-C (after saving a checkpoint).
 
 The flags' checks, the resume rules and the processes are `cli.train_setup`'s; what
 the run reports at the end is `cli.train_report`'s; the run directory is
@@ -208,6 +209,7 @@ def _train(args, held: contextlib.ExitStack) -> int:
     import jax  # noqa: PLC0415 (heavy imports after argument parsing)
 
     from jaxformer.parallel import distributed  # noqa: PLC0415
+    from jaxformer.train.checkpoint import CheckpointWriteError  # noqa: PLC0415
     from jaxformer.train.loop import NonFiniteLossError  # noqa: PLC0415
 
     processes = setup.process_settings(args)
@@ -225,7 +227,7 @@ def _train(args, held: contextlib.ExitStack) -> int:
         announce(plan, model_config, mesh, model_description(args, plan))
     try:
         result = fit_run(args, plan, model_config, mesh, task, init_params)
-    except NonFiniteLossError as error:
+    except (NonFiniteLossError, CheckpointWriteError) as error:  # the run stopped early
         print(f"jaxformer train: {error}", file=sys.stderr)
         return 1
     if result.interrupted:
@@ -409,8 +411,9 @@ def announce(plan: RunPlan, model_config, mesh, description) -> None:
 
 
 def fit_run(args, plan: RunPlan, model_config, mesh, task, init_params):
-    """`train.fit` on the run directory; a damaged checkpoint is a UsageError."""
-    from jaxformer.train.checkpoint import CheckpointError  # noqa: PLC0415
+    """`train.fit` on the run directory; a damaged checkpoint is a UsageError (one that
+    cannot be written, a full disk, is not: `_train` reports it)."""
+    from jaxformer.train.checkpoint import CheckpointError, CheckpointWriteError  # noqa: PLC0415
     from jaxformer.train.loop import fit  # noqa: PLC0415
     from jaxformer.train.run import CHECKPOINTS  # noqa: PLC0415
 
@@ -422,6 +425,8 @@ def fit_run(args, plan: RunPlan, model_config, mesh, task, init_params):
                    metrics_file=os.path.join(plan.out, "metrics.jsonl"), mesh=mesh, task=task,
                    eval_every=args.eval_every, fallback=args.fallback,
                    init_params=init_params, donate_init_params=True)
+    except CheckpointWriteError:
+        raise
     except CheckpointError as error:
         raise UsageError(str(error)) from error
 
