@@ -25,7 +25,8 @@ midway leaves only Orbax's temporary directory, which `remove_unfinished_saves`
 deletes (training calls it when it starts). Quietly: the one line and nothing
 after it. A corrupt array index is read alone before Orbax's concurrent reads
 (`_check_index`), and a read that fails leaves none of the others in flight
-(`settle.settled_on_failure`: each would print a traceback when collected).
+(`settle.settled_on_failure`: each would print a traceback when collected). A
+Ctrl-C is a KeyboardInterrupt, never taken for damage.
 
 Layer layouts (`config.scan_layers`): a checkpoint of a scanned model holds
 stacked layers (`layers/...`), an unscanned one per-layer layers (`layers_0`,
@@ -199,7 +200,7 @@ class Checkpoints:
         sharding = sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         for step in reversed(self.steps()):
             try:
-                with settled_on_failure():
+                with _settled():
                     metadata = self._manager.item_metadata(step)
             except Exception:  # unreadable: an older step's may do
                 continue
@@ -229,7 +230,7 @@ class Checkpoints:
         _check_index(path)
         # Settled: a failed read leaves none of the others in flight (they would
         # each print a traceback when collected, thousands of lines).
-        with settled_on_failure():
+        with _settled():
             try:
                 restored = self._manager.restore(
                     step, args=orbax_checkpoint().args.StandardRestore(abstract))
@@ -253,7 +254,7 @@ class Checkpoints:
         """Compare the saved arrays' metadata with `target` by parameter path, before
         any array is read: missing, unexpected and mis-shaped entries, together."""
         try:
-            with settled_on_failure():
+            with _settled():
                 metadata = self._manager.item_metadata(step)
         except Exception:  # unreadable: restore() reports it
             return
@@ -275,7 +276,7 @@ class Checkpoints:
 
     def _saved_layout(self, step: int) -> Optional[str]:
         try:
-            with settled_on_failure():
+            with _settled():
                 metadata = self._manager.item_metadata(step)
         except Exception:  # unreadable: restore() below reports it
             return None
@@ -300,16 +301,36 @@ def storage_errno(error: BaseException) -> Optional[int]:
     """The OS error number behind `error`, searched through its causes and contexts:
     an `OSError`'s, or the one tensorstore writes into its message
     ("[os_error_code='28']"); None if there is none."""
+    for cause in _causes(error):
+        if isinstance(cause, OSError) and cause.errno is not None:
+            return cause.errno
+        found = re.search(r"os_error_code='(\d+)'", str(cause))
+        if found:
+            return int(found.group(1))
+    return None
+
+
+@contextlib.contextmanager
+def _settled(every_thread: bool = False) -> Iterator[None]:
+    """`settled_on_failure`, and a Ctrl-C raised as the KeyboardInterrupt it is: Orbax
+    wraps whatever a read raises (`raise Exception(...) from error`), and a wrapped
+    Ctrl-C must not pass for a damaged checkpoint (which `fallback` renames)."""
+    with settled_on_failure(every_thread):
+        try:
+            yield
+        except Exception as error:
+            if any(isinstance(cause, KeyboardInterrupt) for cause in _causes(error)):
+                raise KeyboardInterrupt from error
+            raise
+
+
+def _causes(error: Optional[BaseException]) -> Iterator[BaseException]:
+    """`error`, then what it was raised from or while handling, and so on."""
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        if isinstance(error, OSError) and error.errno is not None:
-            return error.errno
-        found = re.search(r"os_error_code='(\d+)'", str(error))
-        if found:
-            return int(found.group(1))
+        yield error
         error = error.__cause__ or error.__context__
-    return None
 
 
 @contextlib.contextmanager
@@ -322,7 +343,7 @@ def _failure_raised_once() -> Iterator[None]:
     absl = logging.getLogger("absl")
     absl.addFilter(_no_logged_tracebacks)
     try:
-        with settled_on_failure(every_thread=True):
+        with _settled(every_thread=True):
             yield
     finally:
         absl.removeFilter(_no_logged_tracebacks)

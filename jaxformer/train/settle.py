@@ -12,13 +12,13 @@ _read_array_index_and_device_put>", with a whole TensorStore spec): thousands
 of lines for one damaged file.
 
 Inside `settled_on_failure()`, an event loop created in this thread waits, when
-the coroutine it runs fails, until every other task of the loop has finished
-(their results and failures collected, so none is reported), and only then
-passes the failure on. Nothing is cancelled unless it is still running after
-`SETTLE_TIMEOUT_S`: the reads in flight complete, so tensorstore never calls
-back into a closed loop. Success is unchanged, and so are other threads and the
-loops made outside the block. Python versions without event loop policies
-(3.16) get the plain loops.
+the coroutine it runs fails or is interrupted by Ctrl-C, until every other task of
+the loop has finished (their results and failures collected, so none is
+reported), and only then passes the failure on. Nothing is cancelled unless it is
+still running after `SETTLE_TIMEOUT_S`: the reads in flight complete, so
+tensorstore never calls back into a closed loop. Success is unchanged, and so are
+other threads and the loops made outside the block. Python versions without event
+loop policies (3.16) get the plain loops.
 
 `settled_on_failure(every_thread=True)` settles the loops of every thread while
 the block runs: an Orbax save writes its arrays from threads of its own, each
@@ -36,15 +36,17 @@ from typing import Any, Iterator
 
 # How long a failed run waits for the tasks still in flight before cancelling
 # them (reads of a checkpoint finish; a task waiting on something that never
-# comes must not hang the error message).
+# comes must not hang the error message). Interrupted by Ctrl-C, less: the reads in
+# flight end in milliseconds, and the user is waiting.
 SETTLE_TIMEOUT_S = 60.0
+INTERRUPTED_SETTLE_TIMEOUT_S = 5.0
 
 _BASE_LOOP = asyncio.ProactorEventLoop if sys.platform == "win32" else asyncio.SelectorEventLoop
 
 
 class SettlingEventLoop(_BASE_LOOP):  # type: ignore[misc, valid-type]
-    """An event loop whose `run_until_complete`, on an `Exception`, first runs the
-    loop's other tasks to their end (KeyboardInterrupt and SystemExit pass at once)."""
+    """An event loop whose `run_until_complete`, on an `Exception` or a Ctrl-C, first
+    runs the loop's other tasks to their end (SystemExit passes at once)."""
 
     def run_until_complete(self, future: Any) -> Any:
         try:
@@ -52,11 +54,14 @@ class SettlingEventLoop(_BASE_LOOP):  # type: ignore[misc, valid-type]
         except Exception:
             self.settle()
             raise
+        except KeyboardInterrupt:  # the reads in flight too would call a closed loop
+            self.settle(INTERRUPTED_SETTLE_TIMEOUT_S)
+            raise
 
-    def settle(self) -> None:
+    def settle(self, timeout_s: float | None = None) -> None:
         """Run until no task of this loop is pending (tasks may start others);
-        cancel those still running after `SETTLE_TIMEOUT_S` seconds."""
-        deadline = self.time() + SETTLE_TIMEOUT_S
+        cancel those still running after `timeout_s` (`SETTLE_TIMEOUT_S`) seconds."""
+        deadline = self.time() + (SETTLE_TIMEOUT_S if timeout_s is None else timeout_s)
         while pending := [task for task in asyncio.all_tasks(self) if not task.done()]:
             late = (left := deadline - self.time()) <= 0
             if late:  # cancelled, given a second to end, then left alone
