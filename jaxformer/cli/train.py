@@ -221,15 +221,20 @@ def _train(args, held: contextlib.ExitStack) -> int:
     task, model, data = training_inputs(args, plan, model_config, mesh, pretrained_tokenizer)
 
     primary = distributed.is_primary()  # writes the run directory and prints
-    if not args.resume and primary:
-        create_run_dir(args, plan, model_config, mesh, pretrained_tokenizer)
-    if primary:
-        announce(plan, model_config, mesh, model_description(args, plan))
+    new_run = not args.resume and primary
     try:
+        if new_run:
+            create_run_dir(args, plan, model_config, mesh, pretrained_tokenizer)
+        if primary:
+            announce(plan, model_config, mesh, model_description(args, plan))
         result = fit_run(args, plan, model_config, mesh, task, init_params)
     except (NonFiniteLossError, CheckpointWriteError) as error:  # the run stopped early
         print(f"jaxformer train: {error}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # before the loop (compiling): no checkpoint to resume
+        if new_run:
+            remove_unstarted_run(plan.out)
+        raise
     if result.interrupted:
         if primary:
             print(f"jaxformer train: interrupted at step {int(result.state.step)}; checkpoint "
@@ -370,6 +375,28 @@ def training_inputs(args, plan: RunPlan, model_config, mesh, pretrained_tokenize
     except ValueError as error:
         raise UsageError(str(error)) from error
     return task, model, data
+
+
+def remove_unstarted_run(out: str) -> None:
+    """What a new run wrote in `out` (config, tokenizer, metrics), if it has no finished
+    checkpoint: it cannot be resumed, and would refuse the same command again. The lock
+    stays for its release (which removes the directory it made)."""
+    import shutil  # noqa: PLC0415
+
+    from jaxformer.train.run import CHECKPOINTS  # noqa: PLC0415
+    from jaxformer.train.run_lock import LOCK_NAME  # noqa: PLC0415
+
+    checkpoints = os.path.join(out, CHECKPOINTS)
+    if os.path.isdir(checkpoints) and any(name.isdigit() for name in os.listdir(checkpoints)):
+        return  # a step to resume from (Orbax names a finished step by its number)
+    for name in os.listdir(out):
+        path = os.path.join(out, name)
+        if name == LOCK_NAME:
+            continue
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
 
 
 def create_run_dir(args, plan: RunPlan, model_config, mesh, pretrained_tokenizer) -> None:
