@@ -6,32 +6,28 @@ Dimension key, used in names (`x_BTD`, `mask_BHTS`) and einsum strings:
 
 Masks are boolean, True = may attend.
 
-The model, decoding and configs import with the package. Training, loading, serving and
-the other subpackages import on first use of one of their names (`jf.fit`, `jf.load`,
-`jf.Engine`, `jf.serve`, ...: `LAZY`), so `import jaxformer` needs none of their
-optional packages (Starlette, gguf, orbax, ...) and costs none of their import time.
+Every name and subpackage imports on first use (`jf.Transformer`, `jf.fit`, `jf.load`,
+`jf.Engine`, `jf.serve`, ...: `LAZY`), so `import jaxformer` needs none of the optional
+packages (Starlette, gguf, orbax, ...) and costs none of their import time, nor JAX's:
+the `jaxformer` command handles a Ctrl-C from its first moment (`jaxformer.cli.interrupts`).
 """
 
 import importlib
 
-from jaxformer.nn.attention import KV, MultiHeadAttention, dot_product_attention
-from jaxformer.config import PRESETS, TransformerConfig, bench, copy_task, llama, tiny
-from jaxformer.nn.layers import DecoderLayer, EncoderLayer, FeedForward, sinusoidal_table
-from jaxformer.nn.masks import (causal_mask, combine_masks, cross_mask, decoder_self_mask,
-                             padding_mask)
-from jaxformer.nn.model import (Decoder, DecoderOnlyLM, Encoder, Transformer, attention_weights,
-                             count_params)
-# Decoding (after the models it drives).
-from jaxformer.decode.beam import beam_search
-from jaxformer.decode.cache import DecodeCache, init_cache
-from jaxformer.decode.api import (DecodeResult, DecodeState, generate, greedy_decode,
-                                greedy_decode_one, sample)
-from jaxformer.decode.processors import force_token, min_length, suppress_at_step, suppress_tokens
-from jaxformer.decode.sampling import make_sampler
-from jaxformer.nn.stacking import stack_layers, unstack_layers
-
-# Names imported on first use: name -> the subpackage whose public name it is.
+# Every name is imported on first use: name -> the subpackage whose public name it is.
+_MODEL = ("KV", "MultiHeadAttention", "dot_product_attention", "DecoderLayer", "EncoderLayer",
+          "FeedForward", "sinusoidal_table", "causal_mask", "combine_masks", "cross_mask",
+          "decoder_self_mask", "padding_mask", "Decoder", "DecoderOnlyLM", "Encoder",
+          "Transformer", "attention_weights", "count_params", "stack_layers",
+          "unstack_layers")
+_CONFIG = ("PRESETS", "TransformerConfig", "bench", "copy_task", "llama", "tiny")
+_DECODING = ("beam_search", "DecodeCache", "init_cache", "DecodeResult", "DecodeState",
+             "generate", "greedy_decode", "greedy_decode_one", "sample", "force_token",
+             "min_length", "suppress_at_step", "suppress_tokens", "make_sampler")
 LAZY = {
+    **dict.fromkeys(_MODEL, "jaxformer.nn"),
+    **dict.fromkeys(_CONFIG, "jaxformer.config"),
+    **dict.fromkeys(_DECODING, "jaxformer.decode"),
     "fit": "jaxformer.train",
     "FitResult": "jaxformer.train",
     "Run": "jaxformer.train",
@@ -42,8 +38,8 @@ LAZY = {
     "SamplingParams": "jaxformer.serve",
 }
 # Subpackages not imported with the package, as attributes on first use (`jf.serve`).
-SUBPACKAGES = ("cli", "harness", "interop", "models", "nnx", "parallel", "serve", "text",
-               "train")
+SUBPACKAGES = ("backends", "cli", "config", "decode", "errors", "harness", "interop", "models",
+               "nn", "nnx", "parallel", "serve", "text", "train")
 
 
 def __getattr__(name: str):
@@ -62,48 +58,6 @@ def __dir__():
     return sorted({*globals(), *LAZY, *SUBPACKAGES})
 
 
-__all__ = [
-    "attention_weights",
-    "beam_search",
-    "bench",
-    "causal_mask",
-    "combine_masks",
-    "copy_task",
-    "count_params",
-    "cross_mask",
-    "DecodeCache",
-    "Decoder",
-    "decoder_self_mask",
-    "DecodeResult",
-    "DecoderLayer",
-    "DecoderOnlyLM",
-    "DecodeState",
-    "dot_product_attention",
-    "Encoder",
-    "EncoderLayer",
-    "FeedForward",
-    "force_token",
-    "generate",
-    "greedy_decode",
-    "greedy_decode_one",
-    "init_cache",
-    "KV",
-    "llama",
-    "make_sampler",
-    "min_length",
-    "MultiHeadAttention",
-    "padding_mask",
-    "PRESETS",
-    "sample",
-    "sinusoidal_table",
-    "suppress_at_step",
-    "suppress_tokens",
-    "stack_layers",
-    "tiny",
-    "Transformer",
-    "TransformerConfig",
-    "unstack_layers",
-    *LAZY,
-]
+__all__ = list(LAZY)
 
 __version__ = "0.1.0"

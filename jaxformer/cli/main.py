@@ -13,10 +13,14 @@
 
 Each command is one module: `add_parser(commands, add_common_flags)` registers it,
 its function runs it. Every command has --compile-cache and --verbose; a bad flag or
-input is one line, exit status 2 (`cli.usage.UsageError`); a second Ctrl-C 130.
+input is one line, exit status 2 (`cli.usage.UsageError`).
 
-Exit status: 0 done, 1 non-finite loss, 2 bad input or checkpoint,
-130 interrupted by Ctrl-C (after saving a checkpoint).
+A Ctrl-C at any moment of a command (its imports included: they are `main`'s, not
+this module's) is one line, `jaxformer COMMAND: interrupted by Ctrl-C`, and exit
+status 130 (`cli.interrupts`); `train` saves a checkpoint on the first one.
+
+Exit status: 0 done, 1 non-finite loss or a checkpoint that could not be written,
+2 bad input or checkpoint, 130 interrupted by Ctrl-C.
 """
 
 from __future__ import annotations
@@ -26,18 +30,23 @@ import sys
 import traceback
 from typing import Optional, Sequence
 
-from jaxformer.cli import args as args_lib
-from jaxformer.cli import evaluate as evaluate_command
-from jaxformer.cli import export as export_command
-from jaxformer.cli import generate as generate_commands
-from jaxformer.cli import lm_eval as lm_eval_command
-from jaxformer.cli import serve as serve_command
-from jaxformer.cli import train as train_command
-from jaxformer.cli import transcribe as transcribe_command
+from jaxformer.cli.interrupts import (INTERRUPTED, end_process, ignore_interrupts,
+                                      interrupts_deferred, interrupts_surface)
 from jaxformer.cli.usage import UsageError
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # The commands' modules here, not at the top: their imports (seconds of a start)
+    # then run inside `main`, where a Ctrl-C is one line.
+    from jaxformer.cli import args as args_lib  # noqa: PLC0415
+    from jaxformer.cli import evaluate as evaluate_command  # noqa: PLC0415
+    from jaxformer.cli import export as export_command  # noqa: PLC0415
+    from jaxformer.cli import generate as generate_commands  # noqa: PLC0415
+    from jaxformer.cli import lm_eval as lm_eval_command  # noqa: PLC0415
+    from jaxformer.cli import serve as serve_command  # noqa: PLC0415
+    from jaxformer.cli import train as train_command  # noqa: PLC0415
+    from jaxformer.cli import transcribe as transcribe_command  # noqa: PLC0415
+
     parser = args_lib.Parser(
         prog="jaxformer", description="The Transformer in JAX/Flax: train on synthetic tasks "
                                       "or text, then decode with the trained model.")
@@ -76,9 +85,35 @@ def _compile_cache(directory: Optional[str], disabled: bool = False):
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of `jaxformer` and `python -m jaxformer`; returns the exit status."""
-    parser = build_parser()
+    """Entry point of `jaxformer` and `python -m jaxformer`; returns the exit status.
+
+    `argv` None: the program's own command line, and its process: interrupted, it
+    ends right after the line (`interrupts.end_process`); done, it ignores Ctrl-C
+    while Python winds down. A list (a caller in Python): neither."""
+    own_process = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
+    with interrupts_surface():  # a Ctrl-C inside a GC callback raises here too
+        try:
+            status = run_command(argv)
+            if own_process:
+                ignore_interrupts()
+        except KeyboardInterrupt:  # anywhere: the imports, the work, a second Ctrl-C
+            command = argv[0] if argv and not argv[0].startswith("-") else None
+            print(f"jaxformer{f' {command}' if command else ''}: interrupted by Ctrl-C",
+                  file=sys.stderr)
+            if own_process:
+                end_process(INTERRUPTED)
+            return INTERRUPTED
+    return status
+
+
+def run_command(argv: list) -> int:
+    """Parse `argv` and run its command: the exit status (UsageError: one line, 2)."""
+    # JAX first, whole: interrupted while jaxlib's extension initialises, the process
+    # crashes (SIGSEGV, SIGABRT) instead of raising KeyboardInterrupt.
+    with interrupts_deferred():
+        import jax  # noqa: F401, PLC0415
+    parser = build_parser()
     if argv[:1] == ["lm-eval"]:  # every later argument is lm_eval's, its flags too
         argv = ["lm-eval", "--", *argv[1:]]
     try:  # a bad flag: one line (`args.Parser`), status 2; --help: status 0
@@ -96,9 +131,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.verbose and error.__cause__ is not None:
             traceback.print_exception(error.__cause__)
         return 2
-    except KeyboardInterrupt:  # a second Ctrl-C (the first one saves and stops cleanly)
-        print(f"jaxformer {args.command}: aborted by Ctrl-C", file=sys.stderr)
-        return 130
 
 
 if __name__ == "__main__":

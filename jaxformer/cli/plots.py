@@ -1,7 +1,8 @@
 """PNG figures of a run: the loss curve and the cross-attention map.
 
 matplotlib with the non-interactive Agg backend (no display needed); figures
-are closed after saving so long sessions do not accumulate them.
+are closed after saving so long sessions do not accumulate them. A figure's file
+appears whole or not at all (`interrupts.written_whole`: a Ctrl-C midway).
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
+
+from jaxformer.cli.interrupts import written_whole
 
 
 def _pyplot():
@@ -43,7 +46,8 @@ def loss_curve(history: Sequence[dict], path: str, *, title: str = "training los
     ax_acc.set_ylim(0, 1.02)
     ax_loss.set_title(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with written_whole(path) as part:
+        fig.savefig(part, dpi=100)
     plt.close(fig)
 
 
@@ -69,5 +73,6 @@ def attention_maps(maps: dict, src_tokens: Sequence[int], tgt_tokens: Sequence[i
     axes[0][0].set_ylabel("decoder input token")
     fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8)
     fig.suptitle(title)
-    fig.savefig(path, dpi=100)
+    with written_whole(path) as part:
+        fig.savefig(part, dpi=100)
     plt.close(fig)

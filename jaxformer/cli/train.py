@@ -39,8 +39,9 @@ writes the run directory; `jaxformer.parallel.distributed`); the mesh spans ever
 host's devices. `--cpu-devices N` splits a CPU into N devices (for trying
 meshes on one machine).
 
-Exit status: 0 done, 1 non-finite loss, 2 bad input or checkpoint,
-130 interrupted by Ctrl-C (after saving a checkpoint).
+Exit status: 0 done, 1 non-finite loss or a checkpoint that could not be written (a
+full disk: the unfinished step is removed, the earlier ones are kept), 2 bad input or
+checkpoint, 130 interrupted by Ctrl-C (after saving a checkpoint).
 
 The flags' checks, the resume rules and the processes are `cli.train_setup`'s; what
 the run reports at the end is `cli.train_report`'s; the run directory is
@@ -208,6 +209,7 @@ def _train(args, held: contextlib.ExitStack) -> int:
     import jax  # noqa: PLC0415 (heavy imports after argument parsing)
 
     from jaxformer.parallel import distributed  # noqa: PLC0415
+    from jaxformer.train.checkpoint import CheckpointWriteError  # noqa: PLC0415
     from jaxformer.train.loop import NonFiniteLossError  # noqa: PLC0415
 
     processes = setup.process_settings(args)
@@ -219,15 +221,20 @@ def _train(args, held: contextlib.ExitStack) -> int:
     task, model, data = training_inputs(args, plan, model_config, mesh, pretrained_tokenizer)
 
     primary = distributed.is_primary()  # writes the run directory and prints
-    if not args.resume and primary:
-        create_run_dir(args, plan, model_config, mesh, pretrained_tokenizer)
-    if primary:
-        announce(plan, model_config, mesh, model_description(args, plan))
+    new_run = not args.resume and primary
     try:
+        if new_run:
+            create_run_dir(args, plan, model_config, mesh, pretrained_tokenizer)
+        if primary:
+            announce(plan, model_config, mesh, model_description(args, plan))
         result = fit_run(args, plan, model_config, mesh, task, init_params)
-    except NonFiniteLossError as error:
+    except (NonFiniteLossError, CheckpointWriteError) as error:  # the run stopped early
         print(f"jaxformer train: {error}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # before the loop (compiling): no checkpoint to resume
+        if new_run:
+            remove_unstarted_run(plan.out)
+        raise
     if result.interrupted:
         if primary:
             print(f"jaxformer train: interrupted at step {int(result.state.step)}; checkpoint "
@@ -370,6 +377,28 @@ def training_inputs(args, plan: RunPlan, model_config, mesh, pretrained_tokenize
     return task, model, data
 
 
+def remove_unstarted_run(out: str) -> None:
+    """What a new run wrote in `out` (config, tokenizer, metrics), if it has no finished
+    checkpoint: it cannot be resumed, and would refuse the same command again. The lock
+    stays for its release (which removes the directory it made)."""
+    import shutil  # noqa: PLC0415
+
+    from jaxformer.train.run import CHECKPOINTS  # noqa: PLC0415
+    from jaxformer.train.run_lock import LOCK_NAME  # noqa: PLC0415
+
+    checkpoints = os.path.join(out, CHECKPOINTS)
+    if os.path.isdir(checkpoints) and any(name.isdigit() for name in os.listdir(checkpoints)):
+        return  # a step to resume from (Orbax names a finished step by its number)
+    for name in os.listdir(out):
+        path = os.path.join(out, name)
+        if name == LOCK_NAME:
+            continue
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+
+
 def create_run_dir(args, plan: RunPlan, model_config, mesh, pretrained_tokenizer) -> None:
     """A new run's directory; a fine-tuning run stands alone: its copies of --init's
     tokenizer and chat template."""
@@ -409,8 +438,9 @@ def announce(plan: RunPlan, model_config, mesh, description) -> None:
 
 
 def fit_run(args, plan: RunPlan, model_config, mesh, task, init_params):
-    """`train.fit` on the run directory; a damaged checkpoint is a UsageError."""
-    from jaxformer.train.checkpoint import CheckpointError  # noqa: PLC0415
+    """`train.fit` on the run directory; a damaged checkpoint is a UsageError (one that
+    cannot be written, a full disk, is not: `_train` reports it)."""
+    from jaxformer.train.checkpoint import CheckpointError, CheckpointWriteError  # noqa: PLC0415
     from jaxformer.train.loop import fit  # noqa: PLC0415
     from jaxformer.train.run import CHECKPOINTS  # noqa: PLC0415
 
@@ -422,6 +452,8 @@ def fit_run(args, plan: RunPlan, model_config, mesh, task, init_params):
                    metrics_file=os.path.join(plan.out, "metrics.jsonl"), mesh=mesh, task=task,
                    eval_every=args.eval_every, fallback=args.fallback,
                    init_params=init_params, donate_init_params=True)
+    except CheckpointWriteError:
+        raise
     except CheckpointError as error:
         raise UsageError(str(error)) from error
 

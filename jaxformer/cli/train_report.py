@@ -10,6 +10,7 @@ import os
 import time
 
 from jaxformer.cli.generate import continue_prompts, strip_at
+from jaxformer.cli.interrupts import written_whole
 
 
 def finish_lm(args, model, params, mesh, result, data, train_config, out) -> dict:
@@ -73,7 +74,7 @@ def write_summary(out: str, summary: dict, result, params, started: float) -> No
                "processes": jax.process_count(), "resumed_from": result.start_step or None,
                "out": out}
     line = json.dumps(summary)
-    with open(os.path.join(out, "summary.json"), "w") as f:
+    with written_whole(os.path.join(out, "summary.json")) as path, open(path, "w") as f:
         f.write(line + "\n")
     print(line, flush=True)
 

@@ -16,12 +16,13 @@ Modules, one job each::
     checkpoint    Checkpoints: Orbax save / restore / resume
     run           Run: a run directory (config, latest parameters, tokenizer, chat template)
     run_lock      RunLock: one writer per run directory
-    settle        settled_on_failure: a failed Orbax read leaves none of the others in flight
+    settle        settled_on_failure: a failed Orbax read or write leaves none of the
+                  others in flight
 
 The names below are the public surface; the modules are free to move.
 """
 
-from jaxformer.train.checkpoint import CheckpointError, Checkpoints
+from jaxformer.train.checkpoint import CheckpointError, CheckpointWriteError, Checkpoints
 from jaxformer.train.data import LMBatch, TextData, segment_mask
 from jaxformer.train.evaluation import evaluate, evaluate_lm, make_lm_eval_step
 from jaxformer.train.loop import FitResult, NonFiniteLossError, TrainFunctions, fit, train_functions
@@ -34,7 +35,7 @@ from jaxformer.train.task import SyntheticTask, TextTask, TrainingTask, training
 from jaxformer.train.tasks import Batch
 from jaxformer.train.train_config import TrainConfig
 
-__all__ = ["CheckpointError", "Checkpoints", "LMBatch", "TextData",
+__all__ = ["CheckpointError", "CheckpointWriteError", "Checkpoints", "LMBatch", "TextData",
            "segment_mask", "Batch", "FitResult", "NonFiniteLossError", "TrainConfig",
            "TrainFunctions", "TrainState", "evaluate", "evaluate_lm", "make_lm_eval_step", "fit",
            "init_train_state",

@@ -5,6 +5,9 @@ steps are subdirectories `<directory>/<step>/`. Saves are synchronous and
 atomic (Orbax writes to a temporary directory and renames it), so an
 interrupted save never leaves a half-written step behind, and they only add:
 nothing is overwritten, only the oldest steps beyond `max_to_keep` are pruned.
+A save that fails (a full disk: ENOSPC, EFBIG, EDQUOT) raises `CheckpointWriteError`
+in one line naming the step, the directory and the cause, after removing its
+temporary directory; the earlier steps are untouched and restore.
 
 Restoring needs a target: a state of the right structure, either concrete (a
 freshly initialised one) or abstract, a tree of `jax.ShapeDtypeStruct`s with
@@ -22,7 +25,8 @@ midway leaves only Orbax's temporary directory, which `remove_unfinished_saves`
 deletes (training calls it when it starts). Quietly: the one line and nothing
 after it. A corrupt array index is read alone before Orbax's concurrent reads
 (`_check_index`), and a read that fails leaves none of the others in flight
-(`settle.settled_on_failure`: each would print a traceback when collected).
+(`settle.settled_on_failure`: each would print a traceback when collected). A
+Ctrl-C is a KeyboardInterrupt, never taken for damage.
 
 Layer layouts (`config.scan_layers`): a checkpoint of a scanned model holds
 stacked layers (`layers/...`), an unscanned one per-layer layers (`layers_0`,
@@ -32,9 +36,12 @@ stacked layers (`layers/...`), an unscanned one per-layer layers (`layers_0`,
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import logging
 import os
 import re
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import jax
 
@@ -57,6 +64,15 @@ class CheckpointError(Exception):
 
 class CheckpointDamaged(CheckpointError):
     """A checkpoint's files are unreadable or corrupt (an earlier step may restore)."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written (a full disk, most often); the earlier steps
+    are kept. `errno`: the storage error's number, if one was found."""
+
+    def __init__(self, message: str, errno_code: Optional[int]):
+        super().__init__(message)
+        self.errno = errno_code
 
 
 # Orbax writes a step into `<step>.orbax-checkpoint-tmp-<time>` and renames it when done.
@@ -108,12 +124,34 @@ class Checkpoints:
         return removed
 
     def save(self, step: int, state: Any) -> None:
-        """Write `state` as checkpoint `step` (a no-op if that step already exists)."""
+        """Write `state` as checkpoint `step` (a no-op if that step already exists).
+
+        A failed write (a full disk) raises `CheckpointWriteError` naming the step,
+        the directory and the cause, after removing the unfinished step; the
+        earlier steps stay restorable."""
         if step in self.steps():
             return
-        self._manager.save(int(step), args=orbax_checkpoint().args.StandardSave(state),
-                           force=True)
-        self._manager.wait_until_finished()
+        try:
+            with _failure_raised_once():
+                self._manager.save(int(step), args=orbax_checkpoint().args.StandardSave(state),
+                                   force=True)
+                self._manager.wait_until_finished()
+        except Exception as error:  # orbax/tensorstore raise many types; one message
+            if jax.process_index() == 0:
+                self.remove_unfinished_saves()
+            raise self._write_error(step, error) from error
+
+    def _write_error(self, step: int, error: BaseException) -> CheckpointWriteError:
+        code = storage_errno(error)
+        kept = self.latest_step()
+        kept = (f"the checkpoint of step {kept} is kept" if kept is not None else
+                "no earlier checkpoint exists")
+        if code in NO_SPACE:
+            return CheckpointWriteError(
+                f"no space left to write the checkpoint of step {step} in {self.directory} "
+                f"({os.strerror(code)}); {kept}", code)
+        return CheckpointWriteError(f"cannot write the checkpoint of step {step} in "
+                                    f"{self.directory}: {_storage_cause(error)}; {kept}", code)
 
     def restore(self, target: Any, step: Optional[int] = None, *,
                 convert_layout: bool = False, fallback: bool = False) -> Any:
@@ -162,7 +200,7 @@ class Checkpoints:
         sharding = sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         for step in reversed(self.steps()):
             try:
-                with settled_on_failure():
+                with _settled():
                     metadata = self._manager.item_metadata(step)
             except Exception:  # unreadable: an older step's may do
                 continue
@@ -192,7 +230,7 @@ class Checkpoints:
         _check_index(path)
         # Settled: a failed read leaves none of the others in flight (they would
         # each print a traceback when collected, thousands of lines).
-        with settled_on_failure():
+        with _settled():
             try:
                 restored = self._manager.restore(
                     step, args=orbax_checkpoint().args.StandardRestore(abstract))
@@ -216,7 +254,7 @@ class Checkpoints:
         """Compare the saved arrays' metadata with `target` by parameter path, before
         any array is read: missing, unexpected and mis-shaped entries, together."""
         try:
-            with settled_on_failure():
+            with _settled():
                 metadata = self._manager.item_metadata(step)
         except Exception:  # unreadable: restore() reports it
             return
@@ -238,7 +276,7 @@ class Checkpoints:
 
     def _saved_layout(self, step: int) -> Optional[str]:
         try:
-            with settled_on_failure():
+            with _settled():
                 metadata = self._manager.item_metadata(step)
         except Exception:  # unreadable: restore() below reports it
             return None
@@ -252,6 +290,67 @@ class Checkpoints:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# A full disk, a file beyond the size limit (RLIMIT_FSIZE; Python ignores SIGXFSZ, so
+# the write fails instead), a full quota.
+NO_SPACE = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
+
+
+def storage_errno(error: BaseException) -> Optional[int]:
+    """The OS error number behind `error`, searched through its causes and contexts:
+    an `OSError`'s, or the one tensorstore writes into its message
+    ("[os_error_code='28']"); None if there is none."""
+    for cause in _causes(error):
+        if isinstance(cause, OSError) and cause.errno is not None:
+            return cause.errno
+        found = re.search(r"os_error_code='(\d+)'", str(cause))
+        if found:
+            return int(found.group(1))
+    return None
+
+
+@contextlib.contextmanager
+def _settled(every_thread: bool = False) -> Iterator[None]:
+    """`settled_on_failure`, and a Ctrl-C raised as the KeyboardInterrupt it is: Orbax
+    wraps whatever a read raises (`raise Exception(...) from error`), and a wrapped
+    Ctrl-C must not pass for a damaged checkpoint (which `fallback` renames)."""
+    with settled_on_failure(every_thread):
+        try:
+            yield
+        except Exception as error:
+            if any(isinstance(cause, KeyboardInterrupt) for cause in _causes(error)):
+                raise KeyboardInterrupt from error
+            raise
+
+
+def _causes(error: Optional[BaseException]) -> Iterator[BaseException]:
+    """`error`, then what it was raised from or while handling, and so on."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
+
+
+@contextlib.contextmanager
+def _failure_raised_once() -> Iterator[None]:
+    """An Orbax save as quiet as its failure: its writes run in threads of their own,
+    each in a fresh event loop; a failed one leaves the others in flight (each a
+    traceback when tensorstore calls back into the closed loop) unless every thread's
+    loop settles, and each thread logs the failure, with its traceback, before the
+    saving thread raises it. Raised once, by `save`, not logged."""
+    absl = logging.getLogger("absl")
+    absl.addFilter(_no_logged_tracebacks)
+    try:
+        with _settled(every_thread=True):
+            yield
+    finally:
+        absl.removeFilter(_no_logged_tracebacks)
+
+
+def _no_logged_tracebacks(record: logging.LogRecord) -> bool:
+    return not (record.levelno >= logging.ERROR and record.exc_info)
 
 
 def _shapes_by_path(tree: Any) -> dict[str, tuple]:

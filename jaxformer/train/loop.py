@@ -198,7 +198,8 @@ def fit(model_config: TransformerConfig, train_config: TrainConfig, *,
         loaded only to start from (the command line does this).
     Ctrl-C (SIGINT) finishes the current step, saves, and returns with
     `interrupted=True`; a second Ctrl-C aborts at once. A non-finite loss
-    raises `NonFiniteLossError` naming the step, without saving.
+    raises `NonFiniteLossError` naming the step, without saving; a checkpoint that
+    cannot be written (a full disk) `CheckpointWriteError`, the earlier ones kept.
     """
     from tqdm.auto import tqdm  # noqa: PLC0415 (only the loop needs it)
 

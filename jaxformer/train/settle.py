@@ -12,13 +12,17 @@ _read_array_index_and_device_put>", with a whole TensorStore spec): thousands
 of lines for one damaged file.
 
 Inside `settled_on_failure()`, an event loop created in this thread waits, when
-the coroutine it runs fails, until every other task of the loop has finished
-(their results and failures collected, so none is reported), and only then
-passes the failure on. Nothing is cancelled unless it is still running after
-`SETTLE_TIMEOUT_S`: the reads in flight complete, so tensorstore never calls
-back into a closed loop. Success is unchanged, and so are other threads and the
-loops made outside the block. Python versions without event loop policies
-(3.16) get the plain loops.
+the coroutine it runs fails or is interrupted by Ctrl-C, until every other task of
+the loop has finished (their results and failures collected, so none is
+reported), and only then passes the failure on. Nothing is cancelled unless it is
+still running after `SETTLE_TIMEOUT_S`: the reads in flight complete, so
+tensorstore never calls back into a closed loop. Success is unchanged, and so are
+other threads and the loops made outside the block. Python versions without event
+loop policies (3.16) get the plain loops.
+
+`settled_on_failure(every_thread=True)` settles the loops of every thread while
+the block runs: an Orbax save writes its arrays from threads of its own, each
+running a fresh loop, and the same leak follows one failed write (a full disk).
 """
 
 from __future__ import annotations
@@ -32,15 +36,17 @@ from typing import Any, Iterator
 
 # How long a failed run waits for the tasks still in flight before cancelling
 # them (reads of a checkpoint finish; a task waiting on something that never
-# comes must not hang the error message).
+# comes must not hang the error message). Interrupted by Ctrl-C, less: the reads in
+# flight end in milliseconds, and the user is waiting.
 SETTLE_TIMEOUT_S = 60.0
+INTERRUPTED_SETTLE_TIMEOUT_S = 5.0
 
 _BASE_LOOP = asyncio.ProactorEventLoop if sys.platform == "win32" else asyncio.SelectorEventLoop
 
 
 class SettlingEventLoop(_BASE_LOOP):  # type: ignore[misc, valid-type]
-    """An event loop whose `run_until_complete`, on an `Exception`, first runs the
-    loop's other tasks to their end (KeyboardInterrupt and SystemExit pass at once)."""
+    """An event loop whose `run_until_complete`, on an `Exception` or a Ctrl-C, first
+    runs the loop's other tasks to their end (SystemExit passes at once)."""
 
     def run_until_complete(self, future: Any) -> Any:
         try:
@@ -48,11 +54,14 @@ class SettlingEventLoop(_BASE_LOOP):  # type: ignore[misc, valid-type]
         except Exception:
             self.settle()
             raise
+        except KeyboardInterrupt:  # the reads in flight too would call a closed loop
+            self.settle(INTERRUPTED_SETTLE_TIMEOUT_S)
+            raise
 
-    def settle(self) -> None:
+    def settle(self, timeout_s: float | None = None) -> None:
         """Run until no task of this loop is pending (tasks may start others);
-        cancel those still running after `SETTLE_TIMEOUT_S` seconds."""
-        deadline = self.time() + SETTLE_TIMEOUT_S
+        cancel those still running after `timeout_s` (`SETTLE_TIMEOUT_S`) seconds."""
+        deadline = self.time() + (SETTLE_TIMEOUT_S if timeout_s is None else timeout_s)
         while pending := [task for task in asyncio.all_tasks(self) if not task.done()]:
             late = (left := deadline - self.time()) <= 0
             if late:  # cancelled, given a second to end, then left alone
@@ -82,9 +91,10 @@ class _Policy(_asyncio_name("AbstractEventLoopPolicy") if _HAS_POLICIES else obj
 
     def __init__(self, previous: Any):
         self.previous = previous
+        self.every_thread = 0  # blocks inside that settle every thread's loops
 
     def new_event_loop(self) -> asyncio.AbstractEventLoop:
-        if getattr(_inside, "depth", 0):
+        if getattr(_inside, "depth", 0) or self.every_thread:
             return SettlingEventLoop()
         return self.previous.new_event_loop()
 
@@ -104,9 +114,10 @@ _installed: list = []  # [our policy, the one it replaced, threads inside] while
 
 
 @contextlib.contextmanager
-def settled_on_failure() -> Iterator[None]:
+def settled_on_failure(every_thread: bool = False) -> Iterator[None]:
     """Within the block, a failed `run_until_complete` of an event loop that this
-    thread creates leaves no task pending (see the module docstring)."""
+    thread creates (`every_thread`: that any thread creates) leaves no task pending
+    (see the module docstring)."""
     if not _HAS_POLICIES:
         yield
         return
@@ -118,6 +129,7 @@ def settled_on_failure() -> Iterator[None]:
             ours = _Policy(previous)
             _asyncio_name("set_event_loop_policy")(ours)
             _installed[:] = [ours, previous, 1]
+        _installed[0].every_thread += every_thread
     _inside.depth = getattr(_inside, "depth", 0) + 1
     try:
         yield
@@ -125,6 +137,7 @@ def settled_on_failure() -> Iterator[None]:
         _inside.depth -= 1
         with _lock:
             _installed[2] -= 1
+            _installed[0].every_thread -= every_thread
             if _installed[2] == 0:
                 ours, previous, _ = _installed
                 _installed.clear()

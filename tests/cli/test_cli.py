@@ -340,15 +340,20 @@ def test_out_in_an_unwritable_directory_is_refused(tmp_path, capsys):
 
 
 def test_a_ctrl_c_that_aborts_is_one_line_and_exit_130(tmp_path, monkeypatch, capsys):
-    """A second Ctrl-C (during the save the first one started) raises KeyboardInterrupt
-    out of fit: one line and status 130, no traceback."""
+    """A Ctrl-C that raises KeyboardInterrupt out of fit (while compiling, or a second
+    one during the save the first one started): one line and status 130, no
+    traceback; a new run without a checkpoint leaves no run directory (it could not
+    be resumed, and would refuse the same command again)."""
     def fit_interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(jaxformer.train.loop, "fit", fit_interrupted)
-    assert main(TINY + ["--out", str(tmp_path / "run")]) == 130
+    out = tmp_path / "run"
+    assert main(TINY + ["--out", str(out)]) == 130
     err = capsys.readouterr().err
-    assert "aborted by Ctrl-C" in err and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == "jaxformer train: interrupted by Ctrl-C"
+    assert "Traceback" not in err
+    assert not out.exists()
 
 
 def test_verbose_shows_the_cause_of_an_error(tmp_path, capsys):

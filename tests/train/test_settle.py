@@ -100,6 +100,26 @@ def test_only_loops_of_this_thread_inside_the_block_settle_and_the_policy_comes_
         made.close()
 
 
+def test_every_thread_settles_the_loops_other_threads_create_inside_the_block():
+    """As an Orbax save's writer threads: their fresh loops settle too, and only inside."""
+    def loop_of_another_thread():
+        made = []
+        thread = threading.Thread(target=lambda: made.append(asyncio.new_event_loop()))
+        thread.start()
+        thread.join()
+        return made[0]
+
+    with settled_on_failure(every_thread=True):
+        inside = loop_of_another_thread()
+        with settled_on_failure():  # a nested block for this thread only keeps it on
+            nested = loop_of_another_thread()
+    after = loop_of_another_thread()
+    assert isinstance(inside, SettlingEventLoop) and isinstance(nested, SettlingEventLoop)
+    assert not isinstance(after, SettlingEventLoop)
+    for made in (inside, nested, after):
+        made.close()
+
+
 def test_success_is_unchanged_and_a_task_that_never_ends_is_cancelled(monkeypatch):
     monkeypatch.setattr(settle, "SETTLE_TIMEOUT_S", 0.2)
     cancelled = []
