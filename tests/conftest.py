@@ -5,6 +5,8 @@ puts them in on purpose, so "PAD" in a test always means a deliberate PAD.
 """
 
 import gc
+import importlib.util
+import json
 import os
 import resource
 
@@ -30,6 +32,12 @@ os.environ["JAXFORMER_COMPILE_CACHE"] = "off"
 jax.devices()
 FIRST_REAL_ID = 3  # ids 0, 1, 2 are pad, bos, eos in every config here
 
+# A crashed worker's test runs once more on its replacement (tests/crash_rerun.py): XLA:CPU's
+# compile still segfaults a worker now and then (benchmarks/NOTES.md, twelfth session).
+if importlib.util.find_spec("xdist") is not None:
+    from tests.crash_rerun import (pytest_handlecrashitem, pytest_report_teststatus,  # noqa: F401
+                                   pytest_terminal_summary, pytest_xdist_make_scheduler)
+
 # A precaution, not a proven fix: two clean-clone runs lost an xdist worker to a segfault
 # inside XLA:CPU's compile of a deep unrolled program (tests/nn/test_stacking.py; the
 # 30-layer SmolLM2 engine step), never reproduced alone (the test passes with a 2 MiB
@@ -43,32 +51,47 @@ if _soft != resource.RLIM_INFINITY and _soft < _want and (
     resource.setrlimit(resource.RLIMIT_STACK, (_want, _hard))
 
 
-# The longest files first. `-n 2 --dist loadfile` hands each worker whole files in
-# collection order, one more whenever it finishes one; a long file collected last runs
-# alone while the other worker idles. Longest first keeps both busy to the end (the
-# order inside a file is kept: module fixtures and "last in this file" tests need it).
-LONGEST_FIRST = ("harness/test_lm_eval.py", "cli/test_cli.py", "test_docs.py",
-                 "parallel/test_partitioning.py",
-                 "parallel/test_distributed.py", "train/test_finetune.py", "test_support_matrix.py",
-                 "parallel/test_scale_out.py", "models/test_smollm2.py", "nnx/test_bridge.py",
-                 "serve/test_engine.py",
-                 "serve/test_engine_smollm2.py", "serve/test_engine_spec.py",
-                 "serve/test_speculative.py", "serve/test_constraint.py",
-                 "decode/test_decoding.py", "train/test_training.py", "train/test_lm.py",
-                 "models/test_whisper.py", "models/test_whisper_prompt.py",
-                 "models/test_whisper_words.py", "models/test_whisper_media.py",
-                 "models/test_whisper_mels.py", "models/test_whisper_beam.py", "nn/test_remat.py",
-                 "models/test_whisper_hallucination.py", "models/test_whisper_clips.py",
-                 "models/test_whisper_speech.py",
-                 "models/test_hf_dirs.py",
-                 "test_gpu_benchmark.py",
-                 "nn/test_reduced_precision_values.py", "decode/test_ring_short_prompts.py",
-                 "models/test_smollm2_quant.py", "train/test_qlora.py", "cli/test_qlora_cli.py",
-                 "models/test_llamacpp_logits.py",
-                 "cli/test_damaged_checkpoint.py", "serve/test_serve_model.py",
-                 "serve/test_serve_cli.py", "train/test_bf16.py", "train/test_chunked_loss.py",
-                 "train/test_step_heaps.py",
-                 "backends/test_qmatmul.py")
+# The longest files first, by their measured times (tests/file_times.json). `-n 2 --dist
+# loadfile` hands each worker whole files in collection order, one more whenever it
+# finishes one; a long file collected last runs alone while the other worker idles.
+# Longest first keeps both busy to the end (the order inside a file is kept: module
+# fixtures and "last in this file" tests need it). A file not measured yet goes first.
+# `JAXFORMER_RECORD_FILE_TIMES=tests/file_times.json pytest` measures them again
+# (tests/test_file_times.py checks the list against the files).
+FILE_TIMES = os.path.join(REPO, "tests", "file_times.json")
+RECORD_FILE_TIMES = "JAXFORMER_RECORD_FILE_TIMES"
+
+
+def file_of(item_or_report) -> str:
+    """The test file of a collected item or a report, relative to tests/ ("a/b.py")."""
+    return item_or_report.nodeid.split("::")[0].removeprefix("tests/")
+
+
+def measured_file_times() -> dict:
+    with open(FILE_TIMES) as f:
+        return json.load(f)
+
+
+def pytest_collection_modifyitems(items):
+    times = measured_file_times()
+    items.sort(key=lambda item: -times.get(file_of(item), float("inf")))  # stable
+
+
+def pytest_runtest_logreport(report):
+    """Each file's setup, call and teardown seconds (in xdist's controller, its workers'
+    reports), for RECORD_FILE_TIMES."""
+    RECORDED[file_of(report)] = RECORDED.get(file_of(report), 0.0) + report.duration
+
+
+RECORDED: dict = {}
+
+
+def pytest_sessionfinish(session):
+    path = os.environ.get(RECORD_FILE_TIMES)
+    if path and not hasattr(session.config, "workerinput") and RECORDED:
+        with open(path, "w") as f:
+            json.dump({k: round(v, 1) for k, v in sorted(RECORDED.items())}, f, indent=0)
+            f.write("\n")
 
 
 # A worker keeps every program it compiled: ~10 GB each by the end of a run on this
@@ -94,14 +117,6 @@ def bounded_worker_memory():
         jax.clear_caches()
         gc.collect()
         host_memory.release_freed()
-
-
-def pytest_collection_modifyitems(items):
-    def rank(item):
-        path = os.path.relpath(str(item.path), os.path.join(REPO, "tests")).replace(os.sep, "/")
-        return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
-
-    items.sort(key=rank)  # stable: the rest keep their order
 
 
 def random_tokens(seed: int, shape: tuple[int, ...], vocab: int) -> jnp.ndarray:

@@ -16,7 +16,8 @@ AVX-512 VNNI CPU (`kernels/qdot_wide.h`: a serving step's logits). GGUF's K-quan
 over the stored bytes, N-last kernels only (a K-quant tied table takes the plain path).
 
 The build is lazy: the source ships in the package and is compiled on first use with
-the system's C++ compiler (`$CXX`, else g++ or c++; -O3 -march=native) against
+the system's C++ compiler (`$CXX`, else g++ or c++; -O3 -march=native, or the target
+`$JAXFORMER_KERNEL_ARCH` names: `haswell` builds the AVX2 path on any x86 CPU) against
 `jax.ffi.include_dir()`, into ``$XDG_CACHE_HOME/jaxformer/kernels`` (default
 ``~/.cache``) under a name hashed from the source, the flags, the compiler, jaxlib's
 version and the CPU (as torch.utils.cpp_extension and Triton do), then loaded with
@@ -27,6 +28,7 @@ naming why, and the plain path.
 Pieces::
 
     FORMATS                       the layouts the kernel reads
+    build(target) -> path         the library compiled for a -march target (not loaded)
     enabled() -> bool             tuned process and the kernel built (builds it once)
     library() -> path | None      the built shared library (building it if needed)
     integer_dot(fmt, transposed, block) -> bool   whether x is rounded to int8 per block
@@ -71,7 +73,8 @@ HEADERS = (os.path.join(KERNELS, "qtypes.h"),  # included by SOURCES: part of th
            os.path.join(KERNELS, "qdot_wide.h"),
            os.path.join(KERNELS, "parallel.h"))
 PAGED_TARGET = ("jaxformer_paged_attention", "JaxformerPagedAttention")
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
+FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w")
+ARCH_VARIABLE = "JAXFORMER_KERNEL_ARCH"  # gcc's -march target; native by default
 TARGETS = {"int8": ("jaxformer_qmatmul_int8", "JaxformerQmatmulInt8"),
            "int8_block": ("jaxformer_qmatmul_int8_block", "JaxformerQmatmulInt8Block"),
            "int4": ("jaxformer_qmatmul_int4", "JaxformerQmatmulInt4"),
@@ -106,8 +109,21 @@ def _cache_dir() -> str:
     return os.path.join(base, "jaxformer", "kernels")
 
 
-def _build() -> str:
-    """The path of the built library; raises RuntimeError naming why it cannot be built."""
+def arch() -> str:
+    """The -march target of the build: `$JAXFORMER_KERNEL_ARCH` (e.g. haswell: AVX2 without
+    VNNI or AVX-512, the path of CPUs without them, built and tested on any x86 CPU), else
+    native. Raises RuntimeError for a name gcc could not take as one word."""
+    name = os.environ.get(ARCH_VARIABLE, "") or "native"
+    if not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        raise RuntimeError(f"{ARCH_VARIABLE}={name!r} is not a -march target name")
+    return name
+
+
+def build(target: Optional[str] = None) -> str:
+    """The path of the library built for -march `target` (default `arch()`), compiled
+    unless the cache holds it; not loaded (a target this CPU lacks may be built, not run).
+    Raises RuntimeError naming why it cannot be built."""
+    flags = (f"-march={target or arch()}", *FLAGS)
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
@@ -120,7 +136,7 @@ def _build() -> str:
     for name in (*SOURCES, *HEADERS):
         with open(name, "rb") as f:
             source += f.read() + b"\0"
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), repr(version).encode(),
+    key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), repr(version).encode(),
                                      jax.lib.__version__.encode(), _cpu_id().encode()]))
     folder = _cache_dir()
     path = os.path.join(folder, f"qmatmul-{key.hexdigest()[:20]}.so")
@@ -130,7 +146,7 @@ def _build() -> str:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
     os.close(fd)
     try:
-        out = subprocess.run([cxx, *FLAGS, "-I", jax.ffi.include_dir(), *SOURCES, "-o", tmp],
+        out = subprocess.run([cxx, *flags, "-I", jax.ffi.include_dir(), *SOURCES, "-o", tmp],
                              capture_output=True, text=True, timeout=600)
         if out.returncode != 0:
             last = (out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1]
@@ -151,7 +167,7 @@ def library() -> Optional[str]:
         if not _STATE["tried"]:
             _STATE["tried"] = True
             try:
-                path = _build()
+                path = build()
                 lib = ctypes.cdll.LoadLibrary(path)
                 for name, symbol in (*TARGETS.values(), PAGED_TARGET):
                     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)),

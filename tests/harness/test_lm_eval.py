@@ -3,13 +3,16 @@
 three local tasks built from tests/data/lm_eval: multiple choice, rolling perplexity and
 generate-until. Nothing is downloaded."""
 
+import json
 import os
+import re
 import textwrap
 
 import numpy as np
 import pytest
 
 from conftest import REPO
+from tests.tolerances import decoder_additions, logprob_sum_atol
 
 lm_eval = pytest.importorskip("lm_eval", reason="needs the lm_eval extra: "
                               "pip install 'jaxformer[lm_eval]'")
@@ -17,6 +20,7 @@ pytest.importorskip("transformers", reason="the hf reference needs transformers"
 
 DATA = os.path.join(REPO, "tests", "data", "lm_eval")
 WINDOW = 64  # short, so the repeated text spans several rolling windows
+SMOLLM2_LOGIT_SCALE = 40.0  # its largest |logit| on perplexity.jsonl's texts: 33.6
 LIMIT = 6  # docs per task served over HTTP (each request is a round trip)
 TASKS = {
     "jf_multiple_choice": """
@@ -116,13 +120,28 @@ def test_multiple_choice_loglikelihoods_within_1e4_of_hf_and_the_same_accuracies
     assert runs["jaxformer"]["results"]["jf_multiple_choice"]["acc,none"] > 0.4  # not chance
 
 
-def test_rolling_loglikelihoods_within_1e4_of_hf(runs):
+def test_rolling_loglikelihoods_are_hfs_within_float32_rounding(runs, smollm2):
+    """Each text's sum of log-probabilities within float32's bound for its tokens' sums
+    (tests/tolerances.py), at SmolLM2's logit scale; both metrics within the bound of
+    the sum over all texts: bits per byte is -sum / (bytes ln 2) (relative error
+    dS / |S|), word perplexity exp(-sum / words) (relative error dS / words)."""
+    model, _, tokenizer, _ = smollm2
     ours, theirs = (responses(runs[k], "jf_perplexity") for k in ("jaxformer", "hf"))
     got, want = np.array([r[0][0] for r in ours]), np.array([r[0][0] for r in theirs])
-    assert len(got) == 4 and np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
-    for metric in ("word_perplexity,none", "bits_per_byte,none"):
+    with open(os.path.join(DATA, FILES["jf_perplexity"])) as f:
+        texts = [json.loads(line)["text"] for line in f]
+    tokens = [len(tokenizer.encode(text)) for text in texts]
+    c = model.config
+    additions = decoder_additions(c.d_model, c.d_ff, c.head_dim, c.num_decoder_layers,
+                                  WINDOW, c.tgt_vocab_size)
+    bounds = [logprob_sum_atol(SMOLLM2_LOGIT_SCALE, additions, n) for n in tokens]
+    assert len(got) == 4 and (np.abs(got - want) <= bounds).all(), (got - want, bounds)
+    total = logprob_sum_atol(SMOLLM2_LOGIT_SCALE, additions, sum(tokens))
+    words = sum(len(re.split(r"\s+", text)) for text in texts)  # lm-eval's word count
+    for metric, rtol in (("bits_per_byte,none", total / abs(want.sum())),
+                         ("word_perplexity,none", total / words)):
         np.testing.assert_allclose(runs["jaxformer"]["results"]["jf_perplexity"][metric],
-                                   runs["hf"]["results"]["jf_perplexity"][metric], rtol=1e-5)
+                                   runs["hf"]["results"]["jf_perplexity"][metric], rtol=rtol)
 
 
 def test_generations_are_hfs(runs):
