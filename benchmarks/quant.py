@@ -66,6 +66,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import isa  # noqa: E402
 import llamacpp_reference as ref  # noqa: E402
 
 PROMPT = "The capital of France is"
@@ -193,7 +194,9 @@ def main() -> None:
     parser.add_argument("--tuning", choices=("both", "off", "on"), default="both",
                         help="cpu.tune_process() (the commands' default on a CPU), JAX's "
                              "defaults, or both (the untuned run in a child process)")
+    isa.add_argument(parser)
     args = parser.parse_args()
+    isa.apply(args.isa)  # the child inherits it
     if args.tuning in ("both", "on"):
         from jaxformer.backends import cpu  # noqa: PLC0415
 
@@ -203,14 +206,14 @@ def main() -> None:
         child = subprocess.run(
             [sys.executable, os.path.abspath(__file__), "--tuning", "off", "--work", args.work,
              "--threads", str(args.threads), "--new-tokens", str(args.new_tokens),
-             "--repeats", str(args.repeats)], capture_output=True, text=True)
+             "--repeats", str(args.repeats), "--isa", args.isa], capture_output=True, text=True)
         if child.returncode != 0:
             sys.exit(f"the untuned run failed:\n{child.stderr[-3000:]}")
         lines = child.stdout.strip().splitlines()
         print("untuned (JAX's defaults: --no-cpu-tuning):")
         print("\n".join(lines[:-1]))
         results.update({f"{key}_untuned": value for key, value in json.loads(lines[-1]).items()
-                        if key not in ("threads", "new_tokens")})
+                        if key not in ("threads", "new_tokens", "isa")})
     print(json.dumps(results))
 
 
@@ -227,7 +230,8 @@ def measure(args) -> dict:
              "Q4_K_M": ref.requantized_file(source, args.work, "Q4_K_M")}
     ids = checkpoint_tokenizer(source).encode(PROMPT).ids
     max_len = len(ids) + args.new_tokens + 8
-    results, rows = {"threads": args.threads, "new_tokens": args.new_tokens}, []
+    results, rows = {"threads": args.threads, "new_tokens": args.new_tokens,
+                     "isa": args.isa}, []
 
     bandwidth = triad_bytes_per_s()
     results["triad_GB_per_s"] = bandwidth / 1e9

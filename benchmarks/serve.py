@@ -37,6 +37,8 @@ for the weights or the tuning (the file's blocks kept, the CPU tuned: the server
 defaults; the same as the earlier `--quantize keep --cpu-tuning`); --dequantize,
 --quantize and --no-cpu-tuning pass through to it.
   python benchmarks/serve.py --window-model  # + a sliding-window model (Gemma 3's shape)
+  LLAMA_SERVER=/path/to/avx2-build/llama-server python benchmarks/serve.py --isa avx2
+      # as an AVX2-only CPU runs it (benchmarks/isa.py)
 Prints a table, then one JSON line: throughput_ratio_vs_llamacpp_c1/_c8/_c32 (and
 _c8_window with --window-model),
 ttft_p50_ms, ttft_p99_ms, itl_p50_ms, prefix_cache_ttft_ratio, spec_decode_speedup,
@@ -58,6 +60,8 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+
+import isa  # benchmarks/isa.py (this script's folder is on the path)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -424,9 +428,11 @@ def main() -> None:
     parser.add_argument("--window-model", action="store_true",
                         help="also concurrency 8 on a Gemma-3-shaped sliding-window Q4_K_M "
                              "model (benchmarks/window_model.py; needs llama-cpp-python)")
+    isa.add_argument(parser)
     parser.add_argument("--work", default=os.path.expanduser("~/.cache/jaxformer-bench"),
                         help="where --window-model's file is made once")
     args = parser.parse_args()
+    isa.apply(args.isa)
     args.gguf = args.gguf or smollm2_gguf()
     levels = [int(c) for c in args.concurrency.split(",") if c]  # "": the extras alone
     rng = random.Random(0)
@@ -439,7 +445,7 @@ def main() -> None:
         window_args = argparse.Namespace(**{**vars(args), "gguf": window_model.window_gguf(
             args.work, args.gguf)})
         serve_level(window_args, 8, random.Random(8), runs, rows, label="_window")
-    summary = {}
+    summary = {"isa": args.isa}
     for level in [str(c) for c in levels] + (["8_window"] if args.window_model else []):
         jf_run, ll_run = runs.get(f"jaxformer_c{level}"), runs.get(f"llama.cpp_c{level}")
         summary[f"throughput_ratio_vs_llamacpp_c{level}"] = (
