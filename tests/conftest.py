@@ -9,6 +9,9 @@ import importlib.util
 import json
 import os
 import resource
+import shutil
+import tempfile
+import uuid
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +40,13 @@ FIRST_REAL_ID = 3  # ids 0, 1, 2 are pad, bos, eos in every config here
 if importlib.util.find_spec("xdist") is not None:
     from tests.crash_rerun import (pytest_handlecrashitem, pytest_report_teststatus,  # noqa: F401
                                    pytest_terminal_summary, pytest_xdist_make_scheduler)
+
+    def pytest_testnodedown(node, error):
+        """Each worker's peak resident memory, in the run's log (the suite's budget)."""
+        peak = getattr(node, "workeroutput", {}).get("peak_rss_mb")
+        if peak is not None:
+            node.config.pluginmanager.get_plugin("terminalreporter").write_line(
+                f"[{node.gateway.id}] peak resident memory {peak / 1024:.2f} GB")
 
 # A precaution, not a proven fix: two clean-clone runs lost an xdist worker to a segfault
 # inside XLA:CPU's compile of a deep unrolled program (tests/nn/test_stacking.py; the
@@ -72,6 +82,32 @@ def measured_file_times() -> dict:
         return json.load(f)
 
 
+# One persistent compilation cache for the whole run, shared by its workers (a folder
+# named by xdist's run id, removed at the end): a program that another worker, or this
+# one before its caches were dropped (bounded_worker_memory), compiled is loaded instead
+# of compiled again. Programs compiling in under a second (JAX's default bound) are not
+# written. Set in JAX's config, not the environment: subprocesses compile their own.
+RUN_CACHE_PREFIX = "jaxformer-test-xla-"
+
+
+def pytest_configure(config):
+    if hasattr(config, "workerinput"):
+        run_id = config.workerinput["testrunuid"]
+    else:  # the controller names the run before xdist would (it takes the option's value)
+        run_id = getattr(config.option, "testrunuid", None) or uuid.uuid4().hex
+        if hasattr(config.option, "testrunuid"):
+            config.option.testrunuid = run_id
+    folder = os.path.join(tempfile.gettempdir(), RUN_CACHE_PREFIX + run_id)
+    os.makedirs(folder, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", folder)
+    config.run_cache = folder
+
+
+def pytest_unconfigure(config):
+    if not hasattr(config, "workerinput"):  # the controller (or a run without workers)
+        shutil.rmtree(getattr(config, "run_cache", ""), ignore_errors=True)
+
+
 def pytest_collection_modifyitems(items):
     times = measured_file_times()
     items.sort(key=lambda item: -times.get(file_of(item), float("inf")))  # stable
@@ -87,6 +123,9 @@ RECORDED: dict = {}
 
 
 def pytest_sessionfinish(session):
+    if hasattr(session.config, "workerinput"):  # the worker's peak, for the controller's log
+        session.config.workeroutput["peak_rss_mb"] = (
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     path = os.environ.get(RECORD_FILE_TIMES)
     if path and not hasattr(session.config, "workerinput") and RECORDED:
         with open(path, "w") as f:
@@ -95,10 +134,10 @@ def pytest_sessionfinish(session):
 
 
 # A worker keeps every program it compiled: ~10 GB each by the end of a run on this
-# 24 GB machine, and the crashes above came late in runs. Past this resident size, a
-# file's end drops the compiled programs (the next file recompiles what it shares: at
-# 5 GB the run took 1768 s instead of ~1500).
-WORKER_RSS_LIMIT_MB = 8000
+# 24 GB machine. Past this resident size, a file's end drops the compiled programs; the
+# next file loads what it shares from the run's compilation cache (without that cache,
+# a 5 GB bound cost ~250 s of recompiles). The suite's budget is 6 GB a worker.
+WORKER_RSS_LIMIT_MB = 4500
 
 
 def resident_mb() -> float:
