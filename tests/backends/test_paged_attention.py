@@ -183,7 +183,7 @@ def test_a_tuned_engine_compiles_one_decode_step_for_every_length(built, make_lm
         handles = [engine.submit(Request(p, SamplingParams(max_tokens=6))) for p in prompts]
         engine.run_until_idle()
         tokens = [[e.token for e in h.result(0) if e.token is not None] for h in handles]
-        return tokens, {key[1] for key in engine.shapes if key[0] == "decode"}
+        return tokens, {key[2] for key in engine.shapes if key[0] == "decode"}  # (_, rows, view, _)
 
     want, plain_views = serve()
     monkeypatch.setattr(cpu, "process_tuned", lambda: True)
