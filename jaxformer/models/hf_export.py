@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
-import tempfile
 from typing import Optional
 
 import numpy as np
@@ -271,8 +271,11 @@ def save_hf(model_config: TransformerConfig, params, out_dir, *, tokenizer=None,
 
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.", dir=parent)
+    # Named before it is made, so a Ctrl-C that comes just after `mkdir` (before a
+    # `mkdtemp` would have returned its name) still finds it to remove.
+    staging = os.path.join(parent, f".{os.path.basename(out_dir)}.{secrets.token_hex(6)}")
     try:
+        os.mkdir(staging, 0o700)
         for name, content in files.items():
             with open(os.path.join(staging, name), "w") as f:
                 json.dump(content, f, indent=2)
