@@ -80,7 +80,8 @@ class DecodeCache:
       length_axis: the slot axis of every key/value array (static;
         `attention.kv_length_axis`): 2 for (B, G, T, K), 1 for (B, T, G, K).
       local: per decoder layer, whether its self_kv is a sliding-window ring (static).
-      window: the rings' most slots, `config.sliding_window` (static; 0 without rings).
+      window: the rings' most slots, `config.sliding_window` + init_cache's rollback
+        (static; 0 without rings).
     """
 
     self_kv: tuple[KV, ...]
@@ -119,7 +120,7 @@ class DecodeCache:
 
 
 def init_cache(config: TransformerConfig, batch: int, max_len: int,
-               dtype: Any = None) -> DecodeCache:
+               dtype: Any = None, *, rollback: int = 0) -> DecodeCache:
     """An empty cache: zero keys/values for `max_len` slots, index 0, no cross state.
 
     Args:
@@ -128,10 +129,18 @@ def init_cache(config: TransformerConfig, batch: int, max_len: int,
       max_len: T_max, slots to allocate = prompt length + new tokens fed.
       dtype: of keys/values; defaults to the compute dtype (an int8 cache,
         `config.kv_cache_quant`, dequantizes to the compute dtype when read).
+      rollback: how many slots past its index a caller may write and then give back
+        (moving the index back over them: speculative decoding's rejected drafts).
+        Rings keep that many slots beyond the window: a rolled-back slot s then sits
+        where slot s - R was, R - rollback >= window behind any later query, so the
+        mask (which reads each ring position as its newest slot below the index) never
+        shows it, and no key a window still needs was overwritten.
     """
     for name, value in (("batch", batch), ("max_len", max_len)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"init_cache: {name} must be a positive int, got {value!r}")
+    if isinstance(rollback, bool) or not isinstance(rollback, int) or rollback < 0:
+        raise ValueError(f"init_cache: rollback must be an int >= 0, got {rollback!r}")
     if max_len > config.decoder_len:
         raise ValueError(f"init_cache: max_len={max_len} exceeds the model's decoder "
                          f"max_len={config.decoder_len} (config.decoder_max_len or max_len; positions "
@@ -139,13 +148,13 @@ def init_cache(config: TransformerConfig, batch: int, max_len: int,
     dtype = config.compute_dtype if dtype is None else jnp.dtype(dtype)
     local = config.local_layers(config.num_decoder_layers)
     layers = []
+    ring_len = (config.sliding_window or 0) + rollback if any(local) else 0
     for ring in local:  # int8 with per-(head, token) scales if config.kv_cache_quant
-        shape = kv_shape(config, batch, min(max_len, config.sliding_window) if ring else max_len)
+        shape = kv_shape(config, batch, min(max_len, ring_len) if ring else max_len)
         layers.append(kv_quant.empty(shape, config.kv_cache_quant == "int8", dtype))
     return DecodeCache(self_kv=tuple(layers), index=jnp.zeros((), jnp.int32),
                        start_B=jnp.zeros((batch,), jnp.int32),
-                       length_axis=kv_length_axis(config), local=local,
-                       window=config.sliding_window or 0)
+                       length_axis=kv_length_axis(config), local=local, window=ring_len)
 
 
 def cache_bytes(cache: DecodeCache) -> int:
@@ -179,7 +188,11 @@ def check_cache(cache: DecodeCache, config: TransformerConfig) -> None:
         raise ValueError(f"cache has sliding-window rings on layers {cache.local_flags}, the "
                          f"config's local layers are {local}: build it with init_cache(config, ...)")
     batch, slots = cache.batch, cache.max_len - cache.past_len
-    ring = min(slots + cache.past_len, config.sliding_window or 1)
+    if any(local) and cache.window < config.sliding_window:
+        raise ValueError(f"cache rings hold {cache.window} slots, fewer than the config's "
+                         f"sliding_window={config.sliding_window}: build it with "
+                         "init_cache(config, ...)")
+    ring = min(slots + cache.past_len, cache.window or 1)
     quantized = config.kv_cache_quant == "int8"
     if any(isinstance(kv, kv_quant.QuantKV) != quantized for kv in cache.self_kv):
         raise ValueError(f"cache keys/values are {cache.self_kv[0].key.dtype}, the config's "

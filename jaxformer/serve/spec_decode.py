@@ -18,7 +18,9 @@ Cache invariants per sequence of `length` tokens (prompt + output):
 One sequence is decoded by `lax.while_loop`; a batch is its `jax.vmap` (rows accept
 different counts, so each row's cache index is its own).
 
-Sliding-window (ring) caches cannot be rolled back: such models are refused.
+Sliding-window (ring) layers keep k slots beyond their window (`init_cache(...,
+rollback=k)`): a round writes at most k slots past the index it rolls back to, so the
+rejected keys land only where keys already out of every window were.
 """
 
 from __future__ import annotations
@@ -69,12 +71,6 @@ class SpecState:
     drafted: jax.Array
     accepted: jax.Array
     rounds: jax.Array
-
-
-def check_rollback(config, name: str) -> None:
-    if any(config.local_layers(config.num_decoder_layers)):
-        raise ValueError(f"{name}: speculative decoding needs caches that roll back; "
-                         "sliding-window (ring) layers cannot")
 
 
 def draft_model_tokens(draft_model, draft_params, cache, seq_L, length, *, k, select_probs,
@@ -128,7 +124,7 @@ def decode_one(model, params, prompt_P, prompt_len, rng, draft_model, draft_para
             return speculative.target_probs(logits_TV, temperature, top_k, top_p)
 
     def filled(m, p, slots):
-        cache = cache_lib.init_cache(m.config, 1, slots)
+        cache = cache_lib.init_cache(m.config, 1, slots, rollback=k)
         _, cache = cache_lib.cached_forward(m, p, cache, prompt_P[None])
         return cache
 
@@ -238,7 +234,6 @@ def speculative_generate(model: DecoderOnlyLM, params, prompt_BP, *, max_new_tok
     if not isinstance(model, DecoderOnlyLM):
         raise TypeError(f"model must be a jaxformer DecoderOnlyLM, got {type(model).__name__}")
     c = model.config
-    check_rollback(c, "model")
     sampling.make_sampler(temperature, top_k, top_p)  # validates the three
     if temperature != 0:
         check_rng(rng)
@@ -261,7 +256,6 @@ def speculative_generate(model: DecoderOnlyLM, params, prompt_BP, *, max_new_tok
         if not isinstance(draft_model, DecoderOnlyLM):
             raise TypeError(f"draft must be (DecoderOnlyLM, params), got a "
                             f"{type(draft_model).__name__}")
-        check_rollback(draft_model.config, "draft")
         if draft_model.config.tgt_vocab_size != c.tgt_vocab_size:
             raise ValueError(f"draft: its vocabulary has {draft_model.config.tgt_vocab_size} "
                              f"ids, the model's {c.tgt_vocab_size}: they must share one")
