@@ -44,9 +44,8 @@ import jax.numpy as jnp
 from jaxformer.decode import cache as cache_lib
 from jaxformer.nn import checks, stacking
 from jaxformer.decode import processors as processors_lib, sampling
-from jaxformer.decode.inputs import (check_encdec, check_max_new_tokens,
-                                     check_prefill_chunk, check_prompt, check_rng, decodable,
-                                     left_align)
+from jaxformer.decode.inputs import (check_encdec, check_lm_prompt, check_prefill_chunk,
+                                     check_rng, decodable, left_align)
 # DecodeResult and DecodeState are the entry points' result and carry;
 # TRACE_COUNTS counts their traces.
 from jaxformer.decode.loop import (TRACE_COUNTS, DecodeResult, DecodeState, advance, check_loop,
@@ -343,11 +342,6 @@ def check_lm_request(model: DecoderOnlyLM, prompt_BP, prompt_lengths, max_new_to
     if select is not sampling.greedy:
         check_rng(rng)
     procs = processors_lib.normalize(processors, c.tgt_vocab_size)
-    prompt, lengths = check_prompt(prompt_BP, prompt_lengths, vocab_size=c.tgt_vocab_size,
-                                   pad_id=c.pad_id)
-    width = prompt.shape[1]
-    check_max_new_tokens(max_new_tokens, c.decoder_len - width + 1,
-                         f"prompt width {width} + {max_new_tokens} new tokens - 1 exceeds "
-                         f"the decoder's max_len={c.decoder_len}")
+    prompt, lengths = check_lm_prompt(c, prompt_BP, prompt_lengths, max_new_tokens)
     check_prefill_chunk(prefill_chunk)
     return select, procs, prompt, lengths

@@ -1,10 +1,13 @@
-"""Beam search with a length penalty, for the encoder-decoder model.
+"""Beam search with a length penalty, for the encoder-decoder model and the decoder-only LM.
 
 Same cache and same step as greedy decoding: the B * W beams are rows of one
 `DecodeCache` (the memory's cross keys/values are projected once for B rows
 and shared by each row's W beams, read once a step for all of them). After each step every batch element keeps the W best
 of its W * V candidates and the cache rows are gathered from their parent
-beams.
+beams. A decoder-only LM's prompts are prefilled once, B rows (left-aligned, as
+`generate` does); the filled cache is then repeated to the B * W beam rows and the
+prompt's last logits give the first step (so its W beams start from W distinct tokens).
+Sliding-window rings are gathered like full caches: each beam keeps its parent's ring.
 
 Scoring. A beam's log-probability is the sum of its tokens' log-softmax. It is
 ranked by the GNMT length-normalised score (Wu et al. 2016)
@@ -34,7 +37,7 @@ import jax.numpy as jnp
 
 from jaxformer.decode import cache as cache_lib
 from jaxformer.decode import processors as processors_lib
-from jaxformer.decode.inputs import check_encdec, decodable
+from jaxformer.decode.inputs import check_encdec, check_lm_prompt, decodable, left_align
 from jaxformer.decode.cache import memory_cache
 from jaxformer.decode.loop import (TRACE_COUNTS, DecodeResult, cached_logits_fn, decode_jit,
                                    run_in_segments, segment_lengths, segments_for)
@@ -133,6 +136,51 @@ def force_prefix_logits(logits_RV, step, prefix_RP, prefix_len_R):
     return jnp.where((step < prefix_len_R)[:, None], forced_RV, logits_RV)
 
 
+def start_state(cache, token_R, *, batch: int, width: int, max_new_tokens: int,
+                pad_id: int) -> BeamState:
+    """The carry before the first step: W identical beams per example, so only beam 0
+    may expand at the first step."""
+    return BeamState(
+        step=jnp.zeros((), jnp.int32), token_R=token_R, cache=cache,
+        tokens_BWN=jnp.full((batch, width, max_new_tokens), pad_id, jnp.int32),
+        log_prob_BW=jnp.where(jnp.arange(width) == 0, 0.0, DEAD)[None].repeat(batch, 0),
+        lengths_BW=jnp.zeros((batch, width), jnp.int32),
+        finished_BW=jnp.zeros((batch, width), bool))
+
+
+def step_fn(config, *, width: int, length_penalty: float, processors=(), prefix_BP=None,
+            prefix_len_B=None):
+    """`advance(state, logits_RV, cache)`: the processors and the forced prefix applied
+    to a step's logits, then `beam_step`."""
+    edits = bool(processors) or prefix_BP is not None
+    if prefix_BP is not None:
+        prefix_RP, prefix_len_R = (jnp.repeat(x, width, axis=0) for x in (prefix_BP, prefix_len_B))
+
+    def advance(state: BeamState, logits_RV, cache) -> BeamState:
+        if edits:
+            tokens_RN = state.tokens_BWN.reshape(logits_RV.shape[0], -1)
+            logits_RV = processors_lib.apply(processors, logits_RV.astype(jnp.float32),
+                                             state.step, tokens_RN)
+            if prefix_BP is not None:
+                logits_RV = force_prefix_logits(logits_RV, state.step, prefix_RP, prefix_len_R)
+            # Floor at DEAD (after log-softmax) so sums of suppressed steps stay finite.
+            logits_RV = jnp.maximum(jax.nn.log_softmax(logits_RV), DEAD)
+        return beam_step(state, logits_RV, cache, beam_size=width,
+                         length_penalty=length_penalty, eos_id=config.eos_id,
+                         pad_id=config.pad_id)
+
+    return advance
+
+
+def best_beams(state: BeamState, length_penalty: float) -> DecodeResult:
+    scores_BW = length_normalised(state.log_prob_BW, state.lengths_BW, length_penalty)
+    best_B1 = jnp.argmax(scores_BW, axis=1)[:, None]
+    return DecodeResult(
+        tokens=jnp.take_along_axis(state.tokens_BWN, best_B1[..., None], axis=1)[:, 0],
+        lengths=jnp.take_along_axis(state.lengths_BW, best_B1, axis=1)[:, 0],
+        scores=jnp.take_along_axis(scores_BW, best_B1, axis=1)[:, 0])
+
+
 @decode_jit(static_argnames=("model", "max_new_tokens", "beam_size", "length_penalty",
                              "processors", "segments"))
 def _beam_jit(model, params, src, src_mask, prefix_BP=None, prefix_len_B=None, *,
@@ -144,68 +192,73 @@ def _beam_jit(model, params, src, src_mask, prefix_BP=None, prefix_len_B=None, *
     # shared by the W beams (not repeated); the loop never re-projects it.
     cache = memory_cache(model, params, src, src_mask,
                          segment_lengths(max_new_tokens, segments)[0], repeats=width)
-    state = BeamState(
-        step=jnp.zeros((), jnp.int32),
-        token_R=jnp.full((batch * width,), c.bos_id, jnp.int32),
-        cache=cache,
-        tokens_BWN=jnp.full((batch, width, max_new_tokens), c.pad_id, jnp.int32),
-        # All beams start identical: only beam 0 may expand at the first step.
-        log_prob_BW=jnp.where(jnp.arange(width) == 0, 0.0, DEAD)[None].repeat(batch, 0),
-        lengths_BW=jnp.zeros((batch, width), jnp.int32),
-        finished_BW=jnp.zeros((batch, width), bool))
+    state = start_state(cache, jnp.full((batch * width,), c.bos_id, jnp.int32), batch=batch,
+                        width=width, max_new_tokens=max_new_tokens, pad_id=c.pad_id)
     logits_fn = cached_logits_fn(model, params)
-    edits = bool(processors) or prefix_BP is not None
-    if prefix_BP is not None:
-        prefix_RP, prefix_len_R = (jnp.repeat(x, width, axis=0) for x in (prefix_BP, prefix_len_B))
+    advance = step_fn(c, width=width, length_penalty=length_penalty, processors=processors,
+                      prefix_BP=prefix_BP, prefix_len_B=prefix_len_B)
 
     def body(state, _):
-        logits_RV, cache = logits_fn(state.token_R, state.cache, state.step)
-        if edits:
-            tokens_RN = state.tokens_BWN.reshape(batch * width, -1)
-            logits_RV = processors_lib.apply(processors, logits_RV.astype(jnp.float32),
-                                             state.step, tokens_RN)
-            if prefix_BP is not None:
-                logits_RV = force_prefix_logits(logits_RV, state.step, prefix_RP, prefix_len_R)
-            # Floor at DEAD (after log-softmax) so sums of suppressed steps stay finite.
-            logits_RV = jnp.maximum(jax.nn.log_softmax(logits_RV), DEAD)
-        return beam_step(state, logits_RV, cache, beam_size=width,
-                         length_penalty=length_penalty, eos_id=c.eos_id,
-                         pad_id=c.pad_id), None
+        return advance(state, *logits_fn(state.token_R, state.cache, state.step)), None
 
     state = run_in_segments(lambda s, steps: jax.lax.scan(body, s, None, length=steps)[0],
                             state, max_new_tokens, segments, cache_lib.fold)
-    scores_BW = length_normalised(state.log_prob_BW, state.lengths_BW, length_penalty)
-    best_B1 = jnp.argmax(scores_BW, axis=1)[:, None]
-    return DecodeResult(
-        tokens=jnp.take_along_axis(state.tokens_BWN, best_B1[..., None], axis=1)[:, 0],
-        lengths=jnp.take_along_axis(state.lengths_BW, best_B1, axis=1)[:, 0],
-        scores=jnp.take_along_axis(scores_BW, best_B1, axis=1)[:, 0])
+    return best_beams(state, length_penalty)
 
 
-def beam_search(model: Transformer, params, src_BS, *, max_new_tokens: int, beam_size: int,
-                length_penalty: float = 0.6, src_mask=None, processors=None, prefix=None,
-                prefix_lengths=None, segments: Optional[int] = None) -> DecodeResult:
-    """Beam search decoding of an encoder-decoder `Transformer`.
+@decode_jit(static_argnames=("model", "max_new_tokens", "beam_size", "length_penalty",
+                             "processors"))
+def lm_beam_program(model, params, prompt_BP, lengths_B, *, max_new_tokens, beam_size,
+                    length_penalty, processors=()):
+    """Beam search continuing right-padded prompts (B, P) of `lengths_B` tokens."""
+    TRACE_COUNTS["beam"] += 1
+    c = model.config
+    (batch, width_P), width = prompt_BP.shape, beam_size
+    cache = cache_lib.init_cache(c, batch, width_P + max_new_tokens - 1)
+    cache = cache.replace(start_B=(width_P - lengths_B).astype(jnp.int32))
+    last_BV, cache = cache_lib.prefill(model, params, cache,
+                                       left_align(prompt_BP, lengths_B, c.pad_id))
+
+    def repeated(kvs):  # row b * W + w: beam w of prompt b
+        return tuple(type(kv)(*(jnp.repeat(x, width, axis=0) for x in kv)) for kv in kvs)
+
+    cache = cache.replace(self_kv=repeated(cache.self_kv),
+                          start_B=jnp.repeat(cache.start_B, width, axis=0))
+    state = start_state(cache, jnp.full((batch * width,), c.pad_id, jnp.int32), batch=batch,
+                        width=width, max_new_tokens=max_new_tokens, pad_id=c.pad_id)
+    advance = step_fn(c, width=width, length_penalty=length_penalty, processors=processors)
+    state = advance(state, jnp.repeat(last_BV, width, axis=0), cache)  # the first new token
+    logits_fn = cached_logits_fn(model, params)
+
+    def body(state, _):
+        return advance(state, *logits_fn(state.token_R, state.cache, state.step)), None
+
+    state = jax.lax.scan(body, state, None, length=max_new_tokens - 1)[0]
+    return best_beams(state, length_penalty)
+
+
+def beam_search(model: Transformer | DecoderOnlyLM, params, src_BS, *, max_new_tokens: int,
+                beam_size: int, length_penalty: float = 0.6, src_mask=None, processors=None,
+                prefix=None, prefix_lengths=None, segments: Optional[int] = None,
+                prompt_lengths=None) -> DecodeResult:
+    """Beam search decoding of an encoder-decoder `Transformer`, or of a `DecoderOnlyLM`
+    continuing prompts.
 
     Args:
-      model, params, src_BS, max_new_tokens, src_mask: as `decoding.greedy_decode`.
+      model, params, src_BS, max_new_tokens, src_mask: as `decoding.greedy_decode`; for a
+        `DecoderOnlyLM`, src_BS is the (B, P) right-padded prompts, as `generate`'s.
       beam_size: W >= 1 beams per example (W <= target vocabulary).
       length_penalty: alpha >= 0 of the GNMT penalty (0 = raw log-probability).
       processors, prefix, prefix_lengths, segments: as `decoding.greedy_decode`;
-        forced prefix tokens add 0 to the log-probability.
+        forced prefix tokens add 0 to the log-probability (encoder-decoder only; a
+        decoder-only LM takes processors, its step 0 the first new token).
+      prompt_lengths: (B,) for a `DecoderOnlyLM`, as `generate`'s.
     Returns:
-      DecodeResult(tokens (B, N) of the best beam, lengths (B,), scores (B,) its
-      length-normalised log-probability).
+      DecodeResult(tokens (B, N) of the best beam's new tokens, lengths (B,), scores (B,)
+      its length-normalised log-probability).
     Raises:
-      ValueError for a decoder-only LM, naming beam search and why (its beams start from
-      one BOS per source; a `DecoderOnlyLM` continues prompts: `generate`).
+      ValueError naming the argument, before anything compiles.
     """
-    if isinstance(model, DecoderOnlyLM):
-        raise ValueError("beam_search decodes encoder-decoder Transformers only (every beam "
-                         "starts from BOS); a DecoderOnlyLM has no beam search: use generate()")
-    procs, prefix_BP, prefix_len_B = check_encdec(
-        model, src_BS, src_mask, max_new_tokens=max_new_tokens, processors=processors,
-        prefix=prefix, prefix_lengths=prefix_lengths)
     vocab = model.config.tgt_vocab_size
     if isinstance(beam_size, bool) or not isinstance(beam_size, int) or not 1 <= beam_size <= vocab:
         raise ValueError(f"beam_size must be an int in 1..{vocab} (the target vocabulary), "
@@ -213,7 +266,37 @@ def beam_search(model: Transformer, params, src_BS, *, max_new_tokens: int, beam
     if isinstance(length_penalty, bool) or not isinstance(length_penalty, (int, float)) or \
             not 0 <= length_penalty < float("inf"):
         raise ValueError(f"length_penalty must be a number >= 0, got {length_penalty!r}")
+    if isinstance(model, DecoderOnlyLM):
+        return lm_beam_search(model, params, src_BS, max_new_tokens=max_new_tokens,
+                              beam_size=beam_size, length_penalty=float(length_penalty),
+                              processors=processors, prompt_lengths=prompt_lengths,
+                              unsupported={"src_mask": src_mask, "prefix": prefix,
+                                           "prefix_lengths": prefix_lengths,
+                                           "segments": segments})
+    if prompt_lengths is not None:
+        raise ValueError("prompt_lengths: for a DecoderOnlyLM's prompts; an encoder-decoder "
+                         "model's sources are masked by src_mask")
+    procs, prefix_BP, prefix_len_B = check_encdec(
+        model, src_BS, src_mask, max_new_tokens=max_new_tokens, processors=processors,
+        prefix=prefix, prefix_lengths=prefix_lengths)
     return _beam_jit(*decodable(model, params), jnp.asarray(src_BS), src_mask,
                      prefix_BP, prefix_len_B, max_new_tokens=int(max_new_tokens),
                      beam_size=beam_size, length_penalty=float(length_penalty),
                      processors=procs, segments=segments_for(int(max_new_tokens), segments))
+
+
+def lm_beam_search(model: DecoderOnlyLM, params, prompt_BP, *, max_new_tokens: int,
+                   beam_size: int, length_penalty: float, processors, prompt_lengths,
+                   unsupported: dict) -> DecodeResult:
+    """`beam_search` of a decoder-only LM, after its own checks (`generate`'s)."""
+    for name, value in unsupported.items():
+        if value is not None:
+            raise ValueError(f"{name}: an encoder-decoder beam search argument; a "
+                             "DecoderOnlyLM's beam search takes prompts, prompt_lengths "
+                             "and processors")
+    procs = processors_lib.normalize(processors, model.config.tgt_vocab_size)
+    prompt, lengths = check_lm_prompt(model.config, prompt_BP, prompt_lengths, max_new_tokens)
+    return lm_beam_program(*decodable(model, params), jnp.asarray(prompt, jnp.int32),
+                           jnp.asarray(lengths, jnp.int32), max_new_tokens=int(max_new_tokens),
+                           beam_size=beam_size, length_penalty=length_penalty,
+                           processors=procs)

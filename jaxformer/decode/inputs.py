@@ -192,6 +192,19 @@ def check_prompt(prompt_BP, prompt_lengths, *, vocab_size: int, pad_id: int
     return prompt, lengths
 
 
+def check_lm_prompt(config, prompt_BP, prompt_lengths, max_new_tokens
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """`check_prompt` for a decoder-only LM continued by `max_new_tokens`, which its
+    positions must hold (prompt width + N - 1 <= config.decoder_len)."""
+    prompt, lengths = check_prompt(prompt_BP, prompt_lengths, vocab_size=config.tgt_vocab_size,
+                                   pad_id=config.pad_id)
+    width = prompt.shape[1]
+    check_max_new_tokens(max_new_tokens, config.decoder_len - width + 1,
+                         f"prompt width {width} + {max_new_tokens} new tokens - 1 exceeds "
+                         f"the decoder's max_len={config.decoder_len}")
+    return prompt, lengths
+
+
 def left_align(prompt_BP: jnp.ndarray, lengths_B: jnp.ndarray, pad_id: int) -> jnp.ndarray:
     """Right-padded prompts (B, P) -> left-padded: row b shifted right by P - lengths_B[b]."""
     width = prompt_BP.shape[1]

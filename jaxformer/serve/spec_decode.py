@@ -11,10 +11,13 @@ distributed as `generate`'s sampling (not the same draws). With one row, a round
 lookup finds no draft feeds the last token alone (`lax.cond`: a plain decode step's
 cost, not k + 1 positions'; under `vmap` the batched predicate would run both).
 
-Cache invariants per sequence of `length` tokens (prompt + output):
-  target: slots 0..length-2 hold the keys of every token but the last (index = length-1);
-  draft model: slots 0..length-3 (index = length-2), so each round feeds it the last
-  two tokens (a fixed shape whether 0 or k drafts were accepted last round).
+Cache invariants per sequence of `length` tokens (prompt + output), its first token
+in slot `offset` = P - prompt length (the prompt left-aligned, as `generate` has it):
+  target: slots offset..offset+length-2 hold the keys of every token but the last
+  (index = offset + length - 1);
+  draft model: slots offset..offset+length-3 (index = offset + length - 2), so each
+  round feeds it the last two tokens (a fixed shape whether 0 or k drafts were
+  accepted last round).
 One sequence is decoded by `lax.while_loop`; a batch is its `jax.vmap` (rows accept
 different counts, so each row's cache index is its own).
 
@@ -34,7 +37,8 @@ import numpy as np
 
 from jaxformer.decode import cache as cache_lib
 from jaxformer.decode import sampling
-from jaxformer.decode.inputs import check_max_new_tokens, check_prompt, check_rng, decodable
+from jaxformer.decode.inputs import (check_max_new_tokens, check_prompt, check_rng, decodable,
+                                     left_align)
 from jaxformer.decode.loop import decode_jit
 from jaxformer.nn import stacking
 from jaxformer.nn.model import DecoderOnlyLM
@@ -74,11 +78,11 @@ class SpecState:
 
 
 def draft_model_tokens(draft_model, draft_params, cache, seq_L, length, *, k, select_probs,
-                       rng):
+                       rng, offset):
     """k tokens drawn from the draft model after `seq_L[:length]`, their (k, V)
-    distributions, and the draft cache (index at length - 2 + k - 1, rolled back by
-    the caller)."""
-    cache = cache.replace(index=(length - 2).astype(jnp.int32))
+    distributions, and the draft cache (index at offset + length - 2 + k - 1, rolled
+    back by the caller; `offset`: the cache slot of the sequence's first token)."""
+    cache = cache.replace(index=(offset + length - 2).astype(jnp.int32))
     last_two = jax.lax.dynamic_slice(seq_L, (length - 2,), (2,))
     logits, cache = cache_lib.cached_forward(draft_model, draft_params, cache, last_two[None])
     rngs = jax.random.split(rng, k)
@@ -123,9 +127,16 @@ def decode_one(model, params, prompt_P, prompt_len, rng, draft_model, draft_para
         def probs(logits_TV):
             return speculative.target_probs(logits_TV, temperature, top_k, top_p)
 
+    # The prompt left-aligned, as `generate` fills it (the row's start at `offset`): its
+    # last token's key in the last prompt slot, so no padding is written after it, where
+    # a ring would keep the padding's keys instead of the prompt's.
+    offset = (width - prompt_len).astype(jnp.int32)
+
     def filled(m, p, slots):
         cache = cache_lib.init_cache(m.config, 1, slots, rollback=k)
-        _, cache = cache_lib.cached_forward(m, p, cache, prompt_P[None])
+        cache = cache.replace(start_B=offset[None])
+        _, cache = cache_lib.cached_forward(m, p, cache, left_align(
+            prompt_P[None], prompt_len[None], c.pad_id))
         return cache
 
     slots = width + max_new_tokens + k - 1
@@ -148,11 +159,11 @@ def decode_one(model, params, prompt_P, prompt_len, rng, draft_model, draft_para
         else:
             draft, q_kV, draft_cache = draft_model_tokens(
                 draft_model, draft_params, s.draft_cache, s.seq_L, s.length, k=k,
-                select_probs=probs, rng=draft_key)
+                select_probs=probs, rng=draft_key, offset=offset)
             count = jnp.asarray(k, jnp.int32)
         count = jnp.minimum(count, room).astype(jnp.int32)
         last = jax.lax.dynamic_slice(s.seq_L, (s.length - 1,), (1,))
-        cache = s.cache.replace(index=(s.length - 1).astype(jnp.int32))
+        cache = s.cache.replace(index=(offset + s.length - 1).astype(jnp.int32))
 
         def verify(cache):
             return cache_lib.cached_forward(model, params, cache,
@@ -175,8 +186,9 @@ def decode_one(model, params, prompt_P, prompt_len, rng, draft_model, draft_para
         seq_L = jax.lax.dynamic_update_slice(s.seq_L, tokens, (s.length,))
         length = s.length + emitted
         if draft_cache is not None:
-            draft_cache = draft_cache.replace(index=(length - 2).astype(jnp.int32))
-        return SpecState(seq_L, length, cache.replace(index=(length - 1).astype(jnp.int32)),
+            draft_cache = draft_cache.replace(index=(offset + length - 2).astype(jnp.int32))
+        return SpecState(seq_L, length,
+                         cache.replace(index=(offset + length - 1).astype(jnp.int32)),
                          draft_cache, finished | (length >= end), s.drafted + count,
                          s.accepted + jnp.minimum(emitted - 1, count), s.rounds + 1)
 

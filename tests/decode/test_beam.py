@@ -119,3 +119,23 @@ def test_a_length_penalty_that_is_not_a_finite_number_is_refused(penalty):
     with pytest.raises(ValueError, match="length_penalty"):
         jf.beam_search(model, params, src, max_new_tokens=3, beam_size=2,
                        length_penalty=penalty)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    pytest.param(dict(prefix=jnp.ones((1, 2), jnp.int32)), "prefix", id="a_forced_prefix"),
+    pytest.param(dict(src_mask=jnp.ones((1, 1, 1, 4), bool)), "src_mask", id="a_source_mask"),
+    pytest.param(dict(max_new_tokens=30), "max_len", id="past_the_positions"),
+    pytest.param(dict(prompt_lengths=[5]), "prompt_lengths", id="longer_than_the_prompt"),
+])
+def test_a_decoder_only_beam_search_refuses_what_it_cannot_take(kwargs, match):
+    """Encoder-decoder arguments, and `generate`'s prompt checks, by name."""
+    model = jf.DecoderOnlyLM(jf.tiny(num_encoder_layers=0, max_len=32))
+    prompt = jnp.full((1, 4), 5, jnp.int32)
+    with pytest.raises(ValueError, match=match):
+        jf.beam_search(model, {}, prompt, **(dict(max_new_tokens=3, beam_size=2) | kwargs))
+
+
+def test_prompt_lengths_are_for_a_decoder_only_model():
+    with pytest.raises(ValueError, match="prompt_lengths"):
+        jf.beam_search(jf.Transformer(jf.tiny()), {}, jnp.full((1, 3), 5, jnp.int32),
+                       max_new_tokens=3, beam_size=2, prompt_lengths=[3])

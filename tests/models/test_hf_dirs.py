@@ -32,6 +32,7 @@ from jaxformer.models import hf  # noqa: E402
 from jaxformer.models.hf_export import save_hf  # noqa: E402
 
 VOCAB, WINDOW, N_NEW = 128, 4, 16
+BEAM_NEW = 8
 LENGTHS = (11, 6, 14)  # ragged, all but one longer than the window
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -150,6 +151,31 @@ def test_greedy_tokens_with_the_cache_equal_transformers_generate(loaded):
         n = int(out.lengths[i])
         np.testing.assert_array_equal(np.asarray(out.tokens[i, :n]), want[:n], err_msg=arch)
         assert n == len(want) or want[n - 1] == 1
+
+
+def test_beam_search_equals_transformers_beam_search(loaded):
+    """Three beams over ragged prompts (prompted beams: one prefill, its cache repeated
+    to the beams; rings gathered with their beams), raw log-probabilities: the tokens and
+    lengths of `transformers`' beam search (Qwen3's third prompt ends in EOS in both:
+    transformers sets a finished beam aside and refills its slot, jaxformer keeps it in
+    the pool, so they could part only where a refilled slot would find a better beam)."""
+    arch, reference, model, params = loaded[:4]
+    rows, batch = prompts()
+    out = jf.beam_search(model, params, jnp.asarray(batch), max_new_tokens=BEAM_NEW,
+                         beam_size=3, length_penalty=0.0, prompt_lengths=np.array(LENGTHS))
+    greedy = jf.generate(model, params, jnp.asarray(batch), max_new_tokens=BEAM_NEW,
+                         prompt_lengths=np.array(LENGTHS))
+    differs = False
+    for i, row in enumerate(rows):
+        with torch.no_grad():
+            want = reference.generate(torch.tensor([row.tolist()]), max_new_tokens=BEAM_NEW,
+                                      num_beams=3, do_sample=False, length_penalty=0.0,
+                                      eos_token_id=1, pad_token_id=0)[0, len(row):].numpy()
+        assert int(out.lengths[i]) == len(want), (arch, i, want)
+        np.testing.assert_array_equal(np.asarray(out.tokens[i, :len(want)]), want,
+                                      err_msg=arch)
+        differs |= not np.array_equal(np.asarray(greedy.tokens[i]), want)
+    assert differs, "beam search found greedy decoding's tokens for every prompt"
 
 
 def test_export_gives_transformers_and_jaxformer_the_same_model(loaded, tmp_path):

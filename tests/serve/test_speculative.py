@@ -11,6 +11,7 @@ import pytest
 import jaxformer as jf
 from jaxformer.serve import speculative
 from jaxformer.serve.spec_decode import speculative_generate
+from tests.families import family_config
 
 V = 8  # the sampling tests' vocabulary: 64 cells for two tokens
 
@@ -88,14 +89,14 @@ def test_greedy_speculation_equals_generate(lm, make_lm, draft):
 
 @pytest.mark.parametrize("draft", ["ngram", "other_model"])
 def test_sliding_window_layers_roll_back_within_their_rings(make_lm, draft):
-    """Local layers with a 4-token window (every other layer) under 14-token prompts and
-    24 new tokens: the rings wrap many times and rejected drafts (k = 3) are written
+    """Gemma 3's local layers (a 5-token window, two of three layers) under 7- to
+    14-token prompts and 24 new tokens: the rings wrap many times and rejected drafts (k = 3) are written
     and given back each round. Equal to `generate`'s tokens; with rings of the window
     alone (no rollback room) a rejected key overwrites one the window still reads."""
-    config = jf.tiny(num_encoder_layers=0, tgt_vocab_size=20, max_len=64, sliding_window=4,
-                     attention_pattern="LG")
+    config = family_config("gemma3", max_position_embeddings=64)
     model, params = make_lm(config, seed=1)
-    prompt = jnp.array(REPETITIVE, jnp.int32)
+    # and a short prompt: more padding than the rings hold beyond the window
+    prompt = jnp.array(REPETITIVE + [[6, 7, 8, 6, 7, 8, 6] + [0] * 7], jnp.int32)
     plain = jf.generate(model, params, prompt, max_new_tokens=24)
     draft_arg = None if draft == "ngram" else (model, make_lm(config, seed=7)[1])
     out = speculative_generate(model, params, prompt, max_new_tokens=24, k=3, draft=draft_arg)
