@@ -33,3 +33,11 @@ def logprob_sum_atol(scale: float, additions: int, tokens: int) -> float:
     a sum of `tokens` log-probabilities from logits of size up to `scale` (module
     docstring)."""
     return SIGMAS * EPS32 / math.sqrt(12) * scale * math.sqrt(2 * additions * tokens)
+
+
+def is_near_tie(logits_V, first: int, second: int, relative: float) -> bool:
+    """Whether ids `first` and `second` are within `relative` of the row's largest |logit|
+    of each other: a pair that two computations differing by that much (an int8-rounded
+    activation, another CPU's float rounding) may rank either way."""
+    scale = float(max(abs(float(v)) for v in (max(logits_V), min(logits_V))))
+    return abs(float(logits_V[first]) - float(logits_V[second])) <= relative * scale

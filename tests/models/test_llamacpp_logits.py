@@ -20,6 +20,7 @@ import pytest
 
 import jaxformer as jf
 from jaxformer.nn.quant_params import quantize_params
+from tests.tolerances import is_near_tie
 
 pytest.importorskip("gguf", reason="needs the `llm` extra: pip install 'jaxformer[llm]'")
 
@@ -47,7 +48,7 @@ def models(smollm2):
     return {"Q4_1": (kept_model, kept), "Q8_0": (jf.DecoderOnlyLM(q8_config), q8)}
 
 
-def check_against_llama_cpp(reference, model, params, fmt):
+def check_against_llama_cpp(reference, model, params, fmt, agree=None):
     data, prompts = reference
     assert model.config.weight_quant == {"Q4_1": "int4", "Q8_0": "int8_block"}[fmt]
     width = max(len(ids) for ids in prompts)  # right padding: causal, earlier rows unchanged
@@ -59,9 +60,14 @@ def check_against_llama_cpp(reference, model, params, fmt):
     top, want = data[f"{fmt}_ids"], data[f"{fmt}_logits"]
     got = np.take_along_axis(rows, top, axis=-1)
     rel = np.abs(got - want).max(axis=-1) / np.abs(want).max(axis=-1)
-    largest, median, agree = TOLERANCE[fmt]
+    largest, median, stated = TOLERANCE[fmt]
     assert rel.max() <= largest and np.median(rel) <= median, (rel.max(), np.median(rel))
-    assert np.mean(rows.argmax(axis=-1) == top[:, 0]) >= agree
+    picks = rows.argmax(axis=-1)
+    assert np.mean(picks == top[:, 0]) >= (stated if agree is None else agree)
+    for t in np.flatnonzero(picks != top[:, 0]):  # each a near tie of llama.cpp's logits
+        assert picks[t] in top[t], (t, picks[t])
+        assert is_near_tie(want[t], 0, int(np.flatnonzero(top[t] == picks[t])[0]),
+                           2 * median), (t, picks[t], want[t][:4])
 
 
 @pytest.mark.parametrize("fmt", sorted(TOLERANCE))
@@ -74,8 +80,10 @@ def test_the_tuned_integer_kernel_matches_llama_cpp_as_the_plain_path_does(
     """A tuned process's C++ kernel rounds the activations per block to int8 as llama.cpp
     does (kernels/qdot.h), so the Q4_1 file's logits fall within the same bounds
     (measured: 4.0% largest, 1.5% median, argmax equal everywhere; with x's float block
-    sum in the offset term it was 6.5% / 3.3% / 93%). (Q8_0 has no offset term; its
-    tuned logits are as close, 4.0% / 1.5%, but 2 near ties of 30 swap: 93% argmax.)"""
+    sum in the offset term it was 6.5% / 3.3% / 93%); the argmax may part at a near tie
+    (within twice the median bound of llama.cpp's top logit: one of 30 positions on an
+    AMD EPYC, none on a Xeon). (Q8_0 has no offset term; its tuned logits are as close,
+    4.0% / 1.5%, but 2 near ties of 30 swap: 93% argmax.)"""
     fmt = "Q4_1"
     from jaxformer.backends import cpu, qmatmul  # noqa: PLC0415
 
@@ -85,5 +93,5 @@ def test_the_tuned_integer_kernel_matches_llama_cpp_as_the_plain_path_does(
         pytest.skip("the C++ kernel did not build here")
     if not qmatmul.integer_dot({"Q4_1": "int4", "Q8_0": "int8_block"}[fmt], False, 32):
         pytest.skip("this CPU has no AVX2: the kernel multiplies in float")
-    check_against_llama_cpp(reference, *models[fmt], fmt)
+    check_against_llama_cpp(reference, *models[fmt], fmt, agree=0.95)
     jax.clear_caches()

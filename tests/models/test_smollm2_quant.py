@@ -11,6 +11,7 @@ import pytest
 
 import jaxformer as jf
 from jaxformer.nn.quant_params import param_bytes
+from tests.tolerances import is_near_tie
 
 pytest.importorskip("gguf", reason="needs the `llm` extra: pip install 'jaxformer[llm]'")
 
@@ -55,8 +56,10 @@ def test_the_tuned_cpu_kernel_computes_the_kept_models_logits(kept, smollm2, mon
     int8, as llama.cpp does) each position's logits are within 8% of its largest, and
     5% at the median position (measured 5.6% / 3.7%; 12.2% / 5.2% when the offset term
     took x's float block sum, kernels/qdot.h; llama.cpp's own differ from the float
-    path's by up to 5.6%, benchmarks/NOTES.md), and the 32 greedy tokens agree (with
-    the float block sum only the first 12 did)."""
+    path's by up to 5.6%, benchmarks/NOTES.md), and the 32 greedy tokens agree up to a
+    near tie of the plain path's logits, if any (a pair within twice the 5% median of
+    each other: on one Xeon none, on an AMD EPYC one at the 6th token, 1.4% apart;
+    with the float block sum the tokens parted after 12, at no near tie)."""
     from jaxformer.backends import cpu, qmatmul  # noqa: PLC0415
 
     model, params = kept
@@ -67,6 +70,8 @@ def test_the_tuned_cpu_kernel_computes_the_kept_models_logits(kept, smollm2, mon
         return logits, jf.generate(model, params, ids, max_new_tokens=32).tokens
 
     want, want_tokens = run()
+    forward = jax.jit(lambda p, t: model.apply({"params": p}, t))  # the plain path's logits
+    forced = np.asarray(forward(params, jnp.concatenate([ids, want_tokens], axis=1)))[0]
     jax.clear_caches()  # the decode loop's programs would reuse the untuned traces
     monkeypatch.setattr(cpu, "process_tuned", lambda: True)
     assert qmatmul.enabled()
@@ -80,7 +85,10 @@ def test_the_tuned_cpu_kernel_computes_the_kept_models_logits(kept, smollm2, mon
         assert relative.max() < 0.08 and np.median(relative) < 0.05, relative
     else:
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
-    np.testing.assert_array_equal(tokens, want_tokens)
+    agree = int(np.argmin(np.append(tokens[0] == want_tokens[0], False)))  # first parting
+    if agree < tokens.shape[1]:
+        assert is_near_tie(forced[ids.shape[1] - 1 + agree], int(want_tokens[0, agree]),
+                           int(tokens[0, agree]), 2 * 0.05), (agree, tokens, want_tokens)
 
 
 def test_cli_generate_quantize_keep(kept, smollm2, monkeypatch, capsys):
