@@ -137,7 +137,7 @@ def pytest_sessionfinish(session):
 # 24 GB machine. Past this resident size, a file's end drops the compiled programs; the
 # next file loads what it shares from the run's compilation cache (without that cache,
 # a 5 GB bound cost ~250 s of recompiles). The suite's budget is 6 GB a worker.
-WORKER_RSS_LIMIT_MB = 4500
+WORKER_RSS_LIMIT_MB = 4000
 
 
 def resident_mb() -> float:
